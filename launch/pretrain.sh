@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Launch megaformer pretraining through the DeepSpeed launcher.
+#
+#   launch/pretrain.sh CONFIG.yaml [section.key=value ...]
+#
+# Environment (Megatron / torchrun names):
+#   NNODES          nodes in the job (default 1)
+#   NPROC_PER_NODE  processes per node (default: the GPU count, or 2 on a CPU-only machine)
+#   HOSTFILE        DeepSpeed hostfile ("host slots=N" lines) for multi-node runs (ssh/pdsh)
+#   NODE_RANK       set it to start this node's processes yourself (Slurm, no ssh): --no_ssh
+#   MASTER_ADDR     rendezvous host (default 127.0.0.1)
+#   MASTER_PORT     rendezvous port (default: a free port on a single node, else 29500)
+#   DEEPSPEED       the launcher executable (default: deepspeed from PATH, else the repo's .venv)
+# On a CPU-only machine the processes run on gloo with OMP_NUM_THREADS = cores / NPROC_PER_NODE.
+set -euo pipefail
+
+if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then
+  sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
+  exit 2
+fi
+CONFIG="$1"
+shift
+if [[ ! -f "$CONFIG" ]]; then
+  echo "error: config file '$CONFIG' not found; pass a YAML such as configs/normformer-quickstart.yaml" >&2
+  exit 2
+fi
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [[ -z "${DEEPSPEED:-}" ]]; then
+  if [[ -z "${VIRTUAL_ENV:-}" && -x "$ROOT/.venv/bin/deepspeed" ]]; then
+    DEEPSPEED="$ROOT/.venv/bin/deepspeed"
+  elif command -v deepspeed >/dev/null 2>&1; then
+    DEEPSPEED="$(command -v deepspeed)"
+  else
+    echo "error: the deepspeed launcher was not found; run scripts/install.sh (or pip install -r requirements.txt)" >&2
+    exit 2
+  fi
+fi
+PYTHON="$(dirname "$DEEPSPEED")/python"
+[[ -x "$PYTHON" ]] || PYTHON=python3
+
+NNODES="${NNODES:-1}"
+MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
+GPUS="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')"
+if [[ "$GPUS" -gt 0 ]]; then
+  NPROC_PER_NODE="${NPROC_PER_NODE:-$GPUS}"
+else
+  NPROC_PER_NODE="${NPROC_PER_NODE:-2}"
+  # DeepSpeed's CPU accelerator + gloo; the launcher does not size thread pools, and
+  # oversubscribed OpenMP threads made a 4-process CPU run 2.2x slower (FACTS-DEEPSPEED-CPU.md).
+  export DS_ACCELERATOR=cpu
+  CORES="$(nproc)"
+  THREADS=$(( CORES / NPROC_PER_NODE ))
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( THREADS > 0 ? THREADS : 1 ))}"
+fi
+if [[ -z "${MASTER_PORT:-}" ]]; then
+  if [[ "$NNODES" -eq 1 ]]; then
+    MASTER_PORT="$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+  else
+    MASTER_PORT=29500
+  fi
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+
+ARGS=(--master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")
+if [[ -n "${HOSTFILE:-}" ]]; then
+  [[ -f "$HOSTFILE" ]] || { echo "error: HOSTFILE='$HOSTFILE' not found" >&2; exit 2; }
+  ARGS+=(--hostfile "$HOSTFILE" --num_nodes "$NNODES" --num_gpus "$NPROC_PER_NODE")
+  if [[ -n "${NODE_RANK:-}" ]]; then
+    ARGS+=(--no_ssh --node_rank "$NODE_RANK")
+  fi
+elif [[ "$NNODES" -gt 1 ]]; then
+  echo "error: NNODES=$NNODES needs HOSTFILE (lines 'hostname slots=$NPROC_PER_NODE')" >&2
+  exit 2
+else
+  ARGS+=(--num_gpus "$NPROC_PER_NODE")
+fi
+
+echo "[pretrain.sh] $NNODES node(s) x $NPROC_PER_NODE process(es), master $MASTER_ADDR:$MASTER_PORT, config $CONFIG $*" >&2
+exec "$DEEPSPEED" "${ARGS[@]}" --module megaformer.train "$CONFIG" "$@"

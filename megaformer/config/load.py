@@ -1,0 +1,306 @@
+"""Strict loading of a run config: YAML file + ``section.key=value`` overrides -> frozen RunConfig.
+
+Rules (each violation is a :class:`ConfigError` naming the file, key or value and the fix):
+
+* the YAML has only the sections ``model``, ``data``, ``parallel``, ``train``, ``output``;
+* every key exists in its section's dataclass (a close match is suggested);
+* every value has the field's type (ints are accepted for float fields; bools are not ints);
+* the named validators below accept the values (ranges, choices, cross-field rules).
+
+Rules that need the world size (batch divisibility, tp × pp × dp) are checked by
+:func:`validate_layout`, called by the trainer before any process group is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from collections.abc import Callable, Iterable
+from typing import Any, get_type_hints
+
+import yaml
+
+from megaformer.config.schema import (
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    OutputConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+)
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "parallel": ParallelConfig,
+    "train": TrainConfig,
+    "output": OutputConfig,
+}
+
+
+def _suggest(name: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f" Did you mean '{close[0]}'?" if close else ""
+
+
+def _coerce(where: str, value: Any, typ: Any) -> Any:
+    """Check ``value`` against the annotation ``typ`` (int, float, bool, str); ints widen to float."""
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif typ is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            # A YAML override like output.dir=2024 parses as an int; a path is still meant.
+            return str(value)
+    else:  # pragma: no cover - schema only uses the four scalar types
+        raise TypeError(f"unsupported config field type {typ!r} at {where}")
+    raise ConfigError(f"{where}: expected {typ.__name__}, got {value!r} ({type(value).__name__}).")
+
+
+def _parse_override(item: str) -> tuple[str, str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"override '{item}': expected section.key=value, e.g. train.steps=100.")
+    key, raw = item.split("=", 1)
+    if key.count(".") != 1:
+        raise ConfigError(f"override '{item}': the key must be section.key, e.g. train.lr=3e-4.")
+    section, name = key.split(".")
+    # YAML parsing gives 3e-4 -> float, true -> bool, 100 -> int, anything else -> str.
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    if isinstance(value, str) and _looks_like_float(raw):
+        value = float(raw)  # YAML 1.1 reads "3e-4" as a string; users mean a number
+    return section, name, value
+
+
+def _looks_like_float(raw: str) -> bool:
+    try:
+        float(raw)
+    except ValueError:
+        return False
+    return True
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found; pass a YAML from configs/.") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}:{line}: not valid YAML ({getattr(e, 'problem', e)}).") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections {sorted(SECTIONS)}.")
+    return data
+
+
+def load_config(path: str | None, overrides: Iterable[str] = ()) -> RunConfig:
+    """Load a YAML run config and apply ``section.key=value`` overrides.
+
+    Args:
+        path: YAML file with any of the sections model / data / parallel / train / output, or None
+            for the defaults.
+        overrides: strings like ``train.steps=100`` applied after the file, in order.
+
+    Returns:
+        A frozen, validated :class:`RunConfig`.
+
+    Raises:
+        ConfigError: unknown section or key (with a suggestion), wrong type, impossible value.
+    """
+    raw: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    origin = path or "<defaults>"
+    if path is not None:
+        for section, body in _read_yaml(path).items():
+            if section not in SECTIONS:
+                raise ConfigError(
+                    f"{path}: unknown section '{section}'; valid sections: {sorted(SECTIONS)}."
+                    + _suggest(section, SECTIONS)
+                )
+            if body is None:
+                continue
+            if not isinstance(body, dict):
+                raise ConfigError(f"{path}: section '{section}' must be a mapping of key: value.")
+            for key, value in body.items():
+                raw[section][str(key)] = (value, f"{path}: {section}.{key}")
+    for item in overrides:
+        section, name, value = _parse_override(item)
+        if section not in SECTIONS:
+            raise ConfigError(
+                f"override '{item}': unknown section '{section}'; valid: {sorted(SECTIONS)}."
+                + _suggest(section, SECTIONS)
+            )
+        raw[section][name] = (value, f"override '{item}'")
+
+    built = {}
+    for section, cls in SECTIONS.items():
+        hints = get_type_hints(cls)
+        names = [f.name for f in dataclasses.fields(cls)]
+        kwargs = {}
+        for key, (value, where) in raw[section].items():
+            if key not in names:
+                raise ConfigError(
+                    f"{where}: unknown key '{section}.{key}'.{_suggest(key, names)} "
+                    f"Valid keys of '{section}': {', '.join(names)}."
+                )
+            kwargs[key] = _coerce(where, value, hints[key])
+        built[section] = cls(**kwargs)
+    cfg = RunConfig(**built)
+    for check in VALIDATORS:
+        try:
+            check(cfg)
+        except ConfigError as e:
+            raise ConfigError(f"{origin}: {e}") from None
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Validators: small, named, one concern each. They raise ConfigError("key=value: why; fix").
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _positive(section: str, obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        _require(value > 0, f"{section}.{name}={value}: must be > 0.")
+
+
+def check_model(cfg: RunConfig) -> None:
+    m = cfg.model
+    _positive("model", m, "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "seq_len")
+    _positive("model", m, "make_vocab_size_divisible_by", "layernorm_eps", "init_std")
+    _require(m.ffn_hidden_size >= 0, f"model.ffn_hidden_size={m.ffn_hidden_size}: must be >= 0.")
+    _require(
+        m.hidden_size % m.num_attention_heads == 0,
+        f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
+        f"{m.num_attention_heads}; pick a head count that divides it.",
+    )
+    _require(
+        m.position_embedding in ("sinusoidal", "learned"),
+        f"model.position_embedding='{m.position_embedding}': use 'sinusoidal' or 'learned'.",
+    )
+    _require(m.activation in ("gelu", "relu2"), f"model.activation='{m.activation}': use 'gelu' or 'relu2'.")
+    for name in ("hidden_dropout", "attention_dropout"):
+        p = getattr(m, name)
+        _require(0.0 <= p < 1.0, f"model.{name}={p}: a probability in [0, 1).")
+
+
+def check_parallel(cfg: RunConfig) -> None:
+    p = cfg.parallel
+    _positive("parallel", p, "tp_size", "pp_size")
+    _require(p.backend in ("auto", "nccl", "gloo"), f"parallel.backend='{p.backend}': use auto, nccl or gloo.")
+    m = cfg.model
+    _require(
+        m.num_attention_heads % p.tp_size == 0,
+        f"model.num_attention_heads={m.num_attention_heads} is not divisible by parallel.tp_size="
+        f"{p.tp_size}; heads are split across the tensor-parallel group.",
+    )
+    _require(
+        m.ffn_size % p.tp_size == 0,
+        f"FFN width {m.ffn_size} is not divisible by parallel.tp_size={p.tp_size}.",
+    )
+    # The layers take their process group, but building TP/PP groups and the DeepSpeed mpu is the
+    # next release's work; refuse rather than silently run a different layout.
+    _require(
+        p.tp_size == 1,
+        f"parallel.tp_size={p.tp_size}: tensor parallelism > 1 is not available in this release; use 1.",
+    )
+    _require(
+        p.pp_size == 1,
+        f"parallel.pp_size={p.pp_size}: pipeline parallelism > 1 is not available in this release; use 1.",
+    )
+
+
+def check_train(cfg: RunConfig) -> None:
+    t = cfg.train
+    _positive("train", t, "steps", "micro_batch_size", "global_batch_size", "lr", "log_interval")
+    _positive("train", t, "eval_interval", "eval_batches", "adam_eps")
+    _require(t.min_lr >= 0 and t.min_lr <= t.lr, f"train.min_lr={t.min_lr}: must lie in [0, train.lr].")
+    _require(0 <= t.warmup_steps <= t.steps, f"train.warmup_steps={t.warmup_steps}: must lie in [0, steps].")
+    _require(t.lr_decay in ("cosine", "linear", "constant"), f"train.lr_decay='{t.lr_decay}': cosine|linear|constant.")
+    for name in ("adam_beta1", "adam_beta2"):
+        b = getattr(t, name)
+        _require(0.0 <= b < 1.0, f"train.{name}={b}: must lie in [0, 1).")
+    _require(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay}: must be >= 0.")
+    _require(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip}: must be >= 0 (0 disables clipping).")
+    _require(t.precision in ("fp32", "bf16", "fp16"), f"train.precision='{t.precision}': fp32, bf16 or fp16.")
+    _require(t.zero_stage in (0, 1, 2, 3), f"train.zero_stage={t.zero_stage}: DeepSpeed ZeRO stage 0, 1, 2 or 3.")
+    _require(t.save_interval >= 0, f"train.save_interval={t.save_interval}: must be >= 0.")
+    _require(
+        t.global_batch_size % t.micro_batch_size == 0,
+        f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size="
+        f"{t.micro_batch_size}.",
+    )
+    _require(t.resume != "", "train.resume='': use none, auto or a checkpoint directory.")
+    if t.deepspeed_config:
+        _require(
+            os.path.isfile(t.deepspeed_config),
+            f"train.deepspeed_config='{t.deepspeed_config}': file not found.",
+        )
+
+
+def check_data(cfg: RunConfig) -> None:
+    d = cfg.data
+    _require(0.0 < d.valid_fraction < 1.0, f"data.valid_fraction={d.valid_fraction}: must lie in (0, 1).")
+    _require(0 <= d.eod_token < cfg.model.vocab_size, f"data.eod_token={d.eod_token}: outside the vocabulary.")
+    _require(d.num_workers >= 0, f"data.num_workers={d.num_workers}: must be >= 0.")
+
+
+VALIDATORS: list[Callable[[RunConfig], None]] = [check_model, check_parallel, check_train, check_data]
+
+
+def data_parallel_size(cfg: RunConfig, world_size: int) -> int:
+    """Data-parallel degree for ``world_size`` processes: world / (tp × pp).
+
+    Raises:
+        ConfigError: world size not divisible by tp × pp.
+    """
+    mp = cfg.parallel.tp_size * cfg.parallel.pp_size
+    _require(
+        world_size % mp == 0,
+        f"world size {world_size} is not divisible by parallel.tp_size × parallel.pp_size = {mp}; "
+        "launch a multiple of that many processes.",
+    )
+    return world_size // mp
+
+
+def validate_layout(cfg: RunConfig, world_size: int) -> int:
+    """Check the rules that need the world size; return the data-parallel size.
+
+    Raises:
+        ConfigError: global batch not divisible by micro batch × data-parallel size, or a world size
+            that tp × pp does not divide.
+    """
+    dp = data_parallel_size(cfg, world_size)
+    t = cfg.train
+    _require(
+        t.global_batch_size % (t.micro_batch_size * dp) == 0,
+        f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size × "
+        f"data-parallel size = {t.micro_batch_size} × {dp} = {t.micro_batch_size * dp}; "
+        f"use a multiple of {t.micro_batch_size * dp}.",
+    )
+    return dp
+
+
+def to_dict(cfg: RunConfig) -> dict[str, dict[str, Any]]:
+    """The config as plain nested dicts (for YAML dumps, checkpoints and TensorBoard)."""
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,171 @@
+"""Typed run configuration: one frozen dataclass per YAML section.
+
+Every field has a docstring (the string literal under it) that says its unit and meaning. Loading is
+strict (see :mod:`megaformer.config.load`): unknown keys, wrong types and impossible values raise
+:class:`ConfigError` naming the key, the value and the fix. This module imports nothing else of the
+project, so every layer may depend on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A configuration key or value that cannot work; the message names the key and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The decoder LM: NormFormer (Shleifer et al. 2021, arXiv:2110.09456) or its Pre-LN baseline.
+
+    With ``post_attn_ln``, ``head_scale``, ``ffn_ln`` and ``resid_scale`` all False the model is the
+    Pre-LN GPT baseline; with the first three True it is NormFormer as in the paper (Fig. 1).
+    """
+
+    vocab_size: int = 50257
+    """Tokenizer vocabulary (GPT-2 BPE: 50257, including EOD). The embedding is padded above it."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the embedding rows to a multiple of this × tp_size (Megatron's rule); padded rows get no
+    probability mass."""
+    hidden_size: int = 256
+    """Model width d."""
+    num_layers: int = 4
+    """Number of decoder blocks."""
+    num_attention_heads: int = 4
+    """Attention heads; hidden_size must be divisible by it."""
+    ffn_hidden_size: int = 0
+    """FFN intermediate width; 0 means 4 × hidden_size."""
+    seq_len: int = 256
+    """Context length in tokens (samples hold seq_len + 1 tokens); also the position table size."""
+    position_embedding: str = "sinusoidal"
+    """'sinusoidal' (the paper, after Shortformer) or 'learned'."""
+    activation: str = "gelu"
+    """'gelu' or 'relu2' (squared ReLU, the paper's 2.7B run)."""
+    post_attn_ln: bool = True
+    """NormFormer: LayerNorm on the attention output, after W_O."""
+    head_scale: bool = True
+    """NormFormer: learned per-head scale g_i (init 1) applied before W_O."""
+    ffn_ln: bool = True
+    """NormFormer: LayerNorm on the FFN intermediate, after the activation."""
+    resid_scale: bool = False
+    """NormFormer: learned vector λ_resid (init 1) scaling the FFN residual (paper: below 1.3B)."""
+    hidden_dropout: float = 0.0
+    """Dropout on the attention and FFN outputs (probability)."""
+    attention_dropout: float = 0.0
+    """Dropout on the attention probabilities (probability)."""
+    layernorm_eps: float = 1e-5
+    """Epsilon of every LayerNorm."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of weight matrices and embeddings."""
+    tie_embeddings: bool = True
+    """Use the input embedding as the output projection."""
+
+    @property
+    def ffn_size(self) -> int:
+        """The FFN intermediate width actually used (resolves 0 to 4 × hidden_size)."""
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head width, hidden_size // num_attention_heads."""
+        return self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tp_size: int = 1) -> int:
+        """Embedding rows: vocab_size rounded up to a multiple of make_vocab_size_divisible_by × tp."""
+        multiple = self.make_vocab_size_divisible_by * tp_size
+        return -(-self.vocab_size // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the training tokens come from and how samples are cut."""
+
+    prefix: str = "data/processed/gutenberg_text_document"
+    """Path prefix of a Megatron .bin/.idx pair (without the extension)."""
+    valid_fraction: float = 0.02
+    """Fraction of documents held out for validation (whole documents, chosen by seed)."""
+    eod_token: int = 50256
+    """End-of-document token id (GPT-2: <|endoftext|> = 50256)."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (0: load in the training process)."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The parallel layout; world size = tp_size × pp_size × data-parallel size."""
+
+    tp_size: int = 1
+    """Tensor-parallel degree (Megatron-style; 1 in this release)."""
+    pp_size: int = 1
+    """Pipeline-parallel degree (1 in this release)."""
+    backend: str = "auto"
+    """'auto' (nccl with CUDA, gloo on CPU), 'nccl' or 'gloo'."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation: batch sizes, schedule, precision, cadence of logs and checkpoints."""
+
+    steps: int = 300
+    """Optimizer steps."""
+    seed: int = 1234
+    """Seed of weights, data order and dropout."""
+    micro_batch_size: int = 8
+    """Sequences per data-parallel rank per micro-step."""
+    global_batch_size: int = 16
+    """Sequences per optimizer step, over all data-parallel ranks and accumulation steps."""
+    lr: float = 2e-3
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay."""
+    warmup_steps: int = 30
+    """Linear warmup from 0 to lr over this many steps."""
+    lr_decay: str = "cosine"
+    """'cosine', 'linear' or 'constant' decay after warmup, down to min_lr at the last step."""
+    adam_beta1: float = 0.9
+    """AdamW β1."""
+    adam_beta2: float = 0.98
+    """AdamW β2 (the paper uses 0.98)."""
+    adam_eps: float = 1e-8
+    """AdamW ε."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay on weight matrices and embeddings (none on biases, norms, scales)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables."""
+    precision: str = "fp32"
+    """'fp32', 'bf16' or 'fp16' (fp16 uses DeepSpeed's dynamic loss scaling)."""
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage, 0–3."""
+    deepspeed_config: str = ""
+    """Optional DeepSpeed JSON with engine knobs; batch sizes, optimizer and precision come from
+    this YAML and must not appear in it."""
+    log_interval: int = 10
+    """Console log line every this many steps (TensorBoard gets every step)."""
+    eval_interval: int = 50
+    """Validation every this many steps, and at the end."""
+    eval_batches: int = 4
+    """Micro-batches per data-parallel rank in one validation."""
+    save_interval: int = 100
+    """Checkpoint every this many steps (and at the end); 0: only at the end."""
+    resume: str = "none"
+    """'none', 'auto' (the latest checkpoint under output.dir, if any) or a checkpoint directory."""
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    """Where a run writes TensorBoard events and checkpoints."""
+
+    dir: str = "runs/default"
+    """Run directory: tensorboard/ and checkpoints/ go under it."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The whole run, as loaded from YAML plus ``key=value`` overrides."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)

@@ -1,0 +1,44 @@
+"""Entry point run by ``launch/pretrain.sh``: ``python -m megaformer.train CONFIG.yaml [key=value ...]``.
+
+The ``deepspeed`` launcher appends ``--local_rank=N``; it is accepted and ignored (LOCAL_RANK is
+read from the environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megaformer.config import ConfigError, load_config
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="megaformer.train",
+        description="Pretrain a NormFormer LM with DeepSpeed. Overrides: section.key=value, e.g. train.steps=100.",
+    )
+    parser.add_argument("config", help="YAML run config (see configs/)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides applied after the YAML")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Load the config, train, exit cleanly (exit code 2 on a configuration or data error)."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from data_tools.indexed_dataset import DataFormatError
+    from megaformer.training.distributed import finish
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        from megaformer.training.trainer import train
+
+        train(cfg)
+    except (ConfigError, DataFormatError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        finish(2)
+    finish(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""Training samples: boundaries across documents, EOD placement, determinism, split by documents."""
+
+from __future__ import annotations
+
+import lzma
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data_tools.indexed_dataset import DataFormatError, IndexedDataset, IndexedDatasetWriter
+from megaformer.data.gpt_dataset import (
+    GPTSamples,
+    build_sample_index,
+    build_train_valid,
+    document_lengths,
+    split_documents,
+    unigram_entropy,
+)
+
+EOD = 50256
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _write(prefix: Path, docs: list[list[int]]) -> str:
+    with IndexedDatasetWriter(str(prefix), np.uint16) as writer:
+        for doc in docs:
+            writer.add_document(np.array(doc, dtype=np.int64))
+    return str(prefix)
+
+
+@pytest.fixture
+def synthetic(tmp_path) -> tuple[str, list[list[int]]]:
+    # Document d holds tokens d*100 .. d*100+len-1 then EOD: every token tells where it came from.
+    rng = np.random.default_rng(0)
+    docs = [[d * 100 + k for k in range(int(rng.integers(1, 40)))] + [EOD] for d in range(30)]
+    return _write(tmp_path / "syn_text_document", docs), docs
+
+
+def test_samples_follow_the_document_stream(synthetic):
+    prefix, docs = synthetic
+    ds = IndexedDataset(prefix)
+    lengths = document_lengths(ds)
+    assert lengths.tolist() == [len(d) for d in docs]
+    seq_len, n = 16, 50
+    ids = np.arange(len(docs))
+    doc_idx, sample_idx, shuffle_idx = build_sample_index(ids, lengths, seq_len, n, seed=3)
+    stream = np.concatenate([docs[d] for d in doc_idx])
+    samples = GPTSamples(ds, doc_idx, sample_idx, shuffle_idx, seq_len)
+    assert len(samples) == n
+    assert sorted(shuffle_idx.tolist()) == list(range(n))
+    for i in range(n):
+        j = int(shuffle_idx[i])
+        expected = stream[j * seq_len : j * seq_len + seq_len + 1]
+        np.testing.assert_array_equal(samples[i], expected)
+    # Consecutive samples (unshuffled order) share exactly one token: no token is dropped.
+    natural = GPTSamples(ds, doc_idx, sample_idx, np.arange(n), seq_len)
+    for j in range(n - 1):
+        assert natural[j][-1] == natural[j + 1][0]
+
+
+def test_eod_closes_every_document_inside_samples(synthetic):
+    prefix, docs = synthetic
+    ds = IndexedDataset(prefix)
+    lengths = document_lengths(ds)
+    seq_len = 8
+    doc_idx, sample_idx, _ = build_sample_index(np.arange(len(docs)), lengths, seq_len, 60, seed=1)
+    samples = GPTSamples(ds, doc_idx, sample_idx, np.arange(60), seq_len)
+    for j in range(60):
+        x = samples[j]
+        for a, b in zip(x[:-1], x[1:]):
+            if b != EOD and a != EOD:
+                # inside one document, tokens are consecutive; a document change only after EOD
+                assert b == a + 1, (j, x)
+            if a == EOD:
+                assert b % 100 == 0  # the next document starts at its first token
+
+
+def test_epochs_reshuffle_documents_and_are_deterministic(synthetic):
+    prefix, docs = synthetic
+    lengths = document_lengths(IndexedDataset(prefix))
+    ids = np.arange(len(docs))
+    total = int(lengths.sum())
+    n = (3 * total) // 8  # needs about 3 epochs at seq_len 8
+    a = build_sample_index(ids, lengths, 8, n, seed=5)
+    b = build_sample_index(ids, lengths, 8, n, seed=5)
+    c = build_sample_index(ids, lengths, 8, n, seed=6)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+    assert not np.array_equal(a[0], c[0])
+    doc_idx = a[0]
+    epochs = len(doc_idx) // len(docs)
+    assert epochs >= 3
+    for e in range(epochs):
+        assert sorted(doc_idx[e * len(docs) : (e + 1) * len(docs)].tolist()) == list(range(len(docs)))
+    assert not np.array_equal(doc_idx[: len(docs)], doc_idx[len(docs) : 2 * len(docs)])
+
+
+def test_split_is_by_whole_documents_and_disjoint():
+    train, valid = split_documents(100, 0.1, seed=9)
+    assert len(valid) == 10 and len(train) == 90
+    assert not set(train.tolist()) & set(valid.tolist())
+    again = split_documents(100, 0.1, seed=9)
+    np.testing.assert_array_equal(valid, again[1])
+    with pytest.raises(DataFormatError):
+        split_documents(1, 0.1, seed=0)
+
+
+def test_train_and_valid_never_share_a_document(synthetic):
+    prefix, docs = synthetic
+    train, valid, info = build_train_valid(prefix, 8, 40, 4, valid_fraction=0.2, seed=2)
+    assert info["valid_documents"] == 6 and info["train_documents"] == 24
+    assert not set(train.doc_idx.tolist()) & set(valid.doc_idx.tolist())
+
+
+def test_too_little_validation_data_is_a_clear_error(synthetic):
+    prefix, _ = synthetic
+    with pytest.raises(DataFormatError) as info:
+        build_train_valid(prefix, 64, 10, 1000, valid_fraction=0.05, seed=2)
+    assert "data.valid_fraction" in str(info.value)
+
+
+def test_missing_prefix_is_a_clear_error(tmp_path):
+    with pytest.raises(DataFormatError) as info:
+        build_train_valid(str(tmp_path / "nope_text_document"), 8, 1, 1, 0.1, 0)
+    assert "data_tools.preprocess" in str(info.value)
+
+
+def test_real_text_samples_match_tokenizer_stream(tmp_path):
+    """Real novel text through our GPT-2 tokenizer: samples are the token stream with EOD per doc."""
+    from data_tools.tokenizer import build_tokenizer
+
+    tok = build_tokenizer(
+        "GPT2BPETokenizer",
+        vocab_file=str(REPO / "data/gpt2-bpe/encoder.json"),
+        merge_file=str(REPO / "data/gpt2-bpe/vocab.bpe"),
+    )
+    with lzma.open(REPO / "data/gutenberg-novels/pg42.txt.xz", "rt", encoding="utf-8-sig") as f:
+        paragraphs = [p for p in f.read().split("\n\n") if p.strip()][:200]
+    docs = [tok.encode(p) + [tok.eod] for p in paragraphs]
+    prefix = _write(tmp_path / "jekyll_text_document", docs)
+    ds = IndexedDataset(prefix)
+    lengths = document_lengths(ds)
+    seq_len = 32
+    n = (int(lengths.sum()) - 1) // seq_len
+    doc_idx, sample_idx, _ = build_sample_index(np.arange(len(docs)), lengths, seq_len, n, seed=0, shuffle=False)
+    samples = GPTSamples(ds, doc_idx, sample_idx, np.arange(n), seq_len)
+    stream = np.concatenate([s[:-1] for s in (samples[i] for i in range(n))])
+    flat = np.concatenate(docs)
+    np.testing.assert_array_equal(stream, flat[: len(stream)])
+    assert tok.decode(samples[0][:-1].tolist()).startswith(paragraphs[0][:20])
+    h = unigram_entropy(ds)
+    counts = np.bincount(flat)
+    p = counts[counts > 0] / counts.sum()
+    assert h == pytest.approx(float(-(p * np.log(p)).sum()))
