@@ -15,7 +15,7 @@ from megaformer.config import ConfigError, load_config
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="megaformer.train",
-        description="Pretrain a NormFormer LM with DeepSpeed. Overrides: section.key=value, e.g. train.steps=100.",
+        description="Pretrain a NormFormer LM with DeepSpeed; overrides: section.key=value.",
     )
     parser.add_argument("config", help="YAML run config (see configs/)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides applied after the YAML")

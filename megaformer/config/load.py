@@ -207,7 +207,9 @@ def check_model(cfg: RunConfig) -> None:
 def check_parallel(cfg: RunConfig) -> None:
     p = cfg.parallel
     _positive("parallel", p, "tp_size", "pp_size")
-    _require(p.backend in ("auto", "nccl", "gloo"), f"parallel.backend='{p.backend}': use auto, nccl or gloo.")
+    _require(
+        p.backend in ("auto", "nccl", "gloo"), f"parallel.backend='{p.backend}': use auto, nccl or gloo."
+    )
     m = cfg.model
     _require(
         m.num_attention_heads % p.tp_size == 0,
@@ -236,14 +238,19 @@ def check_train(cfg: RunConfig) -> None:
     _positive("train", t, "eval_interval", "eval_batches", "adam_eps")
     _require(t.min_lr >= 0 and t.min_lr <= t.lr, f"train.min_lr={t.min_lr}: must lie in [0, train.lr].")
     _require(0 <= t.warmup_steps <= t.steps, f"train.warmup_steps={t.warmup_steps}: must lie in [0, steps].")
-    _require(t.lr_decay in ("cosine", "linear", "constant"), f"train.lr_decay='{t.lr_decay}': cosine|linear|constant.")
+    _require(
+        t.lr_decay in ("cosine", "linear", "constant"),
+        f"train.lr_decay='{t.lr_decay}': cosine|linear|constant.",
+    )
     for name in ("adam_beta1", "adam_beta2"):
         b = getattr(t, name)
         _require(0.0 <= b < 1.0, f"train.{name}={b}: must lie in [0, 1).")
     _require(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay}: must be >= 0.")
     _require(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip}: must be >= 0 (0 disables clipping).")
     _require(t.precision in ("fp32", "bf16", "fp16"), f"train.precision='{t.precision}': fp32, bf16 or fp16.")
-    _require(t.zero_stage in (0, 1, 2, 3), f"train.zero_stage={t.zero_stage}: DeepSpeed ZeRO stage 0, 1, 2 or 3.")
+    _require(
+        t.zero_stage in (0, 1, 2, 3), f"train.zero_stage={t.zero_stage}: DeepSpeed ZeRO stage 0, 1, 2 or 3."
+    )
     _require(t.save_interval >= 0, f"train.save_interval={t.save_interval}: must be >= 0.")
     _require(
         t.global_batch_size % t.micro_batch_size == 0,
@@ -261,7 +268,9 @@ def check_train(cfg: RunConfig) -> None:
 def check_data(cfg: RunConfig) -> None:
     d = cfg.data
     _require(0.0 < d.valid_fraction < 1.0, f"data.valid_fraction={d.valid_fraction}: must lie in (0, 1).")
-    _require(0 <= d.eod_token < cfg.model.vocab_size, f"data.eod_token={d.eod_token}: outside the vocabulary.")
+    _require(
+        0 <= d.eod_token < cfg.model.vocab_size, f"data.eod_token={d.eod_token}: outside the vocabulary."
+    )
     _require(d.num_workers >= 0, f"data.num_workers={d.num_workers}: must be >= 0.")
 
 

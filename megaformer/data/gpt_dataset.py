@@ -176,7 +176,9 @@ def build_train_valid(
             f"{seq_len + 1}, fewer than the {valid_samples} one evaluation reads; raise "
             "data.valid_fraction or lower train.eval_batches"
         )
-    train = GPTSamples(dataset, *build_sample_index(train_ids, lengths, seq_len, train_samples, seed), seq_len)
+    train = GPTSamples(
+        dataset, *build_sample_index(train_ids, lengths, seq_len, train_samples, seed), seq_len
+    )
     valid = GPTSamples(
         dataset,
         *build_sample_index(valid_ids, lengths, seq_len, valid_samples, seed, shuffle=False),

@@ -41,13 +41,17 @@ def read_engine_json(path: str) -> dict[str, Any]:
         raise ConfigError(f"{path}: the top level must be a JSON object.")
     for key, owner in OWNED_BY_YAML.items():
         if key in data:
-            raise ConfigError(f"{path}: '{key}' is set by the YAML run config ({owner}); remove it from the JSON.")
+            raise ConfigError(
+                f"{path}: '{key}' is set by the YAML run config ({owner}); remove it from the JSON."
+            )
     for section, owner in (("fp16", "train.precision"), ("bf16", "train.precision")):
         if isinstance(data.get(section), dict) and "enabled" in data[section]:
             raise ConfigError(f"{path}: '{section}.enabled' is set by {owner}; remove it from the JSON.")
     zero = data.get("zero_optimization")
     if isinstance(zero, dict) and "stage" in zero:
-        raise ConfigError(f"{path}: 'zero_optimization.stage' is set by train.zero_stage; remove it from the JSON.")
+        raise ConfigError(
+            f"{path}: 'zero_optimization.stage' is set by train.zero_stage; remove it from the JSON."
+        )
     return data
 
 

@@ -45,7 +45,9 @@ class Layout:
         return self.rank == 0
 
 
-def micro_batch(samples: GPTSamples, first: int, count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def micro_batch(
+    samples: GPTSamples, first: int, count: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Samples ``first .. first+count-1`` as (tokens, labels), each int64 [count, seq_len]."""
     rows = np.stack([samples[i] for i in range(first, first + count)])
     batch = torch.from_numpy(rows).to(device)
@@ -203,7 +205,9 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         start_step = int(client_state["step"])
         _log(layout, f"resumed from {path} at step {start_step}")
 
-    metrics = MetricsWriter(tb_dir, enabled=layout.is_main, hparams=to_dict(cfg), purge_step=start_step or None)
+    metrics = MetricsWriter(
+        tb_dir, enabled=layout.is_main, hparams=to_dict(cfg), purge_step=start_step or None
+    )
     tokens_per_step = t.global_batch_size * seq_len
     timer = StepTimer()
     started = time.perf_counter()
@@ -252,7 +256,10 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         if done % t.eval_interval == 0 or done == t.steps:
             valid_loss = evaluate(engine, valid_samples, cfg, layout)
             metrics.scalars(done, {"valid/loss": valid_loss, "valid/ppl": math.exp(min(valid_loss, 50.0))})
-            _log(layout, f"step {done}/{t.steps} | valid loss {valid_loss:.4f} | valid ppl {math.exp(valid_loss):.2f}")
+            _log(
+                layout,
+                f"step {done}/{t.steps} | valid loss {valid_loss:.4f} | valid ppl {math.exp(valid_loss):.2f}",
+            )
             metrics.flush()
         if t.save_interval and done % t.save_interval == 0 and done != t.steps:
             save(done)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -47,7 +48,10 @@ def test_quickstart_config_is_normformer():
         (["model.num_attention_heads=3"], "not divisible by model.num_attention_heads=3"),
         (["train.precision=fp8"], "train.precision='fp8'"),
         (["train.zero_stage=4"], "train.zero_stage=4"),
-        (["train.global_batch_size=10", "train.micro_batch_size=4"], "not divisible by train.micro_batch_size"),
+        (
+            ["train.global_batch_size=10", "train.micro_batch_size=4"],
+            "not divisible by train.micro_batch_size",
+        ),
         (["train.warmup_steps=500", "train.steps=100"], "train.warmup_steps=500"),
         (["model.activation=swish"], "model.activation='swish'"),
         (["parallel.tp_size=2"], "parallel.tp_size=2"),
@@ -126,7 +130,9 @@ def test_deepspeed_json_syntax_error_names_line(tmp_path):
 
 
 def test_lr_schedule_warmup_then_cosine_to_min():
-    cfg = load_config(None, ["train.steps=110", "train.warmup_steps=10", "train.lr=1e-3", "train.min_lr=1e-4"])
+    cfg = load_config(
+        None, ["train.steps=110", "train.warmup_steps=10", "train.lr=1e-3", "train.min_lr=1e-4"]
+    )
     t = cfg.train
     assert lr_at(0, t) == pytest.approx(1e-4)
     assert lr_at(9, t) == pytest.approx(1e-3)
@@ -135,4 +141,4 @@ def test_lr_schedule_warmup_then_cosine_to_min():
     mid = lr_at(10 + 99 // 2, t)
     assert 1e-4 < mid < 1e-3
     lrs = [lr_at(s, t) for s in range(10, 110)]
-    assert all(a >= b for a, b in zip(lrs, lrs[1:]))  # monotone decay
+    assert all(a >= b for a, b in itertools.pairwise(lrs))  # monotone decay

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import lzma
 from pathlib import Path
 
@@ -68,7 +69,7 @@ def test_eod_closes_every_document_inside_samples(synthetic):
     samples = GPTSamples(ds, doc_idx, sample_idx, np.arange(60), seq_len)
     for j in range(60):
         x = samples[j]
-        for a, b in zip(x[:-1], x[1:]):
+        for a, b in itertools.pairwise(x):
             if b != EOD and a != EOD:
                 # inside one document, tokens are consecutive; a document change only after EOD
                 assert b == a + 1, (j, x)
@@ -107,7 +108,7 @@ def test_split_is_by_whole_documents_and_disjoint():
 
 
 def test_train_and_valid_never_share_a_document(synthetic):
-    prefix, docs = synthetic
+    prefix, _ = synthetic
     train, valid, info = build_train_valid(prefix, 8, 40, 4, valid_fraction=0.2, seed=2)
     assert info["valid_documents"] == 6 and info["train_documents"] == 24
     assert not set(train.doc_idx.tolist()) & set(valid.doc_idx.tolist())
@@ -143,7 +144,9 @@ def test_real_text_samples_match_tokenizer_stream(tmp_path):
     lengths = document_lengths(ds)
     seq_len = 32
     n = (int(lengths.sum()) - 1) // seq_len
-    doc_idx, sample_idx, _ = build_sample_index(np.arange(len(docs)), lengths, seq_len, n, seed=0, shuffle=False)
+    doc_idx, sample_idx, _ = build_sample_index(
+        np.arange(len(docs)), lengths, seq_len, n, seed=0, shuffle=False
+    )
     samples = GPTSamples(ds, doc_idx, sample_idx, np.arange(n), seq_len)
     stream = np.concatenate([s[:-1] for s in (samples[i] for i in range(n))])
     flat = np.concatenate(docs)

@@ -1,0 +1,409 @@
+"""Tensor-parallel building blocks: linear layers, vocabulary embedding and loss, sharded LayerNorm.
+
+The layouts follow Megatron-LM (Shoeybi et al. 2019, arXiv:1909.08053, Sec. 3): a column-parallel
+linear splits its output features across the TP group, a row-parallel linear splits its input
+features and sums the partial products, the embedding splits the vocabulary rows.
+
+Initialisation: every rank draws the FULL weight from a ``torch.Generator`` seeded with the layer's
+``seed`` and keeps its own slice, so one seed gives the same full model at every TP degree (which
+is what lets tests compare TP=1 with TP=2 exactly). Parameters are tagged for DeepSpeed:
+``tensor_model_parallel=True`` plus ``partition_dim`` on shards, ``False`` on replicated ones; biases
+and norm parameters also carry ``no_weight_decay=True``.
+
+All layers take ``tp_group`` (``None`` = no tensor parallelism) and keep no global state.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from megaformer.parallel import mappings
+from megaformer.parallel.utils import (
+    divide,
+    mark_no_weight_decay,
+    mark_parallel,
+    mark_replicated,
+    normal_full,
+    shard,
+    tp_rank,
+    tp_world_size,
+)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x Aᵀ + b`` with ``A``'s output rows (and ``b``) split across the TP group.
+
+    Args:
+        in_features: input width (replicated on every rank).
+        out_features: FULL output width; each rank holds ``out_features / tp_size`` of it.
+        tp_group: tensor-parallel group, or None for a single process.
+        bias: add a (sharded) bias.
+        gather_output: all-gather the output to the full width; otherwise the output stays sharded,
+            ready for a :class:`RowParallelLinear` or a sharded consumer.
+        init_std: standard deviation of the normal weight initialisation.
+        seed: seed of the full weight's generator.
+        num_valid_out_features: draw only this many output rows and zero-init the rest (padded
+            vocabulary rows of an output layer); None draws them all.
+
+    Shapes: input ``[..., in_features]`` -> output ``[..., out_features / tp_size]`` (or
+    ``[..., out_features]`` with ``gather_output``), in the input's dtype.
+
+    Raises:
+        ValueError: when ``out_features`` does not divide by the TP size.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        tp_group: ProcessGroup | None = None,
+        bias: bool = True,
+        gather_output: bool = False,
+        init_std: float = 0.02,
+        seed: int = 0,
+        num_valid_out_features: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        self.in_features = in_features
+        self.out_features = out_features
+        self.gather_output = gather_output
+        tp_size, rank = tp_world_size(tp_group), tp_rank(tp_group)
+        self.out_features_per_partition = divide(out_features, tp_size)
+        full = normal_full((out_features, in_features), init_std, seed, valid_rows=num_valid_out_features)
+        self.weight = mark_parallel(nn.Parameter(shard(full, 0, rank, tp_size)), partition_dim=0)
+        if bias:
+            b = nn.Parameter(torch.zeros(self.out_features_per_partition))
+            self.bias = mark_no_weight_decay(mark_parallel(b, partition_dim=0))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = mappings.copy_to_tp_region(x, self.tp_group)
+        y = F.linear(x, self.weight, self.bias)  # (..., out_features / tp)
+        if self.gather_output:
+            y = mappings.gather_from_tp_region(y, self.tp_group)  # (..., out_features)
+        return y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"per_partition={self.out_features_per_partition}, bias={self.bias is not None}"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x Aᵀ + b`` with ``A``'s input columns split across the TP group; outputs are summed.
+
+    Args:
+        in_features: FULL input width; each rank holds ``in_features / tp_size`` columns.
+        out_features: output width (replicated after the all-reduce).
+        tp_group: tensor-parallel group, or None for a single process.
+        bias: add a bias, replicated on every rank and added once, after the reduce.
+        input_is_parallel: the input is already this rank's slice ``[..., in_features / tp]`` (the
+            output of a :class:`ColumnParallelLinear`); if False a full input is scattered first.
+        init_std: standard deviation of the normal weight initialisation.
+        seed: seed of the full weight's generator.
+
+    Shapes: ``[..., in_features / tp_size]`` (or ``[..., in_features]``) -> ``[..., out_features]``.
+
+    Raises:
+        ValueError: when ``in_features`` does not divide by the TP size.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        tp_group: ProcessGroup | None = None,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        init_std: float = 0.02,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        self.in_features = in_features
+        self.out_features = out_features
+        self.input_is_parallel = input_is_parallel
+        tp_size, rank = tp_world_size(tp_group), tp_rank(tp_group)
+        self.in_features_per_partition = divide(in_features, tp_size)
+        full = normal_full((out_features, in_features), init_std, seed)
+        self.weight = mark_parallel(nn.Parameter(shard(full, 1, rank, tp_size)), partition_dim=1)
+        if bias:
+            b = nn.Parameter(torch.zeros(out_features))
+            self.bias = mark_no_weight_decay(mark_replicated(b))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = mappings.scatter_to_tp_region(x, self.tp_group)  # (..., in_features / tp)
+        y = F.linear(x, self.weight)  # (..., out_features), a partial sum at TP > 1
+        y = mappings.reduce_from_tp_region(y, self.tp_group)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"per_partition={self.in_features_per_partition}, bias={self.bias is not None}"
+        )
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding whose vocabulary rows are split across the TP group.
+
+    Rank ``r`` holds rows ``[r·V/tp, (r+1)·V/tp)``; each rank looks up the tokens it owns, writes
+    zeros for the others, and an all-reduce assembles the full embedding.
+
+    Args:
+        num_embeddings: FULL (padded) number of rows ``V``; must divide by the TP size.
+        embedding_dim: width ``d``.
+        tp_group: tensor-parallel group, or None for a single process.
+        init_std: standard deviation of the normal initialisation.
+        seed: seed of the full table's generator.
+        num_valid_embeddings: rows at and above this index (vocabulary padding) are zero-initialised
+            and the real rows do not depend on the amount of padding; None draws all rows.
+
+    Shapes: tokens ``LongTensor[...]`` with values in ``[0, V)`` -> ``float32[..., d]`` (the
+    weight's dtype), replicated on every rank.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        tp_group: ProcessGroup | None = None,
+        init_std: float = 0.02,
+        seed: int = 0,
+        num_valid_embeddings: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        tp_size, rank = tp_world_size(tp_group), tp_rank(tp_group)
+        self.num_embeddings_per_partition = divide(num_embeddings, tp_size)
+        self.vocab_start_index = rank * self.num_embeddings_per_partition
+        self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
+        full = normal_full((num_embeddings, embedding_dim), init_std, seed, valid_rows=num_valid_embeddings)
+        self.weight = mark_parallel(nn.Parameter(shard(full, 0, rank, tp_size)), partition_dim=0)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tp_world_size(self.tp_group) == 1:
+            return F.embedding(tokens, self.weight)
+        outside = (tokens < self.vocab_start_index) | (tokens >= self.vocab_end_index)
+        local = (tokens - self.vocab_start_index).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight)  # (..., d), garbage rows where outside
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return mappings.reduce_from_tp_region(out, self.tp_group)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, "
+            f"rows [{self.vocab_start_index}, {self.vocab_end_index})"
+        )
+
+
+def _num_valid_local_columns(per_partition: int, tp_group: ProcessGroup | None, vocab_size: int) -> int:
+    """How many of this rank's ``per_partition`` vocabulary columns are real (not padding)."""
+    start = tp_rank(tp_group) * per_partition
+    return min(max(vocab_size - start, 0), per_partition)
+
+
+def mask_padded_vocab(
+    logits_local: torch.Tensor, tp_group: ProcessGroup | None, vocab_size: int
+) -> torch.Tensor:
+    """Set the columns of vocabulary padding (global index >= ``vocab_size``) to ``-inf``.
+
+    ``logits_local``: ``[..., V_pad / tp]``, this rank's contiguous vocabulary slice. Returns a new
+    tensor, or the input itself when this rank holds no padding.
+    """
+    valid = _num_valid_local_columns(logits_local.shape[-1], tp_group, vocab_size)
+    if valid == logits_local.shape[-1]:
+        return logits_local
+    out = logits_local.clone()
+    out[..., valid:] = -torch.inf
+    return out
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over vocabulary-sharded logits, without materialising the full vocabulary.
+
+    Forward: global max (all-reduce MAX), the target logit (from the one rank that owns it) and the
+    sum of exponentials, the last two in one all-reduce SUM: two reductions of ``[N]``-sized values.
+    Backward: ``softmax - one_hot(target)`` on this rank's slice, computed in place in the saved
+    local softmax. At most one ``[N, V/tp]`` fp32 buffer is allocated (none with ``inplace``), which
+    matters on CPU, where the logits are the largest tensor of the step.
+    """
+
+    @staticmethod
+    def forward(ctx, logits_local, labels, group, vocab_size, inplace):
+        tp_size = tp_world_size(group)
+        per_partition = logits_local.shape[-1]
+        start = tp_rank(group) * per_partition
+        valid = _num_valid_local_columns(per_partition, group, vocab_size)
+
+        if valid > 0:
+            row_max = logits_local[..., :valid].max(dim=-1).values.float()  # (...)
+        else:  # this rank holds only padding
+            row_max = logits_local.new_full(logits_local.shape[:-1], -torch.inf, dtype=torch.float32)
+        if tp_size > 1:
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        if inplace and logits_local.dtype == torch.float32:
+            x = logits_local.sub_(row_max.unsqueeze(-1))  # (..., V/tp), reusing the caller's buffer
+        else:
+            x = logits_local.float() - row_max.unsqueeze(-1)  # (..., V/tp), the one large allocation
+        x[..., valid:] = -torch.inf  # padding: exp(-inf) = 0, no probability mass, no gradient
+
+        owned = (labels >= start) & (labels < start + per_partition)
+        local_labels = (labels - start).masked_fill(~owned, 0)
+        target = x.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
+
+        exp_x = x.exp_()
+        sum_exp = exp_x.sum(dim=-1)
+        if tp_size > 1:
+            # One collective for both per-token values.
+            packed = torch.stack([target, sum_exp], dim=-1)
+            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+            target, sum_exp = packed.unbind(-1)
+        loss = torch.log(sum_exp) - target  # (...) fp32 nats
+
+        softmax = exp_x.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_labels, owned)
+        ctx.input_dtype = logits_local.dtype
+        ctx.backward_done = False
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if ctx.backward_done:
+            raise RuntimeError("vocab_parallel_cross_entropy: backward reuses its buffer; run it only once")
+        ctx.backward_done = True
+        softmax, local_labels, owned = ctx.saved_tensors
+        grad = softmax.mul_(grad_loss.unsqueeze(-1))  # (..., V/tp), in place in the saved buffer
+        one_hot_part = (grad_loss * owned.to(grad.dtype)).unsqueeze(-1)  # (..., 1)
+        grad.scatter_add_(-1, local_labels.unsqueeze(-1), -one_hot_part)
+        return grad.to(ctx.input_dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits_local: torch.Tensor,
+    labels: torch.Tensor,
+    tp_group: ProcessGroup | None,
+    vocab_size: int,
+    *,
+    inplace: bool = False,
+) -> torch.Tensor:
+    """Per-token cross-entropy of vocabulary-sharded logits; never gathers the full vocabulary.
+
+    Args:
+        logits_local: ``[..., V_pad / tp_size]`` (any float dtype; computed in fp32), this rank's
+            contiguous slice of the padded vocabulary.
+        labels: ``LongTensor[...]`` with values in ``[0, vocab_size)``, the same on every rank.
+        tp_group: tensor-parallel group, or None for a single process.
+        vocab_size: real vocabulary size; columns at and above it (padding) are masked to ``-inf``
+            and receive neither probability mass nor gradient.
+        inplace: with fp32 logits, overwrite ``logits_local`` as the softmax buffer instead of
+            allocating one of the same size (the logits are the largest tensor of a step; on CPU a
+            fresh buffer costs as much as the arithmetic). Only for logits that nothing else reads
+            afterwards, e.g. the output of the final matmul.
+
+    Returns:
+        ``float32[...]``: ``-log softmax(logits)[label]`` in nats, replicated on every rank (reduce
+        with ``.mean()`` for the usual loss). Backward may be run once per forward (it reuses
+        the forward's buffer; a second backward raises ``RuntimeError``).
+    """
+    return _VocabParallelCrossEntropy.apply(logits_local, labels, tp_group, vocab_size, inplace)
+
+
+def sharded_layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    *,
+    normalized_size: int,
+    eps: float,
+    tp_group: ProcessGroup | None,
+) -> torch.Tensor:
+    """LayerNorm (Ba et al. 2016) over a last dimension sharded across ``tp_group``, any TP degree.
+
+    Per token, each rank sums its slice and its squares in fp32; one all-reduce of those two values
+    gives the full mean and variance (``var = E[x²] − E[x]²``, clamped at 0). The collective is
+    :func:`~megaformer.parallel.mappings.sum_across_tp_region`, whose backward all-reduces too, so
+    the gradient is that of the unsharded LayerNorm. Always takes this composed path (also with
+    ``tp_group=None``), which is what tests compare against ``torch.nn.functional.layer_norm``.
+
+    Args:
+        x: ``[..., normalized_size / tp]``, this rank's slice of the normalised dimension.
+        weight, bias: ``[normalized_size / tp]`` slices of the gain and shift, or None.
+        normalized_size: FULL size of the normalised dimension.
+        eps: added to the variance.
+
+    Returns:
+        ``[..., normalized_size / tp]`` in ``x``'s dtype.
+    """
+    xf = x.float()
+    stats = torch.stack([xf.sum(dim=-1), (xf * xf).sum(dim=-1)], dim=-1)  # (..., 2)
+    stats = mappings.sum_across_tp_region(stats, tp_group) / normalized_size
+    mean, mean_sq = stats.unbind(-1)  # (...), (...)
+    var = (mean_sq - mean * mean).clamp_min(0.0)
+    y = (xf - mean.unsqueeze(-1)) * torch.rsqrt(var + eps).unsqueeze(-1)
+    if weight is not None:
+        y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+class ShardedLayerNorm(nn.Module):
+    """LayerNorm whose normalised (last) dimension and parameters are sharded across the TP group.
+
+    NormFormer's FFN LayerNorm (arXiv:2110.09456, Sec. 2) normalises the FFN intermediate, which a
+    column-parallel W1 leaves sharded; reducing the statistics across the group keeps the function
+    identical at every TP degree (normalising each shard on its own would not). With one rank it
+    calls the fused ``F.layer_norm``.
+
+    Args:
+        normalized_size: FULL size of the last dimension; must divide by the TP size.
+        tp_group: tensor-parallel group, or None for a single process.
+        eps: added to the variance.
+
+    Shapes: ``[..., normalized_size / tp]`` -> same shape and dtype. Weight (init 1) and bias
+    (init 0) are ``[normalized_size / tp]``, tagged sharded along dim 0 and no-weight-decay.
+    """
+
+    def __init__(self, normalized_size: int, *, tp_group: ProcessGroup | None = None, eps: float = 1e-5):
+        super().__init__()
+        self.tp_group = tp_group
+        self.normalized_size = normalized_size
+        self.eps = eps
+        per_partition = divide(normalized_size, tp_world_size(tp_group))
+        self.weight = nn.Parameter(torch.ones(per_partition))
+        self.bias = nn.Parameter(torch.zeros(per_partition))
+        for p in (self.weight, self.bias):
+            mark_no_weight_decay(mark_parallel(p, partition_dim=0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if tp_world_size(self.tp_group) == 1:
+            return F.layer_norm(x, (self.normalized_size,), self.weight, self.bias, self.eps)
+        return sharded_layer_norm(
+            x,
+            self.weight,
+            self.bias,
+            normalized_size=self.normalized_size,
+            eps=self.eps,
+            tp_group=self.tp_group,
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_size}, per_partition={self.weight.numel()}, eps={self.eps}"

@@ -1,0 +1,216 @@
+"""Sharded equals unsharded: each tensor-parallel layer, and the whole NormFormerLM, at TP = 2 (and the
+model at TP = 4) against the same layer built with ``tp_group=None`` from the same seed, forward and
+backward, in spawned gloo processes on CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from megaformer.config.schema import ModelConfig
+from megaformer.model import NormFormerLM
+from megaformer.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    ShardedLayerNorm,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _rank_slice(full: torch.Tensor, dim: int, group) -> torch.Tensor:
+    size = full.shape[dim] // dist.get_world_size(group)
+    return full.narrow(dim, dist.get_rank(group) * size, size)
+
+
+def _gather(local: torch.Tensor, dim: int, group) -> torch.Tensor:
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _full_grad(p: torch.nn.Parameter, group) -> torch.Tensor:
+    """The gradient of the whole parameter: shards gathered along partition_dim, replicas as is."""
+    return _gather(p.grad, p.partition_dim, group) if p.tensor_model_parallel else p.grad
+
+
+def _check_linear_layers(group) -> None:
+    x_full = torch.randn(3, 5, 8, generator=_gen(0))
+    grad_out = torch.randn(3, 5, 6, generator=_gen(1))
+    for parallel_io in (True, False):  # sharded hand-off, or gather_output + scatter
+        outs, xs, layers = [], [], []
+        for g in (group, None):
+            col = ColumnParallelLinear(8, 12, tp_group=g, seed=1, gather_output=not parallel_io)
+            row = RowParallelLinear(12, 6, tp_group=g, seed=2, input_is_parallel=parallel_io)
+            x = x_full.clone().requires_grad_()
+            y = row(F.gelu(col(x)))
+            (y * grad_out).sum().backward()
+            outs.append(y)
+            xs.append(x)
+            layers.append((col, row))
+        torch.testing.assert_close(outs[0], outs[1], **TOL)
+        torch.testing.assert_close(xs[0].grad, xs[1].grad, **TOL)
+        for sharded, plain in zip(layers[0], layers[1]):
+            for p, q in zip(sharded.parameters(), plain.parameters()):
+                torch.testing.assert_close(_full_grad(p, group), q.grad, **TOL)
+                if p.tensor_model_parallel:
+                    torch.testing.assert_close(p.detach(), _rank_slice(q.detach(), p.partition_dim, group))
+
+
+def _check_embedding(group) -> None:
+    tokens = torch.randint(0, 13, (4, 9), generator=_gen(2))
+    tokens[0, :4] = torch.tensor([0, 7, 8, 12])  # both halves of the vocabulary
+    grad_out = torch.randn(4, 9, 4, generator=_gen(3))
+    embs = [VocabParallelEmbedding(16, 4, tp_group=g, seed=4, num_valid_embeddings=13) for g in (group, None)]
+    outs = [e(tokens) for e in embs]
+    torch.testing.assert_close(outs[0], outs[1], **TOL)
+    for y in outs:
+        (y * grad_out).sum().backward()
+    torch.testing.assert_close(_full_grad(embs[0].weight, group), embs[1].weight.grad, **TOL)
+
+
+def _check_sharded_layer_norm(group) -> None:
+    # The two halves have very different mean and spread: normalising each shard on its own would
+    # give a different function; the reduced statistics must match the full LayerNorm exactly.
+    left = 5.0 + 0.1 * torch.randn(3, 7, 12, generator=_gen(5))
+    right = -2.0 + 3.0 * torch.randn(3, 7, 12, generator=_gen(6))
+    full = torch.cat([left, right], dim=-1)  # (3, 7, 24)
+    w, b = torch.randn(24, generator=_gen(7)), torch.randn(24, generator=_gen(8))
+    grad_out = torch.randn(3, 7, 24, generator=_gen(9))
+
+    ours = ShardedLayerNorm(24, tp_group=group)
+    ref = torch.nn.LayerNorm(24)
+    with torch.no_grad():
+        ours.weight.copy_(_rank_slice(w, 0, group))
+        ours.bias.copy_(_rank_slice(b, 0, group))
+        ref.weight.copy_(w)
+        ref.bias.copy_(b)
+    x_local = _rank_slice(full, -1, group).clone().requires_grad_()
+    x_full = full.clone().requires_grad_()
+    y_local, y_full = ours(x_local), ref(x_full)
+    torch.testing.assert_close(y_local, _rank_slice(y_full, -1, group), **TOL)
+    naive = F.layer_norm(x_local, (12,), ours.weight, ours.bias)
+    assert not torch.allclose(naive, y_local, atol=1e-2)  # per-shard statistics would be wrong
+    (y_local * _rank_slice(grad_out, -1, group)).sum().backward()
+    (y_full * grad_out).sum().backward()
+    torch.testing.assert_close(x_local.grad, _rank_slice(x_full.grad, -1, group), **TOL)
+    torch.testing.assert_close(_full_grad(ours.weight, group), ref.weight.grad, **TOL)
+    torch.testing.assert_close(_full_grad(ours.bias, group), ref.bias.grad, **TOL)
+
+
+def _check_cross_entropy(group) -> None:
+    vocab, padded = 13, 16  # at TP=2 rank 1 holds columns 8..15, three of them padding
+    full = 3 * torch.randn(6, 5, padded, generator=_gen(10))
+    full[..., vocab:] = 40.0  # padding must be ignored even where it would dominate
+    labels = torch.randint(0, vocab, (6, 5), generator=_gen(11))
+    labels[0, :2] = torch.tensor([0, 12])
+    weights = torch.rand(6, 5, generator=_gen(12))
+
+    local = _rank_slice(full, -1, group).clone().requires_grad_()
+    ours = vocab_parallel_cross_entropy(local, labels, group, vocab)
+    ref_in = full[..., :vocab].clone().requires_grad_()
+    ref = F.cross_entropy(ref_in.reshape(-1, vocab), labels.reshape(-1), reduction="none").view(6, 5)
+    torch.testing.assert_close(ours, ref, **TOL)
+    (ours * weights).sum().backward()
+    (ref * weights).sum().backward()
+    grad = _gather(local.grad, -1, group)
+    torch.testing.assert_close(grad[..., :vocab], ref_in.grad, **TOL)
+    assert torch.all(grad[..., vocab:] == 0)
+
+
+TINY = ModelConfig(
+    vocab_size=97,  # padded to 112 at TP=1, 128 at TP=2 and TP=4
+    make_vocab_size_divisible_by=16,
+    hidden_size=32,
+    num_layers=2,
+    num_attention_heads=4,
+    seq_len=16,
+)
+MODEL_VARIANTS = [
+    TINY,  # NormFormer as in the paper: post-attn LN, HeadScale, FFN LN; tied, sinusoidal, GELU
+    dataclasses.replace(
+        TINY, resid_scale=True, tie_embeddings=False, position_embedding="learned", activation="relu2"
+    ),
+]
+
+
+def _check_model(group) -> None:
+    tokens = torch.randint(0, TINY.vocab_size, (2, 16), generator=_gen(13))
+    labels = torch.randint(0, TINY.vocab_size, (2, 16), generator=_gen(14))
+    for config in MODEL_VARIANTS:
+        sharded, plain = NormFormerLM(config, tp_group=group, seed=3), NormFormerLM(config, seed=3)
+        with torch.no_grad():
+            # Random norm gains / scales, set identically on both, so no switch hides behind its init.
+            for (name, p), q in zip(sharded.named_parameters(), plain.parameters()):
+                if q.ndim == 1:
+                    full = 1 + 0.5 * torch.randn(q.shape, generator=_gen(len(name)))
+                    q.copy_(full)
+                    p.copy_(_rank_slice(full, 0, group) if p.tensor_model_parallel else full)
+        v = config.vocab_size
+        logits = _gather(sharded(tokens), -1, group)
+        torch.testing.assert_close(logits[..., :v], plain(tokens)[..., :v], **TOL)
+        assert torch.all(logits[..., v:] == float("-inf"))
+        loss_tp, loss_1 = sharded(tokens, labels), plain(tokens, labels)
+        torch.testing.assert_close(loss_tp, loss_1, **TOL)
+        loss_tp.backward()
+        loss_1.backward()
+        for (name, p), q in zip(sharded.named_parameters(), plain.parameters()):
+            g = _full_grad(p, group)
+            rows = min(g.shape[0], q.grad.shape[0])  # vocabulary padding differs with the TP degree
+            torch.testing.assert_close(g[:rows], q.grad[:rows], rtol=1e-4, atol=1e-6, msg=name)
+
+
+CHECKS = {
+    "linear": _check_linear_layers,
+    "embedding": _check_embedding,
+    "layer_norm": _check_sharded_layer_norm,
+    "cross_entropy": _check_cross_entropy,
+    "model": _check_model,
+}
+
+
+def _worker(rank: int, world_size: int, port: int, names: list[str]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    group = dist.new_group(list(range(world_size)))  # passed explicitly, as the layers expect
+    for name in names:
+        CHECKS[name](group)
+    # Ending this way avoids gloo's "terminate called without an active exception" at exit.
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _spawn(world_size: int, names: list[str]) -> None:
+    mp.spawn(_worker, args=(world_size, _free_port(), names), nprocs=world_size, join=True)
+
+
+# Each spawn costs seconds of process start-up (every child imports torch), so one spawn per TP degree
+# runs several checks; a failure's traceback names the check.
+
+
+def test_tp2_every_layer_and_the_model_equal_their_unsharded_versions():
+    _spawn(2, list(CHECKS))
+
+
+def test_tp4_normformer_lm_equals_the_unsharded_model():
+    _spawn(4, ["model"])

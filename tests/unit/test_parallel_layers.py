@@ -1,0 +1,196 @@
+"""Tensor-parallel layers on one process (tp_group=None): each equals its plain torch counterpart,
+initialisation is reproducible from the seed, parameters are tagged for DeepSpeed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megaformer.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    ShardedLayerNorm,
+    VocabParallelEmbedding,
+    copy_to_tp_region,
+    divide,
+    gather_from_tp_region,
+    mask_padded_vocab,
+    reduce_from_tp_region,
+    scatter_to_tp_region,
+    sharded_layer_norm,
+    sum_across_tp_region,
+    vocab_parallel_cross_entropy,
+)
+from megaformer.parallel.utils import derive_seed, normal_full, shard
+
+torch.set_num_threads(1)
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_divide_names_both_values():
+    assert divide(12, 4) == 3
+    with pytest.raises(ValueError, match="10 is not divisible by 4"):
+        divide(10, 4)
+    with pytest.raises(ValueError, match="must be > 0"):
+        divide(10, 0)
+
+
+MAPPINGS = [
+    copy_to_tp_region,
+    reduce_from_tp_region,
+    sum_across_tp_region,
+    scatter_to_tp_region,
+    gather_from_tp_region,
+]
+
+
+@pytest.mark.parametrize("fn", MAPPINGS)
+def test_mappings_are_identity_without_a_group(fn):
+    x = torch.randn(3, 4, requires_grad=True)
+    y = fn(x, None)
+    assert y is x
+
+
+def test_seeded_full_init_is_reproducible_and_padding_independent():
+    a = normal_full((10, 4), 0.02, seed=5, valid_rows=7)
+    b = normal_full((16, 4), 0.02, seed=5, valid_rows=7)
+    torch.testing.assert_close(a[:7], b[:7], rtol=0, atol=0)
+    assert torch.all(a[7:] == 0) and torch.all(b[7:] == 0)
+    assert not torch.equal(normal_full((10, 4), 0.02, seed=6)[:7], a[:7])
+    assert derive_seed(1, "x") == derive_seed(1, "x") != derive_seed(1, "y")
+    full = torch.arange(12.0).view(3, 4)
+    torch.testing.assert_close(shard(full, 1, 1, 2), full[:, 2:])
+
+
+def test_column_parallel_linear_equals_linear_and_is_tagged():
+    layer = ColumnParallelLinear(8, 6, seed=3)
+    assert layer.weight.shape == (6, 8) and layer.weight.tensor_model_parallel
+    assert layer.weight.partition_dim == 0 and layer.bias.partition_dim == 0
+    assert layer.bias.no_weight_decay and not getattr(layer.weight, "no_weight_decay", False)
+    torch.testing.assert_close(layer.weight.detach(), normal_full((6, 8), 0.02, 3))
+    x = torch.randn(2, 5, 8, generator=gen())
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_row_parallel_linear_equals_linear_and_bias_is_replicated():
+    layer = RowParallelLinear(8, 6, seed=3, input_is_parallel=False)
+    assert layer.weight.partition_dim == 1 and layer.bias.tensor_model_parallel is False
+    x = torch.randn(2, 5, 8, generator=gen())
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_vocab_parallel_embedding_equals_embedding_with_zero_padding_rows():
+    emb = VocabParallelEmbedding(16, 4, seed=1, num_valid_embeddings=13)
+    assert torch.all(emb.weight[13:] == 0) and emb.weight.partition_dim == 0
+    tokens = torch.randint(0, 13, (2, 7), generator=gen())
+    torch.testing.assert_close(emb(tokens), F.embedding(tokens, emb.weight))
+
+
+def test_indivisible_sizes_are_refused_with_a_clear_error():
+    with pytest.raises(ValueError, match="not divisible"):
+        shard(torch.zeros(5, 2), 0, 0, 2)
+
+
+# --- ShardedLayerNorm ------------------------------------------------------------------------------
+
+
+def _ln_inputs(shape=(3, 5, 24)):
+    # Large mean and uneven scale across the feature dimension, as FFN activations can have.
+    x = 3.0 + torch.randn(shape, generator=gen(1)) * torch.linspace(0.1, 4.0, shape[-1])
+    w = torch.randn(shape[-1], generator=gen(2))
+    b = torch.randn(shape[-1], generator=gen(3))
+    return x, w, b
+
+
+def test_sharded_layer_norm_module_equals_torch_layer_norm_forward_and_backward():
+    x, w, b = _ln_inputs()
+    ours = ShardedLayerNorm(24, eps=1e-5)
+    ref = torch.nn.LayerNorm(24, eps=1e-5)
+    with torch.no_grad():
+        for m in (ours, ref):
+            m.weight.copy_(w)
+            m.bias.copy_(b)
+    assert ours.weight.tensor_model_parallel and ours.weight.no_weight_decay
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    grad_out = torch.randn(x.shape, generator=gen(4))
+    y1, y2 = ours(x1), ref(x2)
+    torch.testing.assert_close(y1, y2)
+    (y1 * grad_out).sum().backward()
+    (y2 * grad_out).sum().backward()
+    torch.testing.assert_close(x1.grad, x2.grad)
+    torch.testing.assert_close(ours.weight.grad, ref.weight.grad)
+    torch.testing.assert_close(ours.bias.grad, ref.bias.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sharded_layer_norm_statistics_path_equals_torch_layer_norm(dtype):
+    # The composed path (sum and sum of squares through sum_across_tp_region) that TP > 1 takes.
+    x, w, b = _ln_inputs()
+    x = x.to(dtype)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    w1, w2 = w.clone().requires_grad_(), w.clone().requires_grad_()
+    b1, b2 = b.clone().requires_grad_(), b.clone().requires_grad_()
+    y1 = sharded_layer_norm(x1, w1, b1, normalized_size=24, eps=1e-5, tp_group=None)
+    y2 = F.layer_norm(x2.float(), (24,), w2, b2, 1e-5).to(dtype)
+    assert y1.dtype == dtype
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(y1, y2, **tol)
+    grad_out = torch.randn(x.shape, generator=gen(4)).to(dtype)
+    (y1.float() * grad_out.float()).sum().backward()
+    (y2.float() * grad_out.float()).sum().backward()
+    for a, r in ((x1, x2), (w1, w2), (b1, b2)):
+        torch.testing.assert_close(a.grad, r.grad, **tol)
+
+
+# --- vocabulary-parallel cross-entropy -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_vocab_parallel_cross_entropy_equals_torch_over_real_columns(inplace):
+    vocab, padded = 13, 16
+    logits = torch.randn(4, 6, padded, generator=gen(5)) * 3
+    logits[..., vocab:] = 50.0  # padding must be ignored even when it would dominate
+    labels = torch.randint(0, vocab, (4, 6), generator=gen(6))
+    ref_in = logits[..., :vocab].clone().requires_grad_()
+    ref = F.cross_entropy(ref_in.reshape(-1, vocab), labels.reshape(-1), reduction="none").view(4, 6)
+    ours_in = logits.clone().requires_grad_()
+    # inplace is only legal for a tensor nothing else reads: give it a fresh non-leaf.
+    source = ours_in * 1.0
+    ours = vocab_parallel_cross_entropy(source, labels, None, vocab, inplace=inplace)
+    assert ours.dtype == torch.float32 and ours.shape == (4, 6)
+    torch.testing.assert_close(ours, ref)
+    weights = torch.rand(4, 6, generator=gen(7))
+    (ours * weights).sum().backward()
+    (ref * weights).sum().backward()
+    torch.testing.assert_close(ours_in.grad[..., :vocab], ref_in.grad)
+    assert torch.all(ours_in.grad[..., vocab:] == 0)
+
+
+def test_vocab_parallel_cross_entropy_refuses_a_second_backward():
+    logits = torch.randn(3, 8, requires_grad=True)
+    loss = vocab_parallel_cross_entropy(logits, torch.tensor([0, 1, 2]), None, 8).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="only once"):
+        loss.backward()
+
+
+def test_vocab_parallel_cross_entropy_bf16_logits_get_bf16_grads():
+    logits = torch.randn(5, 16, generator=gen(8)).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, 13, (5,), generator=gen(9))
+    loss = vocab_parallel_cross_entropy(logits, labels, None, 13).mean()
+    ref = F.cross_entropy(logits.float()[:, :13], labels)
+    torch.testing.assert_close(loss, ref)
+    loss.backward()
+    assert logits.grad.dtype == torch.bfloat16
+
+
+def test_mask_padded_vocab():
+    logits = torch.zeros(2, 16)
+    masked = mask_padded_vocab(logits, None, 13)
+    assert torch.all(masked[:, 13:] == float("-inf")) and torch.all(masked[:, :13] == 0)
+    assert torch.all(logits == 0)  # the input is untouched
+    assert mask_padded_vocab(logits, None, 16) is logits
