@@ -1,0 +1,669 @@
+"""Tokenize a corpus into Megatron ``.bin``/``.idx`` files; a drop-in for Megatron-LM's
+``tools/preprocess_data.py``.
+
+    python -m data_tools.preprocess --input data/*.jsonl.gz --output-prefix data/processed/c4 \\
+        --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-bpe/encoder.json \\
+        --merge-file gpt2-bpe/vocab.bpe --append-eod --workers 8
+
+writes ``data/processed/c4_text_document.{bin,idx}``: per document, the token ids of its text (plus
+the EOD id with ``--append-eod``) as one sequence. For the same JSONL and vocabulary the bytes equal
+Megatron's, and they do not depend on ``--workers``.
+
+Inputs (``--input`` takes files, directories and globs; a directory means the supported files in it):
+
+* JSON Lines: ``.jsonl``, ``.json``, ``.ndjson``, each optionally ``.gz``/``.xz``/``.zst``; one
+  object per line, the text under each ``--json-keys`` key (one output per key).
+* Parquet: ``.parquet``, read one batch at a time; ``--json-keys`` names the string column(s).
+* Plain text: ``.txt``, optionally ``.gz``/``.xz``/``.zst``; UTF-8 (a BOM is dropped), newlines
+  normalised as in Python's text mode. One document per file, or with ``--text-split-blank-lines``
+  one per block of lines between blank lines.
+
+A bad record (malformed JSON, missing key, a value that is not a string, invalid UTF-8, an empty or
+whitespace-only text) stops the run with an ``error: FILE:LINE: ...`` line and status 2, unless
+``--skip-bad-records`` is given: then it is skipped and counted by reason in the summary. Outputs
+are written under ``.tmp`` names and renamed only once everything succeeded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bz2
+import glob
+import gzip
+import io
+import json
+import lzma
+import multiprocessing
+import multiprocessing.pool
+import os
+import signal
+import sys
+import time
+from collections import Counter, deque
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from data_tools.errors import DataToolsError, PreprocessError
+from data_tools.indexed_dataset import IndexedDatasetWriter, optimal_dtype
+from data_tools.tokenizer import TOKENIZER_TYPES, build_tokenizer
+
+__all__ = [
+    "BadRecord",
+    "Document",
+    "PreprocessError",
+    "PreprocessSummary",
+    "expand_inputs",
+    "iter_records",
+    "main",
+    "preprocess",
+]
+
+# Bad-record reasons, the keys of the summary's skip counts.
+MALFORMED_JSON = "malformed JSON"
+MISSING_KEY = "missing key"
+NOT_A_STRING = "not a string"
+INVALID_UTF8 = "invalid UTF-8"
+EMPTY_DOCUMENT = "empty document"
+
+_COMPRESSIONS = {".gz": "gzip", ".xz": "xz", ".zst": "zstd", ".zstd": "zstd", ".bz2": "bz2"}
+_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".txt": "text", ".text": "text"}
+_BOM = b"\xef\xbb\xbf"
+
+# Records go to the workers in chunks: big enough that inter-process overhead is small next to
+# tokenizing, small enough that a handful of whole-book text files still spread over the workers.
+_CHUNK_DOCS = 256
+_CHUNK_BYTES = 1 << 20
+_MAX_REPORTED_SKIPS = 10  # skipped records named one by one on stderr; the rest are only counted
+
+
+@dataclass(frozen=True)
+class Document:
+    """One input record that passed the checks.
+
+    Attributes:
+        where: ``FILE:LINE``, ``FILE:row N`` or ``FILE``, for messages.
+        texts: one text per ``--json-keys`` key, in that order.
+        num_bytes: UTF-8 bytes of the texts (for MB/s).
+    """
+
+    where: str
+    texts: tuple[str, ...]
+    num_bytes: int
+
+
+@dataclass(frozen=True)
+class BadRecord:
+    """An input record that cannot be tokenized: ``reason`` is one of the module's reason constants."""
+
+    where: str
+    reason: str
+    detail: str
+
+    def message(self) -> str:
+        return f"{self.where}: {self.reason}: {self.detail}"
+
+
+Record = Document | BadRecord
+
+
+# ----------------------------------------------------------------------------- reading inputs
+
+
+def _split_suffixes(path: Path) -> tuple[str | None, str | None]:
+    """(format, compression) from the file name, e.g. ``x.jsonl.zst`` -> ("jsonl", "zstd")."""
+    name = path.name.lower()
+    compression = None
+    for suffix, kind in _COMPRESSIONS.items():
+        if name.endswith(suffix):
+            compression, name = kind, name[: -len(suffix)]
+            break
+    if name.endswith(".parquet"):
+        return ("parquet" if compression is None else None), None
+    return _FORMATS.get(os.path.splitext(name)[1]), compression
+
+
+def _is_supported(path: Path) -> bool:
+    return _split_suffixes(path)[0] is not None
+
+
+def expand_inputs(inputs: Sequence[str]) -> list[Path]:
+    """Files named by ``--input``: each argument is a file, a directory (its supported files, not
+    recursive) or a glob (its supported files); the order is the arguments' order, each sorted.
+
+    Raises:
+        PreprocessError: for an argument that matches nothing, an explicitly named file of an
+            unsupported type, or a file listed twice.
+    """
+    files: list[Path] = []
+    for arg in inputs:
+        path = Path(arg)
+        if path.is_dir():
+            found = sorted(p for p in path.iterdir() if p.is_file() and _is_supported(p))
+            what = "directory"
+        elif path.is_file():
+            if not _is_supported(path):
+                raise PreprocessError(
+                    f"{path}: unsupported input type; expected .jsonl/.json/.ndjson or .txt (optionally "
+                    ".gz/.xz/.zst/.bz2) or .parquet"
+                )
+            found, what = [path], "file"
+        else:
+            found = sorted(Path(p) for p in glob.glob(arg) if Path(p).is_file() and _is_supported(Path(p)))
+            what = "glob"
+        if not found:
+            raise PreprocessError(
+                f"{arg}: this {what if what != 'glob' else 'path or glob'} has no input files"
+            )
+        files.extend(found)
+    seen: set[Path] = set()
+    for f in files:
+        if f.resolve() in seen:
+            raise PreprocessError(f"{f}: listed twice by --input; each file would be tokenized twice")
+        seen.add(f.resolve())
+    return files
+
+
+def _open_binary(path: Path, compression: str | None) -> BinaryIO:
+    if compression is None:
+        return open(path, "rb", buffering=1 << 20)
+    if compression == "gzip":
+        return gzip.open(path, "rb")
+    if compression == "xz":
+        return lzma.open(path, "rb")
+    if compression == "bz2":
+        return bz2.open(path, "rb")
+    import zstandard
+
+    raw = open(path, "rb")  # noqa: SIM115 (owned by the reader below)
+    reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=True)
+    return io.BufferedReader(reader, buffer_size=1 << 20)
+
+
+def _document(where: str, texts: Sequence[str]) -> Record:
+    """Checks texts that were read: UTF-8 encodable (JSON can smuggle in lone surrogates) and not blank."""
+    num_bytes = 0
+    for text in texts:
+        try:
+            num_bytes += len(text.encode("utf-8"))
+        except UnicodeEncodeError as e:
+            return BadRecord(
+                where,
+                INVALID_UTF8,
+                f"the text has a lone surrogate {text[e.start]!r} (a \\ud800-style JSON escape)",
+            )
+        if not text.strip():
+            return BadRecord(where, EMPTY_DOCUMENT, "the text is empty or only whitespace")
+    return Document(where, tuple(texts), num_bytes)
+
+
+def _utf8_error(where_file: Path, data: bytes, err: UnicodeDecodeError, first_line: int = 1) -> BadRecord:
+    line = first_line + data.count(b"\n", 0, err.start)
+    bad = data[err.start : err.end]
+    return BadRecord(f"{where_file}:{line}", INVALID_UTF8, f"bytes {bad!r} are not UTF-8 ({err.reason})")
+
+
+def _iter_jsonl(path: Path, compression: str | None, keys: Sequence[str]) -> Iterator[Record]:
+    with _open_binary(path, compression) as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            if lineno == 1 and raw.startswith(_BOM):
+                raw = raw[len(_BOM) :]
+            if not raw.strip():
+                continue  # blank lines (often one at the end) are not records
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield _utf8_error(path, raw, e, first_line=lineno)
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                yield BadRecord(
+                    where, MALFORMED_JSON, f"{e.msg} at column {e.colno} (expected one JSON object per line)"
+                )
+                continue
+            if not isinstance(obj, dict):
+                yield BadRecord(where, MALFORMED_JSON, f"expected a JSON object, found {type(obj).__name__}")
+                continue
+            texts = []
+            for key in keys:
+                value = obj.get(key)
+                if value is None:
+                    have = ", ".join(repr(k) for k in list(obj)[:8])
+                    yield BadRecord(where, MISSING_KEY, f"no {key!r} value (the record has keys {have})")
+                    break
+                if not isinstance(value, str):
+                    yield BadRecord(
+                        where, NOT_A_STRING, f"{key!r} is a {type(value).__name__}, expected a string"
+                    )
+                    break
+                texts.append(value)
+            else:
+                yield _document(where, texts)
+
+
+def _iter_parquet(path: Path, keys: Sequence[str]) -> Iterator[Record]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise PreprocessError(f"{path}: expected a Parquet file, could not read it ({e})") from None
+    schema = pf.schema_arrow
+    missing = [k for k in keys if k not in schema.names]
+    if missing:
+        raise PreprocessError(
+            f"{path}: expected column(s) {missing} (from --json-keys), found columns {schema.names}; "
+            "name the text column with --json-keys"
+        )
+    for key in keys:
+        kind = schema.field(key).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+            raise PreprocessError(f"{path}: expected column {key!r} to hold strings, found type {kind}")
+    row = 0
+    # iter_batches streams: only one batch of rows is in memory, whatever the row-group sizes.
+    for batch in pf.iter_batches(batch_size=1024, columns=list(keys)):
+        columns = [batch.column(k).to_pylist() for k in keys]
+        for values in zip(*columns):
+            where = f"{path}:row {row}"
+            if any(v is None for v in values):
+                key = keys[values.index(None)]
+                yield BadRecord(where, MISSING_KEY, f"column {key!r} is null")
+            else:
+                yield _document(where, values)
+            row += 1
+
+
+def _universal_lines(text: str) -> list[str]:
+    """Lines of ``text`` with ``\\r\\n`` and ``\\r`` turned into ``\\n``, as Python's text mode does
+    (``str.splitlines`` would also split on form feeds and U+2028, which text mode does not)."""
+    parts = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    lines = [p + "\n" for p in parts[:-1]]
+    if parts[-1]:
+        lines.append(parts[-1])
+    return lines
+
+
+def _iter_text_file(path: Path, compression: str | None) -> Iterator[Record]:
+    with _open_binary(path, compression) as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        yield _utf8_error(path, data, e)
+        return
+    yield _document(str(path), ["".join(_universal_lines(text))])
+
+
+def _iter_text_blocks(path: Path, compression: str | None) -> Iterator[Record]:
+    """One document per run of non-blank lines; the block's last newline is dropped."""
+    block: list[str] = []
+    start_line = 0
+    bad: BadRecord | None = None
+
+    def flush() -> Iterator[Record]:
+        if bad is not None:
+            yield bad
+        elif block:
+            text = "".join(block)
+            yield _document(f"{path}:{start_line}", [text[:-1] if text.endswith("\n") else text])
+
+    with _open_binary(path, compression) as f:
+        for lineno, raw in enumerate(f, start=1):
+            if lineno == 1 and raw.startswith(_BOM):
+                raw = raw[len(_BOM) :]
+            try:
+                lines = _universal_lines(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                # The whole block is bad; keep reading to its end so that the next block is intact.
+                bad = bad or _utf8_error(path, raw, e, first_line=lineno)
+                start_line = start_line or lineno
+                continue
+            for line in lines:
+                if line.strip():
+                    start_line = start_line or lineno
+                    block.append(line)
+                elif block or bad:
+                    yield from flush()
+                    block, start_line, bad = [], 0, None
+    yield from flush()
+
+
+def iter_records(
+    paths: Iterable[Path], json_keys: Sequence[str] = ("text",), *, split_blank_lines: bool = False
+) -> Iterator[Record]:
+    """Reads the files in order and yields each record as a ``Document`` or a ``BadRecord``.
+
+    Args:
+        paths: input files (see ``expand_inputs``).
+        json_keys: keys (JSON) or columns (Parquet) holding the text; plain text has one text.
+        split_blank_lines: plain text only: one document per blank-line-separated block instead of
+            one per file.
+
+    Raises:
+        PreprocessError: for problems with a whole file (a Parquet file without a key's column, or
+            several keys with plain text, which has only one).
+    """
+    for path in paths:
+        kind, compression = _split_suffixes(path)
+        if kind == "jsonl":
+            yield from _iter_jsonl(path, compression, json_keys)
+        elif kind == "parquet":
+            yield from _iter_parquet(path, json_keys)
+        elif kind == "text":
+            if len(json_keys) != 1:
+                raise PreprocessError(
+                    f"{path}: plain text has one text per document, but --json-keys names {len(json_keys)} "
+                    "keys; give one key (it only names the output)"
+                )
+            yield from (_iter_text_blocks if split_blank_lines else _iter_text_file)(path, compression)
+        else:
+            raise PreprocessError(f"{path}: unsupported input type")
+
+
+# ----------------------------------------------------------------------------- tokenizing
+
+# Per-process tokenizer state, set by _init_worker in each worker (and once in-process for
+# --workers 1): the Pool API passes a plain function, so it lives at module level.
+_WORKER: dict = {}
+
+
+def _init_worker(tokenizer_kwargs: dict, append_eod: bool, dtype: np.dtype, tokenizer=None) -> None:
+    if tokenizer is None:  # in a pool worker
+        # Ctrl-C and SIGTERM are for the parent, which then terminates the pool and cleans up.
+        # They arrive blocked (see _start_pool) and are unblocked once these handlers are in place.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+        tokenizer = build_tokenizer(**tokenizer_kwargs)
+    _WORKER["tokenizer"] = tokenizer
+    _WORKER["append_eod"] = append_eod
+    _WORKER["dtype"] = dtype
+
+
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+def _start_pool(workers: int, init_args: tuple) -> multiprocessing.pool.Pool:
+    """A pool whose workers ignore Ctrl-C and die on SIGTERM.
+
+    The stop signals are blocked while the workers are forked: a Python handler that raises in
+    the middle of a fork runs inside an at-fork hook, where the exception is printed and dropped,
+    so the parent would never learn it was told to stop. Blocked, the signal waits until here.
+    """
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        return multiprocessing.Pool(workers, initializer=_init_worker, initargs=init_args)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _encode_chunk(chunk: list[tuple[str, ...] | None]) -> list[tuple[np.ndarray, ...] | None]:
+    """Tokenizes the texts of each record (``None`` entries are bad records, passed through).
+
+    One tokenizer call per text on purpose: a worker is one core, so ``--workers`` is the number of
+    cores used, as in Megatron.
+    """
+    tokenizer, append_eod, dtype = _WORKER["tokenizer"], _WORKER["append_eod"], _WORKER["dtype"]
+    out: list[tuple[np.ndarray, ...] | None] = []
+    for texts in chunk:
+        if texts is None:
+            out.append(None)
+            continue
+        arrays = []
+        for text in texts:
+            ids = tokenizer.encode(text)
+            if ids and append_eod:  # Megatron adds no EOD to a document without tokens
+                ids.append(tokenizer.eod)
+            arrays.append(np.asarray(ids, dtype=dtype))
+        out.append(tuple(arrays))
+    return out
+
+
+def _chunks(records: Iterable[Record]) -> Iterator[list[Record]]:
+    chunk: list[Record] = []
+    chunk_bytes = 0
+    for record in records:
+        chunk.append(record)
+        if isinstance(record, Document):
+            chunk_bytes += record.num_bytes
+        if len(chunk) >= _CHUNK_DOCS or chunk_bytes >= _CHUNK_BYTES:
+            yield chunk
+            chunk, chunk_bytes = [], 0
+    if chunk:
+        yield chunk
+
+
+def _payload(chunk: list[Record]) -> list[tuple[str, ...] | None]:
+    return [r.texts if isinstance(r, Document) else None for r in chunk]
+
+
+def _encoded_chunks(
+    records: Iterable[Record], workers: int, init_args: tuple, tokenizer
+) -> Iterator[tuple[list[Record], list[tuple[np.ndarray, ...] | None]]]:
+    """(chunk, its token arrays) in input order, tokenized by ``workers`` processes.
+
+    Like ``Pool.imap`` but with at most ``2 * workers + 2`` chunks in flight: ``imap`` reads its
+    input as fast as it can, which on a corpus larger than memory fills the memory. With one
+    worker everything runs in this process, on the tokenizer already built.
+    """
+    if workers == 1:
+        _init_worker(*init_args, tokenizer=tokenizer)
+        for chunk in _chunks(records):
+            yield chunk, _encode_chunk(_payload(chunk))
+        return
+    with _start_pool(workers, init_args) as pool:
+        pending: deque = deque()
+        for chunk in _chunks(records):
+            pending.append((chunk, pool.apply_async(_encode_chunk, (_payload(chunk),))))
+            if len(pending) >= 2 * workers + 2:
+                done, result = pending.popleft()
+                yield done, result.get()
+        while pending:
+            done, result = pending.popleft()
+            yield done, result.get()
+
+
+# ----------------------------------------------------------------------------- the pipeline
+
+
+@dataclass
+class PreprocessSummary:
+    """What a run wrote and skipped.
+
+    Attributes:
+        documents: documents written (per output; the same for every key).
+        tokens: tokens written, summed over the outputs (EODs included).
+        text_bytes: UTF-8 bytes of the texts tokenized.
+        seconds: wall time of the run.
+        skipped: bad records skipped, by reason.
+        outputs: output prefixes, one per key (``{prefix}_{key}_document``).
+    """
+
+    documents: int = 0
+    tokens: int = 0
+    text_bytes: int = 0
+    seconds: float = 0.0
+    skipped: Counter = field(default_factory=Counter)
+    outputs: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        """One-line report: documents, tokens, skips by reason, seconds, MB/s, tokens/s."""
+        secs = max(self.seconds, 1e-9)
+        skipped = sum(self.skipped.values())
+        reasons = ", ".join(f"{r}: {n}" for r, n in sorted(self.skipped.items()))
+        return (
+            f"{self.documents:,} documents, {self.tokens:,} tokens, "
+            f"skipped {skipped} bad records" + (f" ({reasons})" if reasons else "") + ", "
+            f"{self.seconds:.1f} s, {self.text_bytes / 1e6 / secs:.2f} MB/s, "
+            f"{self.tokens / secs:,.0f} tokens/s"
+        )
+
+
+def preprocess(args: argparse.Namespace) -> PreprocessSummary:
+    """Runs the pipeline for parsed command-line ``args`` (see ``build_parser``).
+
+    Raises:
+        PreprocessError: for a bad record (without ``--skip-bad-records``) or a bad input file,
+            after removing the temporary outputs.
+        TokenizerError: for bad tokenizer files.
+    """
+    start = time.perf_counter()
+    if args.workers < 1:
+        raise PreprocessError(f"--workers must be at least 1, got {args.workers}")
+    paths = expand_inputs(args.input)
+    tokenizer_kwargs = {
+        "tokenizer_type": args.tokenizer_type,
+        "vocab_file": args.vocab_file,
+        "merge_file": args.merge_file,
+        "tokenizer_model": args.tokenizer_model,
+    }
+    tokenizer = build_tokenizer(**tokenizer_kwargs)  # here first, so bad files fail before any work
+    dtype = optimal_dtype(tokenizer.vocab_size)
+    summary = PreprocessSummary()
+    summary.outputs = [f"{args.output_prefix}_{key}_document" for key in args.json_keys]
+
+    from tqdm import tqdm
+
+    # disable=None: a bar on a terminal, nothing in logs (where --log-interval lines are printed).
+    bar = tqdm(unit=" docs", file=sys.stderr, disable=None, dynamic_ncols=True, desc="tokenizing")
+    writers: list[IndexedDatasetWriter] = []
+    try:
+        writers = [IndexedDatasetWriter(prefix, dtype) for prefix in summary.outputs]
+        records = iter_records(paths, args.json_keys, split_blank_lines=args.text_split_blank_lines)
+        for chunk, encoded in _encoded_chunks(
+            records, args.workers, (tokenizer_kwargs, args.append_eod, dtype), tokenizer
+        ):
+            for record, arrays in zip(chunk, encoded):
+                if isinstance(record, Document) and any(a.size == 0 for a in arrays):
+                    record = BadRecord(record.where, EMPTY_DOCUMENT, "the text has no tokens")
+                if isinstance(record, BadRecord):
+                    _skip(record, args.skip_bad_records, summary)
+                    continue
+                for writer, tokens in zip(writers, arrays):
+                    writer.add_document(tokens)
+                    summary.tokens += tokens.size
+                summary.documents += 1
+                summary.text_bytes += record.num_bytes
+                if bar.disable and args.log_interval > 0 and summary.documents % args.log_interval == 0:
+                    _log_progress(summary, time.perf_counter() - start)
+            bar.update(len(chunk))
+            bar.set_postfix_str(f"{summary.text_bytes / 1e6:.1f} MB", refresh=False)
+        if summary.documents == 0:
+            raise PreprocessError(
+                f"no documents to write from {len(paths)} input file(s)"
+                + (f" (skipped {sum(summary.skipped.values())} bad records)" if summary.skipped else "")
+            )
+        for writer in writers:
+            writer.finalize()
+    except BaseException:
+        for writer in writers:
+            writer.abort()
+        raise
+    finally:
+        bar.close()
+    summary.seconds = time.perf_counter() - start
+    return summary
+
+
+def _skip(record: BadRecord, skip_bad_records: bool, summary: PreprocessSummary) -> None:
+    if not skip_bad_records:
+        raise PreprocessError(
+            f"{record.message()}; fix the input or use --skip-bad-records to skip such records"
+        )
+    summary.skipped[record.reason] += 1
+    n = sum(summary.skipped.values())
+    if n <= _MAX_REPORTED_SKIPS:
+        print(f"skipping {record.message()}", file=sys.stderr)
+        if n == _MAX_REPORTED_SKIPS:
+            print("(further skipped records are only counted)", file=sys.stderr)
+
+
+def _log_progress(summary: PreprocessSummary, seconds: float) -> None:
+    print(
+        f"processed {summary.documents:,} documents, {summary.text_bytes / 1e6:.1f} MB "
+        f"({summary.text_bytes / 1e6 / max(seconds, 1e-9):.2f} MB/s)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line, with Megatron's ``preprocess_data.py`` flag names."""
+    p = argparse.ArgumentParser(
+        prog="python -m data_tools.preprocess",
+        description="Tokenize JSONL / Parquet / text into Megatron .bin/.idx files.",
+    )
+    g = p.add_argument_group("input")
+    g.add_argument("--input", nargs="+", required=True, help="files, directories or globs")
+    g.add_argument(
+        "--json-keys",
+        nargs="+",
+        default=["text"],
+        help="JSON keys / Parquet columns to tokenize (default: text)",
+    )
+    g.add_argument(
+        "--text-split-blank-lines",
+        action="store_true",
+        help="plain text: one document per blank-line-separated block (default: one per file)",
+    )
+    g.add_argument(
+        "--skip-bad-records", action="store_true", help="skip and count bad records instead of failing"
+    )
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    g.add_argument("--vocab-file", help="GPT-2 encoder.json / vocab.json")
+    g.add_argument("--merge-file", help="GPT-2 vocab.bpe / merges.txt")
+    g.add_argument("--tokenizer-model", help="SentencePiece .model file")
+    g.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")
+    g = p.add_argument_group("output")
+    g.add_argument(
+        "--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx for each key"
+    )
+    g.add_argument(
+        "--dataset-impl",
+        choices=["mmap"],
+        default="mmap",
+        help="accepted for older Megatron command lines; mmap (MMIDIDX) is the only format",
+    )
+    g = p.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")
+    g.add_argument(
+        "--log-interval",
+        type=int,
+        default=10000,
+        help="documents between progress lines when stderr is not a terminal (0: none)",
+    )
+    return p
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status (0 ok, 2 bad input, 130 interrupted)."""
+    args = build_parser().parse_args(argv)
+    # SIGTERM (a scheduler's kill) unwinds like Ctrl-C, so the temporaries are removed.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        summary = preprocess(args)
+    except DataToolsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; no output written", file=sys.stderr)
+        return 130
+    print(f"done: {summary.line()}")
+    for prefix in summary.outputs:
+        print(f"wrote {prefix}.bin and {prefix}.idx")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

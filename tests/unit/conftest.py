@@ -1,0 +1,108 @@
+"""Fixtures of the data-tool tests: the shared data files, a CLI runner, a reference .bin/.idx writer."""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# CI checks out shared/ next to the clone, as ../shared
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """``../shared/data`` (skips the test where it is absent)."""
+    if not (SHARED_DATA / "gpt2-bpe" / "encoder.json").is_file():
+        pytest.skip(f"shared data not found at {SHARED_DATA}")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def gpt2_files(shared_data: Path) -> tuple[Path, Path]:
+    """GPT-2's (encoder.json, vocab.bpe)."""
+    return shared_data / "gpt2-bpe" / "encoder.json", shared_data / "gpt2-bpe" / "vocab.bpe"
+
+
+@pytest.fixture(scope="session")
+def gpt2_flags(gpt2_files: tuple[Path, Path]) -> list[str]:
+    """Tokenizer flags of ``data_tools.preprocess`` for GPT-2 BPE."""
+    vocab, merges = gpt2_files
+    return ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(vocab), "--merge-file", str(merges)]
+
+
+@pytest.fixture(scope="session")
+def gpt2_tokenizer(gpt2_files: tuple[Path, Path]):
+    """Our GPT-2 tokenizer, built once."""
+    from data_tools.tokenizer import build_tokenizer
+
+    vocab, merges = gpt2_files
+    return build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
+
+
+@pytest.fixture(scope="session")
+def hf_gpt2(gpt2_files: tuple[Path, Path]):
+    """The reference: Hugging Face ``tokenizers`` BPE from the same files, GPT-2 byte-level
+    pre-tokenizer without a prefix space, no special-token handling."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab, merges = gpt2_files
+    tok = Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    return tok
+
+
+def _run(module: str, *args: str | Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", module, *map(str, args)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="session")
+def run_cli() -> Callable[..., subprocess.CompletedProcess]:
+    """``run_cli("data_tools.preprocess", *args)``: runs ``python -m`` from the repo root, output captured."""
+    return _run
+
+
+def write_reference(prefix: Path, documents: Sequence[Sequence[Sequence[int]]], dtype=np.uint16) -> None:
+    """Writes ``prefix.bin/.idx`` by following Megatron's layout literally, independent of our writer.
+
+    ``documents[d][s]`` is the token list of sequence ``s`` of document ``d``.
+    """
+    dtype = np.dtype(dtype)
+    code = {np.dtype(np.uint16): 8, np.dtype(np.int32): 4}[dtype]
+    lengths, pointers, doc_index = [], [], [0]
+    offset = 0
+    with open(f"{prefix}.bin", "wb") as f:
+        for doc in documents:
+            for seq in doc:
+                np.array(seq, dtype=dtype).tofile(f)
+                lengths.append(len(seq))
+                pointers.append(offset)
+                offset += len(seq) * dtype.itemsize
+            doc_index.append(len(lengths))
+    with open(f"{prefix}.idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00")
+        f.write(struct.pack("<Q", 1))
+        f.write(struct.pack("<B", code))
+        f.write(struct.pack("<Q", len(lengths)))
+        f.write(struct.pack("<Q", len(doc_index)))
+        np.array(lengths, dtype="<i4").tofile(f)
+        np.array(pointers, dtype="<i8").tofile(f)
+        np.array(doc_index, dtype="<i8").tofile(f)
+
+
+@pytest.fixture(scope="session")
+def reference_writer() -> Callable[..., None]:
+    """``reference_writer(prefix, documents, dtype=np.uint16)``, see ``write_reference``."""
+    return write_reference
