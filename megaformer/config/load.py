@@ -188,6 +188,7 @@ def check_model(cfg: RunConfig) -> None:
     m = cfg.model
     _positive("model", m, "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "seq_len")
     _positive("model", m, "make_vocab_size_divisible_by", "layernorm_eps", "init_std")
+    _require(m.embedding_init_std >= 0, f"model.embedding_init_std={m.embedding_init_std}: must be >= 0.")
     _require(m.ffn_hidden_size >= 0, f"model.ffn_hidden_size={m.ffn_hidden_size}: must be >= 0.")
     _require(
         m.hidden_size % m.num_attention_heads == 0,

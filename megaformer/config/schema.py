@@ -57,7 +57,14 @@ class ModelConfig:
     layernorm_eps: float = 1e-5
     """Epsilon of every LayerNorm."""
     init_std: float = 0.02
-    """Standard deviation of the normal initialisation of weight matrices and embeddings."""
+    """Standard deviation of the normal initialisation of weight matrices."""
+    embedding_init_std: float = 0.0
+    """Standard deviation of the token (and tied output) embedding init; 0 means hidden_size^-0.5,
+    fairseq's choice for the paper's models (GPT-2 uses 0.02 with learned positions)."""
+    scale_embedding: bool = True
+    """Multiply token embeddings by sqrt(hidden_size) before adding positions (Vaswani et al. 2017,
+    Sec. 3.4; fairseq's default). With the unit-scale sinusoidal table and a small init, unscaled
+    token embeddings are drowned by the positions and training stalls at the unigram loss."""
     tie_embeddings: bool = True
     """Use the input embedding as the output projection."""
 
@@ -65,6 +72,11 @@ class ModelConfig:
     def ffn_size(self) -> int:
         """The FFN intermediate width actually used (resolves 0 to 4 × hidden_size)."""
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def token_embedding_std(self) -> float:
+        """The token embedding init std actually used (resolves 0 to hidden_size^-0.5)."""
+        return self.embedding_init_std or self.hidden_size**-0.5
 
     @property
     def head_dim(self) -> int:

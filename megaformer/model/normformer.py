@@ -88,8 +88,8 @@ def sinusoidal_positions(num_positions: int, dim: int) -> torch.Tensor:
 
 
 class NormFormerEmbedding(nn.Module):
-    """Tokens to the first hidden state: vocab-parallel token embedding plus positions (GPT style,
-    no scaling of the token embedding).
+    """Tokens to the first hidden state: vocab-parallel token embedding, times sqrt(d) when
+    ``scale_embedding`` (fairseq, the paper's code base), plus positions.
 
     Shapes: ``tokens: LongTensor[B, T]`` (``T <= seq_len``) -> ``float32[B, T, d]``, replicated.
     """
@@ -103,7 +103,7 @@ class NormFormerEmbedding(nn.Module):
             config.padded_vocab_size(tp_world_size(tp_group)),
             d,
             tp_group=tp_group,
-            init_std=config.init_std,
+            init_std=config.token_embedding_std,
             seed=derive_seed(seed, "embedding.token"),
             num_valid_embeddings=config.vocab_size,
         )
@@ -113,12 +113,13 @@ class NormFormerEmbedding(nn.Module):
         else:
             # Fixed, so not saved in checkpoints (persistent=False) and not a parameter.
             self.register_buffer("position", sinusoidal_positions(config.seq_len, d), persistent=False)
+        self.scale = math.sqrt(d) if config.scale_embedding else 1.0
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         seq_len = tokens.shape[-1]
         if seq_len > self.config.seq_len:
             raise ValueError(f"sequence of {seq_len} tokens exceeds model.seq_len={self.config.seq_len}")
-        return self.token(tokens) + self.position[:seq_len]  # (B, T, d)
+        return self.token(tokens) * self.scale + self.position[:seq_len]  # (B, T, d)
 
 
 class NormFormerBlock(nn.Module):
