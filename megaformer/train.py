@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 from megaformer.config import ConfigError, load_config
 
@@ -26,6 +27,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     """Load the config, train, exit cleanly (exit code 2 on a configuration or data error)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    # DeepSpeed's ZeRO still calls the deprecated torch name once per step; the warning says nothing
+    # a user can act on and buries the step log.
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated", category=FutureWarning)
     from data_tools.indexed_dataset import DataFormatError
     from megaformer.training.distributed import finish
 

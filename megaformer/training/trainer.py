@@ -169,6 +169,12 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     )
     scheduler = build_scheduler(optimizer, t)
     ds_config = build_deepspeed_config(cfg, dp_size)
+    if t.precision == "fp16" and device.type == "cpu" and os.environ.get("MEGAFORMER_CPU_FP16") == "1":
+        # DeepSpeed refuses fp16 on CPU ("Type fp16 is not supported on your device"); the tests set
+        # this variable to run the fp16 path (FP16_Optimizer, dynamic loss scaling) on gloo anyway.
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator().is_fp16_supported = lambda: True
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, dist_init_required=False
     )

@@ -125,3 +125,18 @@ def test_missing_dataset_is_a_clear_error(tmp_path):
     )
     assert proc.returncode != 0
     assert "none_text_document.bin" in proc.stderr and "data_tools.preprocess" in proc.stderr
+
+
+def test_fp16_dynamic_loss_scale_is_logged(gutenberg_prefix, tmp_path, monkeypatch):
+    """The fp16 path (DeepSpeed's dynamic loss scaler) on CPU, which DeepSpeed refuses unless told."""
+    monkeypatch.setenv("MEGAFORMER_CPU_FP16", "1")
+    proc = run_pretrain(
+        CONFIG,
+        [*TINY, f"data.prefix={gutenberg_prefix}", "train.steps=6", "train.precision=fp16",
+         "train.zero_stage=1", "train.eval_interval=6", f"output.dir={tmp_path}"],
+    )  # fmt: skip
+    _check(proc)
+    scalars = read_scalars(str(tmp_path / "tensorboard"))
+    assert sorted(scalars["train/loss_scale"]) == list(range(1, 7))
+    assert all(v >= 1 for v in scalars["train/loss_scale"].values())
+    assert all(math.isfinite(v) for v in scalars["train/loss"].values())

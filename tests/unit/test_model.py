@@ -284,3 +284,26 @@ def test_parameters_carry_tensor_parallel_tags():
     assert blk.out_proj.weight.partition_dim == 1 and not blk.out_proj.bias.tensor_model_parallel
     assert blk.ffn_ln.weight.tensor_model_parallel and blk.head_scale.tensor_model_parallel
     assert not blk.post_attn_ln.weight.tensor_model_parallel and not blk.resid_scale.tensor_model_parallel
+
+
+def test_embedding_scales_tokens_by_sqrt_d_and_adds_sinusoids():
+    """fairseq's input: sqrt(d)·E[token] + sinusoid, E ~ N(0, d^-0.5), so both have unit scale."""
+    from megaformer.model.normformer import sinusoidal_positions
+
+    config = cfg()
+    model = NormFormerLM(config, seed=3)
+    tokens, _ = batch(config)
+    d = config.hidden_size
+    weight = model.embedding.token.weight
+    expected = math.sqrt(d) * weight[tokens] + sinusoidal_positions(config.seq_len, d)[: tokens.shape[1]]
+    torch.testing.assert_close(model.embedding(tokens), expected)
+    real_rows = weight[: config.vocab_size]
+    assert real_rows.std().item() == pytest.approx(d**-0.5, rel=0.05)
+    unscaled = NormFormerLM(
+        dataclasses.replace(config, scale_embedding=False, embedding_init_std=0.02), seed=3
+    )
+    assert unscaled.embedding.token.weight[: config.vocab_size].std().item() == pytest.approx(0.02, rel=0.05)
+    torch.testing.assert_close(
+        unscaled.embedding(tokens),
+        unscaled.embedding.token.weight[tokens] + sinusoidal_positions(config.seq_len, d)[: tokens.shape[1]],
+    )
