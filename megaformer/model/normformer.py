@@ -119,7 +119,10 @@ class NormFormerEmbedding(nn.Module):
         seq_len = tokens.shape[-1]
         if seq_len > self.config.seq_len:
             raise ValueError(f"sequence of {seq_len} tokens exceeds model.seq_len={self.config.seq_len}")
-        return self.token(tokens) * self.scale + self.position[:seq_len]  # (B, T, d)
+        x = self.token(tokens) * self.scale  # (B, T, d)
+        # The sinusoidal table is a buffer, which DeepSpeed's bf16/fp16 conversion (ZeRO-3 in
+        # particular) leaves in fp32: follow the embedding's dtype.
+        return x + self.position[:seq_len].to(x.dtype)  # (B, T, d)
 
 
 class NormFormerBlock(nn.Module):
