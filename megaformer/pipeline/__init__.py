@@ -1,0 +1,25 @@
+"""The model as a DeepSpeed pipeline: LayerSpecs for pp > 1, the same list run sequentially for pp = 1."""
+
+from megaformer.pipeline.module import (
+    PARTITION_METHODS,
+    EmbeddingPipe,
+    FinalNormPipe,
+    LMLoss,
+    OutputPipe,
+    SequentialLM,
+    build_pipeline_module,
+    layer_specs,
+    output_logits,
+)
+
+__all__ = [
+    "PARTITION_METHODS",
+    "EmbeddingPipe",
+    "FinalNormPipe",
+    "LMLoss",
+    "OutputPipe",
+    "SequentialLM",
+    "build_pipeline_module",
+    "layer_specs",
+    "output_logits",
+]
