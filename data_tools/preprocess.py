@@ -47,8 +47,8 @@ from typing import BinaryIO
 
 import numpy as np
 
-from data_tools.errors import DataToolsError, PreprocessError
-from data_tools.indexed_dataset import IndexedDatasetWriter, optimal_dtype
+from data_tools.errors import DataFormatError, DataToolsError, PreprocessError
+from data_tools.indexed_dataset import IndexedDataset, IndexedDatasetWriter, optimal_dtype
 from data_tools.tokenizer import TOKENIZER_TYPES, build_tokenizer
 
 __all__ = [
@@ -206,44 +206,63 @@ def _utf8_error(where_file: Path, data: bytes, err: UnicodeDecodeError, first_li
     return BadRecord(f"{where_file}:{line}", INVALID_UTF8, f"bytes {bad!r} are not UTF-8 ({err.reason})")
 
 
+def _parse_jsonl_line(path: Path | str, lineno: int, raw: bytes, keys: Sequence[str]) -> Record | None:
+    """One JSONL line (without or with its newline) as a record; ``None`` for a blank line."""
+    where = f"{path}:{lineno}"
+    if lineno == 1 and raw.startswith(_BOM):
+        raw = raw[len(_BOM) :]
+    if not raw.strip():
+        return None  # blank lines (often one at the end) are not records
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return _utf8_error(Path(path), raw, e, first_line=lineno)
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        detail = f"{e.msg} at column {e.colno} (expected one JSON object per line)"
+        return BadRecord(where, MALFORMED_JSON, detail)
+    if not isinstance(obj, dict):
+        return BadRecord(where, MALFORMED_JSON, f"expected a JSON object, found {type(obj).__name__}")
+    texts = []
+    for key in keys:
+        value = obj.get(key)
+        if value is None:
+            have = ", ".join(repr(k) for k in list(obj)[:8])
+            return BadRecord(where, MISSING_KEY, f"no {key!r} value (the record has keys {have})")
+        if not isinstance(value, str):
+            return BadRecord(where, NOT_A_STRING, f"{key!r} is a {type(value).__name__}, expected a string")
+        texts.append(value)
+    return _document(where, texts)
+
+
 def _iter_jsonl(path: Path, compression: str | None, keys: Sequence[str]) -> Iterator[Record]:
     with _open_binary(path, compression) as f:
         for lineno, raw in enumerate(f, start=1):
-            where = f"{path}:{lineno}"
-            if lineno == 1 and raw.startswith(_BOM):
-                raw = raw[len(_BOM) :]
-            if not raw.strip():
-                continue  # blank lines (often one at the end) are not records
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                yield _utf8_error(path, raw, e, first_line=lineno)
+            record = _parse_jsonl_line(path, lineno, raw, keys)
+            if record is not None:
+                yield record
+
+
+def _jsonl_blocks(path: Path, compression: str | None) -> Iterator[tuple[int, bytes]]:
+    """``(number of its first line, bytes)`` blocks of about ``_CHUNK_BYTES`` of whole lines.
+
+    The workers split and parse the lines: the reading process only finds the last newline of
+    each block, so it stays far from being the bottleneck, and a block pickles as one bytes object.
+    """
+    with _open_binary(path, compression) as f:
+        lineno, carry = 1, b""
+        while data := f.read(_CHUNK_BYTES):
+            data = carry + data if carry else data
+            cut = data.rfind(b"\n")
+            if cut < 0:  # one line longer than a block: keep reading until it ends
+                carry = data
                 continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                yield BadRecord(
-                    where, MALFORMED_JSON, f"{e.msg} at column {e.colno} (expected one JSON object per line)"
-                )
-                continue
-            if not isinstance(obj, dict):
-                yield BadRecord(where, MALFORMED_JSON, f"expected a JSON object, found {type(obj).__name__}")
-                continue
-            texts = []
-            for key in keys:
-                value = obj.get(key)
-                if value is None:
-                    have = ", ".join(repr(k) for k in list(obj)[:8])
-                    yield BadRecord(where, MISSING_KEY, f"no {key!r} value (the record has keys {have})")
-                    break
-                if not isinstance(value, str):
-                    yield BadRecord(
-                        where, NOT_A_STRING, f"{key!r} is a {type(value).__name__}, expected a string"
-                    )
-                    break
-                texts.append(value)
-            else:
-                yield _document(where, texts)
+            block, carry = data[: cut + 1], data[cut + 1 :]
+            yield lineno, block
+            lineno += block.count(b"\n")
+        if carry:
+            yield lineno, carry
 
 
 def _iter_parquet(path: Path, keys: Sequence[str]) -> Iterator[Record]:
@@ -373,17 +392,22 @@ def iter_records(
 _WORKER: dict = {}
 
 
-def _init_worker(tokenizer_kwargs: dict, append_eod: bool, dtype: np.dtype, tokenizer=None) -> None:
+def _init_worker(
+    tokenizer_kwargs: dict, append_eod: bool, dtype: np.dtype, keys: Sequence[str], tokenizer=None
+) -> None:
     if tokenizer is None:  # in a pool worker
         # Ctrl-C and SIGTERM are for the parent, which then terminates the pool and cleans up.
         # They arrive blocked (see _start_pool) and are unblocked once these handlers are in place.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
-        tokenizer = build_tokenizer(**tokenizer_kwargs)
+        # A forked worker inherits the tokenizer the parent set just before starting the pool (see
+        # _encoded_units): no second build per worker. Other start methods build their own.
+        tokenizer = _WORKER.get("tokenizer") or build_tokenizer(**tokenizer_kwargs)
     _WORKER["tokenizer"] = tokenizer
     _WORKER["append_eod"] = append_eod
     _WORKER["dtype"] = dtype
+    _WORKER["keys"] = tuple(keys)
 
 
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
@@ -403,70 +427,125 @@ def _start_pool(workers: int, init_args: tuple) -> multiprocessing.pool.Pool:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def _encode_chunk(chunk: list[tuple[str, ...] | None]) -> list[tuple[np.ndarray, ...] | None]:
-    """Tokenizes the texts of each record (``None`` entries are bad records, passed through).
+@dataclass
+class _Encoded:
+    """A work unit's result, sent back from a worker as a few arrays (cheap to pickle).
 
-    One tokenizer call per text on purpose: a worker is one core, so ``--workers`` is the number of
-    cores used, as in Megatron.
+    Attributes:
+        lengths: int32[num_keys, num_documents], tokens per document and key (EOD included).
+        tokens: per key, the ids of all its documents back to back, in the output dtype.
+        bad: the unit's bad records, in input order.
+        records: records seen (documents + bad), for the progress bar.
+        text_bytes: UTF-8 bytes of the documents' texts.
     """
-    tokenizer, append_eod, dtype = _WORKER["tokenizer"], _WORKER["append_eod"], _WORKER["dtype"]
-    out: list[tuple[np.ndarray, ...] | None] = []
-    for texts in chunk:
-        if texts is None:
-            out.append(None)
+
+    lengths: np.ndarray
+    tokens: list[np.ndarray]
+    bad: list[BadRecord]
+    records: int
+    text_bytes: int
+
+
+def _encode_unit(unit: tuple) -> _Encoded:
+    """Parses (for JSONL) and tokenizes one work unit in a worker (or in-process with one worker).
+
+    ``unit`` is ``("jsonl", path, first_line, block_bytes)`` or ``("records", [Document | BadRecord])``.
+    One tokenizer call per text on purpose: a worker is one core, so ``--workers`` is the number of
+    cores used, as in Megatron (tiktoken's batch call would add its own threads). Where the
+    tokenizer has ``encode_array`` (GPT-2 BPE), ids come back as numpy arrays, not Python lists.
+    """
+    tokenizer, append_eod, dtype, keys = (_WORKER[k] for k in ("tokenizer", "append_eod", "dtype", "keys"))
+    if unit[0] == "jsonl":
+        _, path, first_line, block = unit
+        lines = enumerate(block.split(b"\n"), start=first_line)
+        records = [r for k, raw in lines if (r := _parse_jsonl_line(path, k, raw, keys)) is not None]
+    else:
+        records = unit[1]
+    encode = getattr(tokenizer, "encode_array", None) or tokenizer.encode
+    per_key: list[list] = [[] for _ in keys]
+    bad: list[BadRecord] = []
+    text_bytes = 0
+    for record in records:
+        if isinstance(record, BadRecord):
+            bad.append(record)
             continue
-        arrays = []
-        for text in texts:
-            ids = tokenizer.encode(text)
-            if ids and append_eod:  # Megatron adds no EOD to a document without tokens
-                ids.append(tokenizer.eod)
-            arrays.append(np.asarray(ids, dtype=dtype))
-        out.append(tuple(arrays))
+        ids = [encode(text) for text in record.texts]
+        if any(len(x) == 0 for x in ids):
+            bad.append(BadRecord(record.where, EMPTY_DOCUMENT, "the text has no tokens"))
+            continue
+        for out, x in zip(per_key, ids):
+            out.append(x)
+        text_bytes += record.num_bytes
+    eod = tokenizer.eod if append_eod else None
+    extra = int(append_eod)
+    lengths = np.array([[len(x) + extra for x in lists] for lists in per_key], dtype=np.int32)
+    lengths = lengths.reshape(len(keys), -1)
+    tokens = [_concatenate(lists, int(n.sum()), dtype, eod) for lists, n in zip(per_key, lengths)]
+    return _Encoded(lengths, tokens, bad, len(records), text_bytes)
+
+
+def _concatenate(parts: list, size: int, dtype: np.dtype, eod: int | None) -> np.ndarray:
+    """The documents' ids (arrays or lists) back to back in one ``dtype`` array, each followed by
+    ``eod`` unless it is None; ``size`` is the total."""
+    out = np.empty(size, dtype=dtype)
+    pos = 0
+    for x in parts:
+        end = pos + len(x)
+        out[pos:end] = x
+        pos = end
+        if eod is not None:
+            out[pos] = eod
+            pos += 1
     return out
 
 
-def _chunks(records: Iterable[Record]) -> Iterator[list[Record]]:
-    chunk: list[Record] = []
-    chunk_bytes = 0
-    for record in records:
-        chunk.append(record)
-        if isinstance(record, Document):
-            chunk_bytes += record.num_bytes
-        if len(chunk) >= _CHUNK_DOCS or chunk_bytes >= _CHUNK_BYTES:
-            yield chunk
-            chunk, chunk_bytes = [], 0
-    if chunk:
-        yield chunk
+def _work_units(paths: Sequence[Path], keys: Sequence[str], split_blank_lines: bool) -> Iterator[tuple]:
+    """The input as work units for ``_encode_unit``, in input order.
 
-
-def _payload(chunk: list[Record]) -> list[tuple[str, ...] | None]:
-    return [r.texts if isinstance(r, Document) else None for r in chunk]
-
-
-def _encoded_chunks(
-    records: Iterable[Record], workers: int, init_args: tuple, tokenizer
-) -> Iterator[tuple[list[Record], list[tuple[np.ndarray, ...] | None]]]:
-    """(chunk, its token arrays) in input order, tokenized by ``workers`` processes.
-
-    Like ``Pool.imap`` but with at most ``2 * workers + 2`` chunks in flight: ``imap`` reads its
-    input as fast as it can, which on a corpus larger than memory fills the memory. With one
-    worker everything runs in this process, on the tokenizer already built.
+    JSONL goes out as raw blocks of lines (parsed in the workers); Parquet and plain text are read
+    here and go out as chunks of records of about ``_CHUNK_BYTES``.
     """
+    for path in paths:
+        kind, compression = _split_suffixes(path)
+        if kind == "jsonl":
+            for first_line, block in _jsonl_blocks(path, compression):
+                yield ("jsonl", str(path), first_line, block)
+            continue
+        chunk: list[Record] = []
+        chunk_bytes = 0
+        for record in iter_records([path], keys, split_blank_lines=split_blank_lines):
+            chunk.append(record)
+            chunk_bytes += record.num_bytes if isinstance(record, Document) else 0
+            if len(chunk) >= _CHUNK_DOCS or chunk_bytes >= _CHUNK_BYTES:
+                yield ("records", chunk)
+                chunk, chunk_bytes = [], 0
+        if chunk:
+            yield ("records", chunk)
+
+
+def _encoded_units(units: Iterable[tuple], workers: int, init_args: tuple, tokenizer) -> Iterator[_Encoded]:
+    """The units' results in input order, tokenized by ``workers`` processes.
+
+    Like ``Pool.imap`` but with at most ``2 * workers + 2`` units in flight: ``imap`` reads its
+    input as fast as it can, which on a corpus larger than memory fills the memory; this way peak
+    memory is a few MB per worker whatever the corpus size. With one worker everything runs in
+    this process, on the tokenizer already built.
+    """
+    # Set here before the fork, so that forked workers share this tokenizer instead of each
+    # building its own (0.1-0.3 s of a worker's time with GPT-2 BPE).
+    _init_worker(*init_args, tokenizer=tokenizer)
     if workers == 1:
-        _init_worker(*init_args, tokenizer=tokenizer)
-        for chunk in _chunks(records):
-            yield chunk, _encode_chunk(_payload(chunk))
+        for unit in units:
+            yield _encode_unit(unit)
         return
     with _start_pool(workers, init_args) as pool:
         pending: deque = deque()
-        for chunk in _chunks(records):
-            pending.append((chunk, pool.apply_async(_encode_chunk, (_payload(chunk),))))
+        for unit in units:
+            pending.append(pool.apply_async(_encode_unit, (unit,)))
             if len(pending) >= 2 * workers + 2:
-                done, result = pending.popleft()
-                yield done, result.get()
+                yield pending.popleft().get()
         while pending:
-            done, result = pending.popleft()
-            yield done, result.get()
+            yield pending.popleft().get()
 
 
 # ----------------------------------------------------------------------------- the pipeline
@@ -491,6 +570,7 @@ class PreprocessSummary:
     seconds: float = 0.0
     skipped: Counter = field(default_factory=Counter)
     outputs: list[str] = field(default_factory=list)
+    already_done: bool = False
 
     def line(self) -> str:
         """One-line report: documents, tokens, skips by reason, seconds, MB/s, tokens/s."""
@@ -517,6 +597,9 @@ def preprocess(args: argparse.Namespace) -> PreprocessSummary:
     if args.workers < 1:
         raise PreprocessError(f"--workers must be at least 1, got {args.workers}")
     paths = expand_inputs(args.input)
+    output_prefix = args.output_prefix
+    if args.num_shards != 1 or args.shard_index is not None:
+        paths, output_prefix = shard_inputs(paths, args.output_prefix, args.num_shards, args.shard_index)
     tokenizer_kwargs = {
         "tokenizer_type": args.tokenizer_type,
         "vocab_file": args.vocab_file,
@@ -526,33 +609,34 @@ def preprocess(args: argparse.Namespace) -> PreprocessSummary:
     tokenizer = build_tokenizer(**tokenizer_kwargs)  # here first, so bad files fail before any work
     dtype = optimal_dtype(tokenizer.vocab_size)
     summary = PreprocessSummary()
-    summary.outputs = [f"{args.output_prefix}_{key}_document" for key in args.json_keys]
+    summary.outputs = [f"{output_prefix}_{key}_document" for key in args.json_keys]
+    if args.num_shards > 1 and _finished(summary.outputs):
+        summary.already_done = True
+        summary.seconds = time.perf_counter() - start
+        return summary
 
     from tqdm import tqdm
 
     # disable=None: a bar on a terminal, nothing in logs (where --log-interval lines are printed).
     bar = tqdm(unit=" docs", file=sys.stderr, disable=None, dynamic_ncols=True, desc="tokenizing")
     writers: list[IndexedDatasetWriter] = []
+    next_log = args.log_interval
     try:
         writers = [IndexedDatasetWriter(prefix, dtype) for prefix in summary.outputs]
-        records = iter_records(paths, args.json_keys, split_blank_lines=args.text_split_blank_lines)
-        for chunk, encoded in _encoded_chunks(
-            records, args.workers, (tokenizer_kwargs, args.append_eod, dtype), tokenizer
-        ):
-            for record, arrays in zip(chunk, encoded):
-                if isinstance(record, Document) and any(a.size == 0 for a in arrays):
-                    record = BadRecord(record.where, EMPTY_DOCUMENT, "the text has no tokens")
-                if isinstance(record, BadRecord):
-                    _skip(record, args.skip_bad_records, summary)
-                    continue
-                for writer, tokens in zip(writers, arrays):
-                    writer.add_document(tokens)
-                    summary.tokens += tokens.size
-                summary.documents += 1
-                summary.text_bytes += record.num_bytes
-                if bar.disable and args.log_interval > 0 and summary.documents % args.log_interval == 0:
-                    _log_progress(summary, time.perf_counter() - start)
-            bar.update(len(chunk))
+        units = _work_units(paths, args.json_keys, args.text_split_blank_lines)
+        init_args = (tokenizer_kwargs, args.append_eod, dtype, tuple(args.json_keys))
+        for encoded in _encoded_units(units, args.workers, init_args, tokenizer):
+            for record in encoded.bad:
+                _skip(record, args.skip_bad_records, summary)
+            for writer, tokens, lengths in zip(writers, encoded.tokens, encoded.lengths):
+                writer.add_documents(tokens, lengths)
+                summary.tokens += tokens.size
+            summary.documents += encoded.lengths.shape[1]
+            summary.text_bytes += encoded.text_bytes
+            if bar.disable and args.log_interval > 0 and summary.documents >= next_log:
+                _log_progress(summary, time.perf_counter() - start)
+                next_log = (summary.documents // args.log_interval + 1) * args.log_interval
+            bar.update(encoded.records)
             bar.set_postfix_str(f"{summary.text_bytes / 1e6:.1f} MB", refresh=False)
         if summary.documents == 0:
             raise PreprocessError(
@@ -569,6 +653,47 @@ def preprocess(args: argparse.Namespace) -> PreprocessSummary:
         bar.close()
     summary.seconds = time.perf_counter() - start
     return summary
+
+
+def shard_inputs(
+    paths: Sequence[Path], output_prefix: str, num_shards: int, shard_index: int | None
+) -> tuple[list[Path], str]:
+    """The input files of shard ``shard_index`` of ``num_shards`` and its output prefix.
+
+    Shard i gets the contiguous files ``paths[i*n//K : (i+1)*n//K]`` of the expanded (sorted) input
+    list: deterministic on every node that sees the same files, and contiguous so that merging the
+    shards in index order gives the bytes of one run over all inputs. The output prefix is
+    ``{output_prefix}-{i:05d}-of-{K:05d}``, itself a complete Megatron dataset once finished.
+
+    Raises:
+        PreprocessError: ``--shard-index`` missing or out of range, or more shards than files.
+    """
+    if shard_index is None or not 0 <= shard_index < num_shards:
+        raise PreprocessError(
+            f"--num-shards {num_shards} needs --shard-index in [0, {num_shards - 1}], got {shard_index}"
+        )
+    if num_shards > len(paths):
+        raise PreprocessError(
+            f"--num-shards {num_shards} is more than the {len(paths)} input files; shards split the "
+            "input by files, so use at most one shard per file (or split the input into more files)"
+        )
+    n = len(paths)
+    mine = list(paths[shard_index * n // num_shards : (shard_index + 1) * n // num_shards])
+    return mine, f"{output_prefix}-{shard_index:05d}-of-{num_shards:05d}"
+
+
+def _finished(outputs: Sequence[str]) -> bool:
+    """Whether every output of a shard exists and opens as a valid dataset (a rerun skips it).
+
+    The writer renames ``.idx`` into place last, after ``.bin``, so a killed run never leaves a
+    pair that passes this check.
+    """
+    for prefix in outputs:
+        try:
+            IndexedDataset(prefix)
+        except (FileNotFoundError, DataFormatError):
+            return False
+    return True
 
 
 def _skip(record: BadRecord, skip_bad_records: bool, summary: PreprocessSummary) -> None:
@@ -634,6 +759,19 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")
     g.add_argument(
+        "--num-shards",
+        type=int,
+        default=1,
+        help="split the input files into this many contiguous shards (one per node or Slurm array task)",
+    )
+    g.add_argument(
+        "--shard-index",
+        type=int,
+        default=None,
+        help="which shard this run writes, 0-based; output {prefix}-{i:05d}-of-{K:05d}_{key}_document; "
+        "a finished shard is skipped on rerun; join them with python -m data_tools.merge",
+    )
+    g.add_argument(
         "--log-interval",
         type=int,
         default=10000,
@@ -659,6 +797,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted; no output written", file=sys.stderr)
         return 130
+    if summary.already_done:
+        print(f"shard {args.shard_index} of {args.num_shards} already finished; skipping it")
+        for prefix in summary.outputs:
+            print(f"kept {prefix}.bin and {prefix}.idx")
+        return 0
     print(f"done: {summary.line()}")
     for prefix in summary.outputs:
         print(f"wrote {prefix}.bin and {prefix}.idx")

@@ -17,9 +17,12 @@ import os
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from data_tools.errors import TokenizerError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = [
     "GPT2_PATTERN",
@@ -72,7 +75,18 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(sorted(table.items()))
 
 
-def _token_bytes(token: str, path: Path, char_to_byte: dict[str, int]) -> bytes:
+@lru_cache(maxsize=1)
+def _translation_table() -> dict[int, int]:
+    """``str.translate`` table from each byte-to-unicode character to the code point of its byte."""
+    return {ord(c): b for b, c in bytes_to_unicode().items()}
+
+
+def _token_bytes(token: str, path: Path, char_to_byte: dict[str, int], checked: bool = False) -> bytes:
+    """The bytes a vocabulary token stands for; ``checked``: every character is known to be in
+    ``char_to_byte`` (then str.translate + latin-1 do it in C: 50k tokens in ~10 ms instead of
+    ~150 ms, which every preprocessing worker pays at start-up)."""
+    if checked:
+        return token.translate(_translation_table()).encode("latin-1")
     try:
         return bytes(char_to_byte[c] for c in token)
     except KeyError as e:
@@ -183,6 +197,8 @@ def load_gpt2_bpe(vocab_file: str | os.PathLike[str], merge_file: str | os.PathL
                 "a byte-level BPE vocabulary starts with the 256 byte tokens"
             )
         ranks[bytes([byte])] = idx
+    # One pass over all merge characters decides whether the fast byte conversion is safe.
+    checked = set("".join(a + b for a, b, _ in merges)) <= char_to_byte.keys()
     for i, (a, b, lineno) in enumerate(merges):
         for part in (a, b):
             if part not in vocab:
@@ -198,7 +214,7 @@ def load_gpt2_bpe(vocab_file: str | os.PathLike[str], merge_file: str | os.PathL
                 f"{merged!r} -> {vocab.get(merged)}; the vocabulary and merges files do not belong "
                 "together, or the ids are not GPT-2 style ranks"
             )
-        ranks[_token_bytes(merged, vocab_path, char_to_byte)] = 256 + i
+        ranks[_token_bytes(merged, vocab_path, char_to_byte, checked)] = 256 + i
     # Everything else (GPT-2: only <|endoftext|>) is a special token: never produced by BPE.
     mergeable_ids = set(ranks.values())
     special = {t: i for t, i in vocab.items() if i not in mergeable_ids}
@@ -237,6 +253,13 @@ class GPT2BPETokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special-token strings in it are plain text."""
         return self._enc.encode_ordinary(text)
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """``encode`` as a uint32 array straight from tiktoken's token buffer, without making a
+        Python int per token (about 10% faster than ``encode`` plus a conversion). With no special
+        token allowed or disallowed, tiktoken encodes special-token strings as plain text, exactly
+        as ``encode_ordinary`` does."""
+        return self._enc.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """``encode`` of each text, on tiktoken's thread pool (tiktoken releases the GIL)."""

@@ -221,12 +221,13 @@ def check_parallel(cfg: RunConfig) -> None:
         m.ffn_size % p.tp_size == 0,
         f"FFN width {m.ffn_size} is not divisible by parallel.tp_size={p.tp_size}.",
     )
-    # The layers take their process group, but building TP/PP groups and the DeepSpeed mpu is the
-    # next release's work; refuse rather than silently run a different layout.
     _require(
-        p.tp_size == 1,
-        f"parallel.tp_size={p.tp_size}: tensor parallelism > 1 is not available in this release; use 1.",
+        not p.sequence_parallel or m.seq_len % p.tp_size == 0,
+        f"parallel.sequence_parallel=true splits model.seq_len={m.seq_len} tokens across "
+        f"parallel.tp_size={p.tp_size} ranks; use a seq_len divisible by {p.tp_size} or turn it off.",
     )
+    # Pipeline stages (and their DeepSpeed PipelineModule) are a later release's work; refuse
+    # rather than silently run a different layout.
     _require(
         p.pp_size == 1,
         f"parallel.pp_size={p.pp_size}: pipeline parallelism > 1 is not available in this release; use 1.",
@@ -273,6 +274,14 @@ def check_data(cfg: RunConfig) -> None:
         0 <= d.eod_token < cfg.model.vocab_size, f"data.eod_token={d.eod_token}: outside the vocabulary."
     )
     _require(d.num_workers >= 0, f"data.num_workers={d.num_workers}: must be >= 0.")
+    if d.blend:
+        from data_tools.blend import parse_blend
+        from data_tools.errors import DataFormatError
+
+        try:
+            parse_blend(d.blend)
+        except DataFormatError as e:
+            raise ConfigError(f"{e}.") from None
 
 
 VALIDATORS: list[Callable[[RunConfig], None]] = [check_model, check_parallel, check_train, check_data]

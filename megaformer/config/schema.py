@@ -101,6 +101,13 @@ class DataConfig:
     """End-of-document token id (GPT-2: <|endoftext|> = 50256)."""
     num_workers: int = 0
     """DataLoader worker processes per rank (0: load in the training process)."""
+    blend: str = ""
+    """Several datasets with weights, as Megatron's --data-path: '0.7 data/a_text_document 0.3
+    data/b_text_document' (weights >= 0, normalised); when set, prefix is ignored. Each dataset
+    gets its weight's share of the samples, within one sample."""
+    index_cache_dir: str = ""
+    """Directory of the cached sample indices (.npy, built when missing; one per node is fine,
+    see python -m data_tools.build_index); empty means <output.dir>/index_cache."""
 
 
 @dataclass(frozen=True)
@@ -108,9 +115,14 @@ class ParallelConfig:
     """The parallel layout; world size = tp_size × pp_size × data-parallel size."""
 
     tp_size: int = 1
-    """Tensor-parallel degree (Megatron-style; 1 in this release)."""
+    """Tensor-parallel degree (Megatron-style): attention heads, FFN width and vocabulary are split
+    across this many consecutive ranks; the model computes the same function at any degree."""
     pp_size: int = 1
     """Pipeline-parallel degree (1 in this release)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (Korthikanti et al. 2022): the LayerNorm, dropout and residual
+    regions hold seq_len / tp_size tokens per rank instead of all of them (less activation memory,
+    same function). Needs model.seq_len divisible by tp_size; no effect at tp_size = 1."""
     backend: str = "auto"
     """'auto' (nccl with CUDA, gloo on CPU), 'nccl' or 'gloo'."""
 

@@ -1,102 +1,51 @@
-"""Training samples from a Megatron ``.bin/.idx`` dataset: packed, shuffled, split by documents.
+"""Training samples from Megatron ``.bin/.idx`` datasets: packed, shuffled, split by documents, blended.
 
 A sample is ``seq_len + 1`` consecutive tokens of the stream formed by concatenating documents (each
 already ended by EOD at preprocessing time) in a shuffled order; ``tokens = x[:-1]``,
 ``labels = x[1:]``. Consecutive samples share one token, as in Megatron-LM's GPT dataset, so no
 token is wasted at sample boundaries.
 
-Three index arrays, all built with vectorised numpy (no Python loop over documents or samples):
-
-* ``doc_idx``   int64[E·D]     document order, one fresh permutation per epoch (E epochs, D documents);
-* ``sample_idx`` int64[S+1, 2] for each sample start, (position in doc_idx, token offset in that doc);
-* ``shuffle_idx`` int64[S]     the order in which samples are served.
+The index arrays (``doc_idx``, ``sample_idx``, ``shuffle_idx``) are built and cached by
+:mod:`data_tools.sample_index` (vectorised numpy, ``.npy`` files under a key that hashes every
+parameter, loaded by memory map); blends of several datasets by :mod:`data_tools.blend`. This module
+re-exports their functions under the names the trainer and tests have always used.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
+from data_tools.blend import apportion, blend_indices, check_prefixes, parse_blend
 from data_tools.indexed_dataset import DataFormatError, IndexedDataset
+from data_tools.sample_index import build_sample_index, load_or_build, split_documents
+
+__all__ = [
+    "BlendedSamples",
+    "GPTSamples",
+    "build_sample_index",
+    "build_train_valid",
+    "document_lengths",
+    "split_documents",
+    "unigram_entropy",
+]
 
 
 def document_lengths(dataset: IndexedDataset) -> np.ndarray:
     """Tokens per document, int64[D-1], summing the sequences of each document (vectorised)."""
-    doc_bounds = np.asarray(dataset.document_indices, dtype=np.int64)
-    seq_lengths = np.asarray(dataset.sequence_lengths, dtype=np.int64)
-    cum = np.concatenate([[0], np.cumsum(seq_lengths)])
-    return cum[doc_bounds[1:]] - cum[doc_bounds[:-1]]
+    return dataset.document_lengths(np.int64)
 
 
-def split_documents(num_documents: int, valid_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Split document ids into train and validation sets, whole documents, deterministically by seed.
-
-    Returns:
-        ``(train_ids, valid_ids)``, sorted int64 arrays; at least one document in each.
-
-    Raises:
-        DataFormatError: fewer than 2 documents.
-    """
-    if num_documents < 2:
-        raise DataFormatError(
-            f"the dataset has {num_documents} document(s); a train/validation split needs at least 2"
-        )
-    num_valid = min(max(1, round(num_documents * valid_fraction)), num_documents - 1)
-    perm = np.random.default_rng([seed, 0x5EED]).permutation(num_documents)
-    return np.sort(perm[num_valid:]), np.sort(perm[:num_valid])
-
-
-def build_sample_index(
-    doc_ids: np.ndarray,
-    doc_lengths: np.ndarray,
-    seq_len: int,
-    num_samples: int,
-    seed: int,
-    shuffle: bool = True,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Build (doc_idx, sample_idx, shuffle_idx) for ``num_samples`` samples of ``seq_len + 1`` tokens.
-
-    Args:
-        doc_ids: int64[D] ids of the documents to draw from.
-        doc_lengths: int64[total documents] token count of every document of the dataset.
-        seq_len: tokens per sample input (each sample holds seq_len + 1 tokens).
-        num_samples: samples wanted; as many epochs over ``doc_ids`` are made as this needs.
-        seed: seeds the per-epoch document permutations and the sample shuffle.
-        shuffle: shuffle documents per epoch and samples (False: natural order, for evaluation).
-
-    Returns:
-        doc_idx int64[E·D], sample_idx int64[num_samples + 1, 2], shuffle_idx int64[num_samples].
-    """
-    lengths = doc_lengths[doc_ids].astype(np.int64)
-    tokens_per_epoch = int(lengths.sum())
-    if tokens_per_epoch <= seq_len:
-        raise DataFormatError(
-            f"the selected documents hold {tokens_per_epoch} tokens, fewer than one sample of "
-            f"seq_len + 1 = {seq_len + 1}; use more data or a shorter model.seq_len"
-        )
-    # Sample i covers stream positions [i·seq_len, i·seq_len + seq_len], so the stream must reach
-    # num_samples·seq_len + 1 tokens.
-    needed = num_samples * seq_len + 1
-    epochs = -(-needed // tokens_per_epoch)
-    rng = np.random.default_rng([seed, 0xD0C])
-    if shuffle:
-        doc_idx = np.concatenate([rng.permutation(doc_ids) for _ in range(epochs)])
-    else:
-        doc_idx = np.tile(doc_ids, epochs)
-    doc_idx = doc_idx.astype(np.int64)
-    doc_end = np.cumsum(doc_lengths[doc_idx].astype(np.int64))  # exclusive end of each doc in stream
-    starts = np.arange(num_samples + 1, dtype=np.int64) * seq_len
-    # The document holding stream position p is the first whose end exceeds p.
-    pos = np.searchsorted(doc_end, starts, side="right")
-    offset = starts - (doc_end[pos] - doc_lengths[doc_idx[pos]])
-    sample_idx = np.stack([pos, offset], axis=1)
-    if shuffle:
-        shuffle_idx = np.random.default_rng([seed, 0x5A3]).permutation(num_samples).astype(np.int64)
-    else:
-        shuffle_idx = np.arange(num_samples, dtype=np.int64)
-    return doc_idx, sample_idx, shuffle_idx
+def _advise_random(array: np.ndarray) -> None:
+    """madvise(MADV_RANDOM) on the memory map under ``array``, if there is one."""
+    base = array
+    while base is not None and not isinstance(base, mmap.mmap):
+        base = getattr(base, "_mmap", None) or getattr(base, "base", None)
+    if base is not None and hasattr(mmap, "MADV_RANDOM"):
+        base.madvise(mmap.MADV_RANDOM)
 
 
 @dataclass
@@ -113,15 +62,29 @@ class GPTSamples:
     seq_len: int
 
     def __post_init__(self) -> None:
-        bounds = np.asarray(self.dataset.document_indices, dtype=np.int64)
-        pointers = np.asarray(self.dataset.sequence_pointers, dtype=np.int64)
-        # Token offset of each document's first token in .bin (its sequences are contiguous).
-        self._doc_start = pointers[bounds[:-1]] // self.dataset.dtype.itemsize
-        self._doc_len = document_lengths(self.dataset)
+        # Per-sample lookups go through the index memmaps (a few entries per sample) instead of
+        # per-document arrays built up front: those would be 1.6 GB at 100M documents.
+        self._doc_bounds = self.dataset.document_indices
+        self._seq_pointers = self.dataset.sequence_pointers
+        self._seq_lengths = self.dataset.sequence_lengths
+        self._itemsize = self.dataset.dtype.itemsize
         self._tokens = np.memmap(self.dataset.bin_path, dtype=self.dataset.dtype, mode="r")
+        # Samples are read in shuffled order: without this hint every page fault of a memmap reads
+        # ahead (up to MBs), which multiplies the I/O and fills RSS with pages never used.
+        for array in (self._tokens, self._doc_bounds, self.doc_idx, self.sample_idx, self.shuffle_idx):
+            _advise_random(array)
 
     def __len__(self) -> int:
         return len(self.shuffle_idx)
+
+    def _document(self, doc: int) -> tuple[int, int]:
+        """(first token in .bin, length) of document ``doc``; its sequences are contiguous."""
+        first, last = int(self._doc_bounds[doc]), int(self._doc_bounds[doc + 1])
+        length = (
+            int(self._seq_lengths[first]) if last == first + 1 else int(self._seq_lengths[first:last].sum())
+        )
+        start = int(self._seq_pointers[first]) // self._itemsize if last > first else 0
+        return start, length
 
     def __getitem__(self, i: int) -> np.ndarray:
         """Sample ``i``: int64[seq_len + 1]."""
@@ -131,14 +94,37 @@ class GPTSamples:
         filled = 0
         # Walk the few documents this sample spans (a handful at most for real document lengths).
         while filled < out.size:
-            doc = int(self.doc_idx[pos])
-            take = min(int(self._doc_len[doc]) - offset, out.size - filled)
-            start = int(self._doc_start[doc]) + offset
-            out[filled : filled + take] = self._tokens[start : start + take]
+            start, length = self._document(int(self.doc_idx[pos]))
+            take = min(length - offset, out.size - filled)
+            out[filled : filled + take] = self._tokens[start + offset : start + offset + take]
             filled += take
             pos += 1
             offset = 0
         return out
+
+
+@dataclass
+class BlendedSamples:
+    """Samples of several ``GPTSamples`` interleaved by weight (see :mod:`data_tools.blend`).
+
+    ``samples[i]`` is sample ``dataset_sample_index[i]`` of part ``dataset_index[i]``;
+    ``dataset`` is the first part's dataset (what the trainer's unigram-entropy summary reads).
+    """
+
+    parts: list[GPTSamples]
+    dataset_index: np.ndarray
+    dataset_sample_index: np.ndarray
+
+    @property
+    def dataset(self) -> IndexedDataset:
+        return self.parts[0].dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset_index)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        """Sample ``i``: int64[seq_len + 1]."""
+        return self.parts[int(self.dataset_index[i])][int(self.dataset_sample_index[i])]
 
 
 def build_train_valid(
@@ -148,48 +134,78 @@ def build_train_valid(
     valid_samples: int,
     valid_fraction: float,
     seed: int,
-) -> tuple[GPTSamples, GPTSamples, dict[str, int]]:
-    """Open ``prefix`` and build the training and validation samples.
+    *,
+    blend: str = "",
+    cache_dir: str | None = None,
+) -> tuple[GPTSamples | BlendedSamples, GPTSamples | BlendedSamples, dict]:
+    """Open the dataset(s) and build the training and validation samples.
 
-    Validation samples come from held-out documents in natural order (the same every evaluation).
+    Validation samples come from held-out documents of each dataset in natural order (the same every
+    evaluation). With ``blend`` (Megatron's ``--data-path`` form, ``"0.7 A 0.3 B"``) ``prefix`` is
+    ignored and each dataset gets its weight's share of the train and of the validation samples.
+
+    Args:
+        cache_dir: where the sample indices are cached (``None``: built every time, not saved).
 
     Returns:
-        ``(train, valid, info)`` where info holds document and token counts of each split.
+        ``(train, valid, info)`` where info holds document and token counts of each split (summed
+        over a blend) and, for a blend, ``"blend"``: per dataset its prefix, weight and sample counts.
 
     Raises:
-        DataFormatError: missing or corrupt dataset files, too little data.
+        DataFormatError: missing or corrupt dataset files, a bad blend, too little data.
     """
-    missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
-    if missing:
-        raise DataFormatError(
-            f"data.prefix='{prefix}': {', '.join(missing)} not found; build the dataset with "
-            "python -m data_tools.preprocess --output-prefix ... (the prefix ends in _text_document)"
+    if blend:
+        pairs = parse_blend(blend)
+        check_prefixes(pairs)
+    else:
+        pairs = [(1.0, prefix)]
+        missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
+        if missing:
+            raise DataFormatError(
+                f"data.prefix='{prefix}': {', '.join(missing)} not found; build the dataset with "
+                "python -m data_tools.preprocess --output-prefix ... (the prefix ends in _text_document)"
+            )
+    weights = [w for w, _ in pairs]
+    train_counts = apportion(weights, train_samples)
+    valid_counts = apportion(weights, valid_samples)
+    info = {"train_documents": 0, "valid_documents": 0, "train_tokens": 0, "valid_tokens": 0, "blend": []}
+    trains, valids = [], []
+    for (weight, path), n_train, n_valid in zip(pairs, train_counts.tolist(), valid_counts.tolist()):
+        dataset = IndexedDataset(path)
+        lengths = dataset.document_lengths(np.int64)
+        train_ids, valid_ids = split_documents(len(lengths), valid_fraction, seed)
+        valid_tokens = int(lengths[valid_ids].sum())
+        max_valid = (valid_tokens - 1) // seq_len
+        if max_valid < n_valid:
+            raise DataFormatError(
+                f"{path}: the held-out documents hold {valid_tokens} tokens = {max_valid} samples of "
+                f"{seq_len + 1}, fewer than the {n_valid} one evaluation reads; raise "
+                "data.valid_fraction or lower train.eval_batches"
+            )
+        common = {"seq_len": seq_len, "seed": seed, "cache_dir": cache_dir, "doc_lengths": lengths}
+        # A dataset whose share rounds to 0 samples still gets a 1-sample index: simpler than
+        # special cases, and the blend index never points at it.
+        tr = load_or_build(dataset, num_samples=max(n_train, 1), doc_ids=train_ids, **common)
+        va = load_or_build(dataset, num_samples=max(n_valid, 1), doc_ids=valid_ids, shuffle=False, **common)
+        trains.append(GPTSamples(dataset, tr.doc_idx, tr.sample_idx, tr.shuffle_idx, seq_len))
+        valids.append(GPTSamples(dataset, va.doc_idx, va.sample_idx, va.shuffle_idx, seq_len))
+        info["train_documents"] += len(train_ids)
+        info["valid_documents"] += len(valid_ids)
+        info["train_tokens"] += int(lengths[train_ids].sum())
+        info["valid_tokens"] += valid_tokens
+        info["blend"].append(
+            {
+                "prefix": path,
+                "weight": weight,
+                "train_samples": n_train,
+                "valid_samples": n_valid,
+                "index_cache_hit": tr.cache_hit,
+            }
         )
-    dataset = IndexedDataset(prefix)
-    lengths = document_lengths(dataset)
-    train_ids, valid_ids = split_documents(len(lengths), valid_fraction, seed)
-    valid_tokens = int(lengths[valid_ids].sum())
-    max_valid = (valid_tokens - 1) // seq_len
-    if max_valid < valid_samples:
-        raise DataFormatError(
-            f"{prefix}: the held-out documents hold {valid_tokens} tokens = {max_valid} samples of "
-            f"{seq_len + 1}, fewer than the {valid_samples} one evaluation reads; raise "
-            "data.valid_fraction or lower train.eval_batches"
-        )
-    train = GPTSamples(
-        dataset, *build_sample_index(train_ids, lengths, seq_len, train_samples, seed), seq_len
-    )
-    valid = GPTSamples(
-        dataset,
-        *build_sample_index(valid_ids, lengths, seq_len, valid_samples, seed, shuffle=False),
-        seq_len,
-    )
-    info = {
-        "train_documents": len(train_ids),
-        "valid_documents": len(valid_ids),
-        "train_tokens": int(lengths[train_ids].sum()),
-        "valid_tokens": valid_tokens,
-    }
+    if len(pairs) == 1:
+        return trains[0], valids[0], info
+    train = BlendedSamples(trains, *blend_indices(train_counts))
+    valid = BlendedSamples(valids, *blend_indices(valid_counts))
     return train, valid, info
 
 

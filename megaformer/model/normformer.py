@@ -10,6 +10,14 @@ Each capital is a switch of :class:`~megaformer.config.schema.ModelConfig`; all 
 baseline. Built from the tensor-parallel layers of :mod:`megaformer.parallel`, so the same code runs
 at any TP degree and computes the same function (heads and ``g`` split across ranks, FFN_LN reducing
 its statistics across ranks, POSTATTN_LN replicated after the row-parallel reduce).
+
+With ``sequence_parallel`` (Korthikanti et al. 2022, arXiv:2205.05198) the residual stream, every
+replicated LayerNorm, ResScale and the hidden dropout work on ``[B, T / tp, d]`` sequence slices;
+the row-parallel reduces become reduce-scatters and the copies before column-parallel layers
+all-gathers. The function computed is the same. Dropout draws from a
+:class:`~megaformer.parallel.rng.DropoutRNG`: the same mask on every TP rank where activations are
+replicated, different masks where they are sharded (attention probabilities of the local heads,
+sequence slices).
 """
 
 from __future__ import annotations
@@ -31,6 +39,9 @@ from megaformer.parallel import (
     mask_padded_vocab,
     vocab_parallel_cross_entropy,
 )
+from megaformer.parallel.layers import sequence_region_param
+from megaformer.parallel.mappings import gather_from_sequence_region
+from megaformer.parallel.rng import DropoutRNG
 from megaformer.parallel.utils import (
     derive_seed,
     divide,
@@ -62,12 +73,48 @@ def _check_config(config: ModelConfig) -> None:
         )
 
 
-def replicated_layer_norm(size: int, eps: float) -> nn.LayerNorm:
-    """A LayerNorm over a replicated dimension, its parameters tagged replicated and no-decay."""
-    ln = nn.LayerNorm(size, eps=eps)
-    for p in ln.parameters():
-        mark_no_weight_decay(mark_replicated(p))
-    return ln
+class ReplicatedLayerNorm(nn.LayerNorm):
+    """LayerNorm over the (unsharded) hidden dimension, its parameters replicated on every TP rank.
+
+    Under sequence parallelism the input is this rank's slice of the sequence and the gain / shift
+    gradients are summed across the TP group (see
+    :func:`~megaformer.parallel.layers.sequence_region_param`). Parameters are tagged replicated and
+    no-decay. Shapes: ``[..., size]`` -> same.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        eps: float,
+        *,
+        tp_group: ProcessGroup | None = None,
+        sequence_parallel: bool = False,
+    ) -> None:
+        super().__init__(size, eps=eps)
+        self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel
+        for p in self.parameters():
+            mark_no_weight_decay(mark_replicated(p))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = sequence_region_param(self.weight, self.tp_group, self.sequence_parallel)
+        bias = sequence_region_param(self.bias, self.tp_group, self.sequence_parallel)
+        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+
+
+def replicated_layer_norm(
+    size: int, eps: float, *, tp_group: ProcessGroup | None = None, sequence_parallel: bool = False
+) -> ReplicatedLayerNorm:
+    """A :class:`ReplicatedLayerNorm` (kept as a function for existing callers)."""
+    return ReplicatedLayerNorm(size, eps, tp_group=tp_group, sequence_parallel=sequence_parallel)
+
+
+def _dropout(x: torch.Tensor, p: float, training: bool, rng: DropoutRNG, region: str) -> torch.Tensor:
+    """``F.dropout`` drawing its mask from ``rng``'s ``region`` (no fork when it is a no-op)."""
+    if not training or p == 0.0:
+        return x
+    with rng.fork(region):
+        return F.dropout(x, p=p, training=True)
 
 
 def sinusoidal_positions(num_positions: int, dim: int) -> torch.Tensor:
@@ -91,13 +138,23 @@ class NormFormerEmbedding(nn.Module):
     """Tokens to the first hidden state: vocab-parallel token embedding, times sqrt(d) when
     ``scale_embedding`` (fairseq, the paper's code base), plus positions.
 
-    Shapes: ``tokens: LongTensor[B, T]`` (``T <= seq_len``) -> ``float32[B, T, d]``, replicated.
+    Shapes: ``tokens: LongTensor[B, T]`` (``T <= seq_len``) -> ``float32[B, T, d]``, replicated; with
+    ``sequence_parallel``, ``[B, T / tp, d]``, this rank's slice of the sequence.
     """
 
-    def __init__(self, config: ModelConfig, *, tp_group: ProcessGroup | None = None, seed: int = 1234):
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        tp_group: ProcessGroup | None = None,
+        seed: int = 1234,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         _check_config(config)
         self.config = config
+        self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel and tp_world_size(tp_group) > 1
         d = config.hidden_size
         self.token = VocabParallelEmbedding(
             config.padded_vocab_size(tp_world_size(tp_group)),
@@ -106,6 +163,7 @@ class NormFormerEmbedding(nn.Module):
             init_std=config.token_embedding_std,
             seed=derive_seed(seed, "embedding.token"),
             num_valid_embeddings=config.vocab_size,
+            sequence_parallel=self.sequence_parallel,
         )
         if config.position_embedding == "learned":
             full = normal_full((config.seq_len, d), config.init_std, derive_seed(seed, "embedding.position"))
@@ -119,10 +177,23 @@ class NormFormerEmbedding(nn.Module):
         seq_len = tokens.shape[-1]
         if seq_len > self.config.seq_len:
             raise ValueError(f"sequence of {seq_len} tokens exceeds model.seq_len={self.config.seq_len}")
-        x = self.token(tokens) * self.scale  # (B, T, d)
+        positions = self.position[:seq_len]  # (T, d)
+        if self.sequence_parallel:
+            tp = tp_world_size(self.tp_group)
+            if seq_len % tp != 0:
+                raise ValueError(
+                    f"sequence parallelism splits the {seq_len} tokens of a sequence across "
+                    f"tp_size={tp} ranks; use a length divisible by {tp}"
+                )
+            local = seq_len // tp
+            # Learned positions: each rank's gradient fills only its own rows; the all-reduce of
+            # the whole table (before slicing) assembles the full gradient on every rank.
+            positions = sequence_region_param(positions, self.tp_group, True)
+            positions = positions[tp_rank(self.tp_group) * local :][:local]  # (T/tp, d), own tokens
+        x = self.token(tokens) * self.scale  # (B, T, d), or (B, T/tp, d) with sequence parallelism
         # The sinusoidal table is a buffer, which DeepSpeed's bf16/fp16 conversion (ZeRO-3 in
         # particular) leaves in fp32: follow the embedding's dtype.
-        return x + self.position[:seq_len].to(x.dtype)  # (B, T, d)
+        return x + positions.to(x.dtype)
 
 
 class NormFormerBlock(nn.Module):
@@ -136,8 +207,11 @@ class NormFormerBlock(nn.Module):
         tp_group: tensor-parallel group, or None. Heads, HeadScale ``g``, W1 and FFN_LN are split
             across it; LN1, LN2, POSTATTN_LN and ResScale ``λ`` are replicated.
         seed: the model's base seed.
+        sequence_parallel: the block's input and output are sequence slices ``[B, T / tp, d]``.
+        dropout_rng: generator states for dropout; None builds one from ``seed`` and the TP rank.
 
-    Shapes: ``x: float[B, T, d]`` -> ``float[B, T, d]``, replicated on every TP rank.
+    Shapes: ``x: float[B, T, d]`` -> ``float[B, T, d]``, replicated on every TP rank (or
+    ``[B, T / tp, d]`` -> ``[B, T / tp, d]`` with ``sequence_parallel``).
 
     Raises:
         ValueError: when the heads or the FFN width do not divide by the TP size.
@@ -149,6 +223,9 @@ class NormFormerBlock(nn.Module):
         layer_index: int,
         tp_group: ProcessGroup | None = None,
         seed: int = 1234,
+        *,
+        sequence_parallel: bool = False,
+        dropout_rng: DropoutRNG | None = None,
     ) -> None:
         super().__init__()
         _check_config(config)
@@ -156,6 +233,9 @@ class NormFormerBlock(nn.Module):
         self.layer_index = layer_index
         d, ffn = config.hidden_size, config.ffn_size
         tp_size = tp_world_size(tp_group)
+        self.tp_group = tp_group
+        sp = self.sequence_parallel = sequence_parallel and tp_size > 1
+        self.dropout_rng = dropout_rng or DropoutRNG(seed, tp_rank=tp_rank(tp_group))
         self.num_heads_per_partition = divide(config.num_attention_heads, tp_size)
         self.head_dim = config.head_dim
         # GPT-2 (Radford et al. 2019, Sec. 2.3): scale the init of the layers that write into the
@@ -167,11 +247,16 @@ class NormFormerBlock(nn.Module):
             return derive_seed(seed, f"layers.{layer_index}.{name}")
 
         # --- attention -------------------------------------------------------------------------
-        self.ln1 = replicated_layer_norm(d, config.layernorm_eps)
+        self.ln1 = replicated_layer_norm(d, config.layernorm_eps, tp_group=tp_group, sequence_parallel=sp)
         # Fused QKV; the full weight's rows are ordered [heads, 3, head_dim], so TP rank r's
         # contiguous slice holds the whole q, k and v of heads [r·nh/tp, (r+1)·nh/tp).
         self.qkv = ColumnParallelLinear(
-            d, 3 * d, tp_group=tp_group, init_std=config.init_std, seed=seed_of("attention.qkv")
+            d,
+            3 * d,
+            tp_group=tp_group,
+            init_std=config.init_std,
+            seed=seed_of("attention.qkv"),
+            sequence_parallel=sp,
         )
         if config.head_scale:
             g = torch.ones(config.num_attention_heads)  # paper Sec. 2: γ_i initialised to 1
@@ -180,20 +265,29 @@ class NormFormerBlock(nn.Module):
         else:
             self.register_parameter("head_scale", None)
         self.out_proj = RowParallelLinear(
-            d, d, tp_group=tp_group, init_std=residual_std, seed=seed_of("attention.out_proj")
+            d,
+            d,
+            tp_group=tp_group,
+            init_std=residual_std,
+            seed=seed_of("attention.out_proj"),
+            sequence_parallel=sp,
         )
-        self.post_attn_ln = replicated_layer_norm(d, config.layernorm_eps) if config.post_attn_ln else None
+        self.post_attn_ln = (
+            replicated_layer_norm(d, config.layernorm_eps, tp_group=tp_group, sequence_parallel=sp)
+            if config.post_attn_ln
+            else None
+        )
 
         # --- feed-forward ----------------------------------------------------------------------
-        self.ln2 = replicated_layer_norm(d, config.layernorm_eps)
+        self.ln2 = replicated_layer_norm(d, config.layernorm_eps, tp_group=tp_group, sequence_parallel=sp)
         self.fc1 = ColumnParallelLinear(
-            d, ffn, tp_group=tp_group, init_std=config.init_std, seed=seed_of("ffn.fc1")
+            d, ffn, tp_group=tp_group, init_std=config.init_std, seed=seed_of("ffn.fc1"), sequence_parallel=sp
         )
         self.ffn_ln = (
             ShardedLayerNorm(ffn, tp_group=tp_group, eps=config.layernorm_eps) if config.ffn_ln else None
         )
         self.fc2 = RowParallelLinear(
-            ffn, d, tp_group=tp_group, init_std=residual_std, seed=seed_of("ffn.fc2")
+            ffn, d, tp_group=tp_group, init_std=residual_std, seed=seed_of("ffn.fc2"), sequence_parallel=sp
         )
         if config.resid_scale:
             lam = nn.Parameter(torch.ones(d))  # paper Sec. 2: λ_resid initialised to 1
@@ -202,13 +296,22 @@ class NormFormerBlock(nn.Module):
             self.register_parameter("resid_scale", None)
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
-        """``HeadScaleMHA(LN1(x))`` before POSTATTN_LN: ``[B, T, d]`` -> ``[B, T, d]`` (causal)."""
-        B, T, _ = x.shape  # noqa: N806  (batch size, sequence length, hidden size d)
+        """``HeadScaleMHA(LN1(x))`` before POSTATTN_LN: ``[B, T, d]`` -> ``[B, T, d]`` (causal).
+
+        With sequence parallelism ``[B, T/tp, d]`` -> ``[B, T/tp, d]``; attention itself always
+        sees the whole sequence (gathered by ``qkv``).
+        """
         nh, hs = self.num_heads_per_partition, self.head_dim  # local heads, head size
-        qkv = self.qkv(self.ln1(x))  # (B, T, nh·3·hs)
+        qkv = self.qkv(self.ln1(x))  # (B, T, nh·3·hs), the whole sequence
+        B, T, _ = qkv.shape  # noqa: N806  (batch size, sequence length)
         q, k, v = qkv.view(B, T, nh, 3, hs).permute(3, 0, 2, 1, 4).unbind(0)  # 3 × (B, nh, T, hs)
         dropout_p = self.config.attention_dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)  # (B, nh, T, hs)
+        if dropout_p > 0.0:
+            # The local heads differ on every TP rank: independent masks.
+            with self.dropout_rng.fork("sharded"):
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
         y = y.transpose(1, 2)  # (B, T, nh, hs)
         if self.head_scale is not None:
             # HeadScale scales each head's output BEFORE W_O (paper Eq. for HeadScaleMHA); fairseq
@@ -224,18 +327,22 @@ class NormFormerBlock(nn.Module):
         return F.gelu(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        p = self.config.hidden_dropout if self.training else 0.0
-        a = self.attention(x)  # (B, T, d)
+        p = self.config.hidden_dropout
+        # The residual stream is replicated across TP ranks (same mask everywhere), or split along
+        # the sequence under sequence parallelism (each rank its own tokens, its own mask).
+        region = "sharded" if self.sequence_parallel else "replicated"
+        a = self.attention(x)  # (B, T, d)  [(B, T/tp, d) with sequence parallelism, throughout]
         if self.post_attn_ln is not None:
             a = self.post_attn_ln(a)
-        h = x + F.dropout(a, p=p, training=self.training)  # (B, T, d)
+        h = x + _dropout(a, p, self.training, self.dropout_rng, region)  # (B, T, d)
 
-        f = self.activation(self.fc1(self.ln2(h)))  # (B, T, ffn/tp)
+        f = self.activation(self.fc1(self.ln2(h)))  # (B, T, ffn/tp), the whole sequence
         if self.ffn_ln is not None:
             f = self.ffn_ln(f)  # statistics over the full ffn width, reduced across TP ranks
-        f = F.dropout(self.fc2(f), p=p, training=self.training)  # (B, T, d)
+        f = _dropout(self.fc2(f), p, self.training, self.dropout_rng, region)  # (B, T, d)
         if self.resid_scale is not None:
-            h = self.resid_scale * h  # ResScale weights only the FFN residual (as fairseq)
+            # ResScale weights only the FFN residual (as fairseq)
+            h = sequence_region_param(self.resid_scale, self.tp_group, self.sequence_parallel) * h
         return h + f
 
 
@@ -247,6 +354,10 @@ class NormFormerLM(nn.Module):
         tp_group: tensor-parallel group, or None for a single process.
         seed: base seed; every parameter's full tensor is drawn from a generator seeded by this and
             the parameter's name, so the same seed gives the same model at any TP degree.
+        sequence_parallel: Megatron sequence parallelism for the LayerNorm / dropout / residual
+            regions (no effect with one TP rank); sequences must then divide by the TP size.
+        dropout_rng: dropout generator states (the trainer builds one from the seed and this
+            process's TP / DP / PP ranks); None builds one from ``seed`` and the TP rank.
 
     The output projection is the token embedding (``tie_embeddings``) or a separate column-parallel
     layer without bias; either way the logits stay vocabulary-sharded.
@@ -256,18 +367,33 @@ class NormFormerLM(nn.Module):
         ValueError: when heads, FFN width or padded vocabulary do not divide by the TP size.
     """
 
-    def __init__(self, config: ModelConfig, *, tp_group: ProcessGroup | None = None, seed: int = 1234):
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        tp_group: ProcessGroup | None = None,
+        seed: int = 1234,
+        sequence_parallel: bool = False,
+        dropout_rng: DropoutRNG | None = None,
+    ):
         super().__init__()
         _check_config(config)
         self.config = config
         self.tp_group = tp_group
         self.tp_size = tp_world_size(tp_group)
+        sp = self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        self.dropout_rng = dropout_rng or DropoutRNG(seed, tp_rank=tp_rank(tp_group))
         self.padded_vocab_size = config.padded_vocab_size(self.tp_size)
-        self.embedding = NormFormerEmbedding(config, tp_group=tp_group, seed=seed)
+        self.embedding = NormFormerEmbedding(config, tp_group=tp_group, seed=seed, sequence_parallel=sp)
         self.layers = nn.ModuleList(
-            NormFormerBlock(config, i, tp_group=tp_group, seed=seed) for i in range(config.num_layers)
+            NormFormerBlock(
+                config, i, tp_group=tp_group, seed=seed, sequence_parallel=sp, dropout_rng=self.dropout_rng
+            )
+            for i in range(config.num_layers)
         )
-        self.final_ln = replicated_layer_norm(config.hidden_size, config.layernorm_eps)
+        self.final_ln = replicated_layer_norm(
+            config.hidden_size, config.layernorm_eps, tp_group=tp_group, sequence_parallel=sp
+        )
         if config.tie_embeddings:
             self.output = None
         else:
@@ -279,14 +405,19 @@ class NormFormerLM(nn.Module):
                 init_std=config.init_std,
                 seed=derive_seed(seed, "output"),
                 num_valid_out_features=config.vocab_size,
+                sequence_parallel=sp,
             )
 
     def logits_local(self, h: torch.Tensor) -> torch.Tensor:
-        """Final hidden state ``[B, T, d]`` to this rank's raw logits ``[B, T, padded_vocab/tp]``
-        (padded columns not yet masked)."""
+        """Final hidden state ``[B, T, d]`` (``[B, T/tp, d]`` with sequence parallelism) to this
+        rank's raw logits ``[B, T, padded_vocab/tp]`` (padded columns not yet masked)."""
         if self.output is not None:
             return self.output(h)
-        return F.linear(copy_to_tp_region(h, self.tp_group), self.embedding.token.weight)
+        if self.sequence_parallel:
+            h = gather_from_sequence_region(h, self.tp_group)  # (B, T, d)
+        else:
+            h = copy_to_tp_region(h, self.tp_group)
+        return F.linear(h, self.embedding.token.weight)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Logits or mean loss.
@@ -300,9 +431,9 @@ class NormFormerLM(nn.Module):
             logits, padded columns set to ``-inf``; with labels, the ``float32`` scalar mean
             cross-entropy in nats over all ``B·T`` tokens (the same on every TP rank).
         """
-        h = self.embedding(tokens)  # (B, T, d)
+        h = self.embedding(tokens)  # (B, T, d), or (B, T/tp, d) with sequence parallelism
         for layer in self.layers:
-            h = layer(h)  # (B, T, d)
+            h = layer(h)
         h = self.final_ln(h)
         logits = self.logits_local(h)  # (B, T, V_pad/tp)
         if labels is None:

@@ -29,10 +29,14 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def count_parameters(model: nn.Module) -> int:
-    """Number of parameter elements held by THIS rank (each shared tensor counted once).
+def count_parameters(model: nn.Module, tp_size: int = 1) -> int:
+    """Number of parameter elements of the whole model (each shared tensor counted once).
 
-    At TP > 1 this is the local shard count; sum it over the TP group for sharded parameters only
-    to get the full model size. Buffers (the sinusoidal position table) are not counted.
+    With ``tp_size`` = 1 (the default) this is what THIS rank holds. With the model's TP degree it
+    is the full model: sharded parameters (``tensor_model_parallel=True``, equal slices on every
+    rank) count ``tp_size`` times, replicated ones once; the vocabulary padding of that TP degree
+    is included. Buffers (the sinusoidal position table) are not counted.
     """
-    return sum(p.numel() for p in model.parameters())
+    return sum(
+        p.numel() * (tp_size if getattr(p, "tensor_model_parallel", False) else 1) for p in model.parameters()
+    )

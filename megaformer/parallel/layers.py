@@ -48,6 +48,8 @@ class ColumnParallelLinear(nn.Module):
         seed: seed of the full weight's generator.
         num_valid_out_features: draw only this many output rows and zero-init the rest (padded
             vocabulary rows of an output layer); None draws them all.
+        sequence_parallel: the input is this rank's slice of the sequence, ``[B, T / tp, in]``;
+            it is all-gathered to ``[B, T, in]`` before the matmul (Korthikanti et al. 2022).
 
     Shapes: input ``[..., in_features]`` -> output ``[..., out_features / tp_size]`` (or
     ``[..., out_features]`` with ``gather_output``), in the input's dtype.
@@ -67,12 +69,14 @@ class ColumnParallelLinear(nn.Module):
         init_std: float = 0.02,
         seed: int = 0,
         num_valid_out_features: int | None = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.tp_group = tp_group
         self.in_features = in_features
         self.out_features = out_features
         self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
         tp_size, rank = tp_world_size(tp_group), tp_rank(tp_group)
         self.out_features_per_partition = divide(out_features, tp_size)
         full = normal_full((out_features, in_features), init_std, seed, valid_rows=num_valid_out_features)
@@ -84,7 +88,10 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = mappings.copy_to_tp_region(x, self.tp_group)
+        if self.sequence_parallel:
+            x = mappings.gather_from_sequence_region(x, self.tp_group)  # (B, T, in_features)
+        else:
+            x = mappings.copy_to_tp_region(x, self.tp_group)
         y = F.linear(x, self.weight, self.bias)  # (..., out_features / tp)
         if self.gather_output:
             y = mappings.gather_from_tp_region(y, self.tp_group)  # (..., out_features)
@@ -109,6 +116,8 @@ class RowParallelLinear(nn.Module):
             output of a :class:`ColumnParallelLinear`); if False a full input is scattered first.
         init_std: standard deviation of the normal weight initialisation.
         seed: seed of the full weight's generator.
+        sequence_parallel: reduce-scatter the output along the sequence (``dim=1``) instead of
+            all-reducing it: ``[B, T, ...]`` in, ``[B, T / tp, out_features]`` out.
 
     Shapes: ``[..., in_features / tp_size]`` (or ``[..., in_features]``) -> ``[..., out_features]``.
 
@@ -126,12 +135,14 @@ class RowParallelLinear(nn.Module):
         input_is_parallel: bool = True,
         init_std: float = 0.02,
         seed: int = 0,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.tp_group = tp_group
         self.in_features = in_features
         self.out_features = out_features
         self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel
         tp_size, rank = tp_world_size(tp_group), tp_rank(tp_group)
         self.in_features_per_partition = divide(in_features, tp_size)
         full = normal_full((out_features, in_features), init_std, seed)
@@ -146,9 +157,12 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = mappings.scatter_to_tp_region(x, self.tp_group)  # (..., in_features / tp)
         y = F.linear(x, self.weight)  # (..., out_features), a partial sum at TP > 1
-        y = mappings.reduce_from_tp_region(y, self.tp_group)
+        if self.sequence_parallel:
+            y = mappings.reduce_scatter_to_sequence_region(y, self.tp_group)  # (B, T/tp, out)
+        else:
+            y = mappings.reduce_from_tp_region(y, self.tp_group)
         if self.bias is not None:
-            y = y + self.bias
+            y = y + sequence_region_param(self.bias, self.tp_group, self.sequence_parallel)
         return y
 
     def extra_repr(self) -> str:
@@ -172,6 +186,8 @@ class VocabParallelEmbedding(nn.Module):
         seed: seed of the full table's generator.
         num_valid_embeddings: rows at and above this index (vocabulary padding) are zero-initialised
             and the real rows do not depend on the amount of padding; None draws all rows.
+        sequence_parallel: reduce-scatter the embeddings along the sequence instead of all-reducing
+            them: tokens ``[B, T]`` -> ``[B, T / tp, d]``, this rank's slice of the sequence.
 
     Shapes: tokens ``LongTensor[...]`` with values in ``[0, V)`` -> ``float32[..., d]`` (the
     weight's dtype), replicated on every rank.
@@ -186,9 +202,11 @@ class VocabParallelEmbedding(nn.Module):
         init_std: float = 0.02,
         seed: int = 0,
         num_valid_embeddings: int | None = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         tp_size, rank = tp_world_size(tp_group), tp_rank(tp_group)
@@ -205,6 +223,8 @@ class VocabParallelEmbedding(nn.Module):
         local = (tokens - self.vocab_start_index).masked_fill(outside, 0)
         out = F.embedding(local, self.weight)  # (..., d), garbage rows where outside
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return mappings.reduce_scatter_to_sequence_region(out, self.tp_group)  # (B, T/tp, d)
         return mappings.reduce_from_tp_region(out, self.tp_group)
 
     def extra_repr(self) -> str:
@@ -212,6 +232,22 @@ class VocabParallelEmbedding(nn.Module):
             f"{self.num_embeddings}, {self.embedding_dim}, "
             f"rows [{self.vocab_start_index}, {self.vocab_end_index})"
         )
+
+
+def sequence_region_param(
+    param: torch.Tensor, tp_group: ProcessGroup | None, sequence_parallel: bool
+) -> torch.Tensor:
+    """A replicated parameter as used on this rank's slice of the sequence.
+
+    Under sequence parallelism each TP rank applies a replicated parameter (LayerNorm gain and
+    shift, a bias, ResScale) to different tokens, so its local gradient is a partial sum over the
+    rank's tokens. :func:`~megaformer.parallel.mappings.copy_to_tp_region` (forward identity,
+    backward all-reduce) makes autograd sum those parts, so the replicas receive the same, full
+    gradient and stay identical. Without sequence parallelism the parameter is returned as is.
+    """
+    if not sequence_parallel:
+        return param
+    return mappings.copy_to_tp_region(param, tp_group)
 
 
 def _num_valid_local_columns(per_partition: int, tp_group: ProcessGroup | None, vocab_size: int) -> int:

@@ -13,6 +13,22 @@ function                    forward                  backward
 ``gather_from_tp_region``   all-gather last dim      keep own last-dim slice
 ==========================  =======================  ==========================
 
+Sequence parallelism (Korthikanti et al. 2022, arXiv:2205.05198, Sec. 4.2.2, the "g" and "ḡ"
+operators) keeps the activations of the LayerNorm / dropout / residual regions split along the
+sequence dimension instead of replicated; the all-reduce of a row-parallel output becomes a
+reduce-scatter and the copy before a column-parallel input becomes an all-gather:
+
+======================================  ==========================  ==========================
+function                                forward                     backward
+======================================  ==========================  ==========================
+``scatter_to_sequence_region``          keep own sequence slice     all-gather along sequence
+``gather_from_sequence_region``         all-gather along sequence   reduce-scatter (sum)
+``reduce_scatter_to_sequence_region``   reduce-scatter (sum)        all-gather along sequence
+======================================  ==========================  ==========================
+
+The sequence dimension is ``dim=1`` by default (this project's ``[B, T, d]`` activations); rank
+``r`` of a group of ``n`` holds tokens ``[r·T/n, (r+1)·T/n)``.
+
 Every function takes the process group explicitly and is the identity when the group is ``None``
 or has one rank, so single-process code pays nothing.
 """
@@ -44,6 +60,27 @@ def _gather_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=-1)
+
+
+def _split_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    size = divide(x.shape[dim], dist.get_world_size(group))
+    return x.narrow(dim, dist.get_rank(group) * size, size).contiguous()
+
+
+def _gather_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    world_size = dist.get_world_size(group)
+    size = divide(x.shape[dim], world_size)
+    chunks = [c.contiguous() for c in x.split(size, dim=dim)]
+    out = torch.empty_like(chunks[0])
+    dist.reduce_scatter(out, chunks, op=dist.ReduceOp.SUM, group=group)
+    return out
 
 
 class _CopyToTPRegion(torch.autograd.Function):
@@ -98,6 +135,41 @@ class _GatherFromTPRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return _split_last_dim(grad, ctx.group), None
+
+
+class _ScatterToSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _split_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_dim(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherFromSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _gather_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # The gathered tensor feeds a TP region (a column-parallel matmul): each rank's gradient
+        # is a partial sum over its shard of the weight, so sum them and keep this rank's tokens.
+        return _reduce_scatter_dim(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterToSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_dim(grad, ctx.dim, ctx.group), None, None
 
 
 def copy_to_tp_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
@@ -155,10 +227,49 @@ def gather_from_tp_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.
     return _GatherFromTPRegion.apply(x, group)
 
 
+def scatter_to_sequence_region(x: torch.Tensor, group: ProcessGroup | None, dim: int = 1) -> torch.Tensor:
+    """Keep this rank's slice of the sequence dimension of a replicated tensor.
+
+    ``[B, T, ...]`` -> ``[B, T / tp_size, ...]`` (for ``dim=1``); backward all-gathers the gradient.
+    Raises ``ValueError`` when ``T`` does not divide by the group size.
+    """
+    if tp_world_size(group) == 1:
+        return x
+    return _ScatterToSequenceRegion.apply(x, group, dim)
+
+
+def gather_from_sequence_region(x: torch.Tensor, group: ProcessGroup | None, dim: int = 1) -> torch.Tensor:
+    """All-gather sequence slices before a TP region; backward reduce-scatters (sums) the gradient.
+
+    ``[B, T / tp_size, ...]`` -> ``[B, T, ...]`` in rank order. Replaces :func:`copy_to_tp_region`
+    in front of a column-parallel layer under sequence parallelism.
+    """
+    if tp_world_size(group) == 1:
+        return x
+    return _GatherFromSequenceRegion.apply(x, group, dim)
+
+
+def reduce_scatter_to_sequence_region(
+    x: torch.Tensor, group: ProcessGroup | None, dim: int = 1
+) -> torch.Tensor:
+    """Sum partial results and keep this rank's sequence slice; backward all-gathers the gradient.
+
+    ``[B, T, ...]`` (a partial sum on each rank) -> ``[B, T / tp_size, ...]``. Replaces
+    :func:`reduce_from_tp_region` after a row-parallel layer under sequence parallelism. Raises
+    ``ValueError`` when ``T`` does not divide by the group size.
+    """
+    if tp_world_size(group) == 1:
+        return x
+    return _ReduceScatterToSequenceRegion.apply(x, group, dim)
+
+
 __all__ = [
     "copy_to_tp_region",
+    "gather_from_sequence_region",
     "gather_from_tp_region",
     "reduce_from_tp_region",
+    "reduce_scatter_to_sequence_region",
+    "scatter_to_sequence_region",
     "scatter_to_tp_region",
     "sum_across_tp_region",
 ]

@@ -105,3 +105,32 @@ def mark_no_weight_decay(param: torch.nn.Parameter) -> torch.nn.Parameter:
     """Tag ``param`` (bias, norm gain/shift, learned scale) for the optimizer's no-decay group."""
     param.no_weight_decay = True
     return param
+
+
+def grad_norm(parameters, tp_group: ProcessGroup | None) -> float:
+    """L2 norm of the gradients of the WHOLE model, each parameter counted once, on every TP rank.
+
+    A sharded parameter (``tensor_model_parallel=True``) contributes its local slice on every rank;
+    a replicated one holds the same gradient on every rank and is counted on TP rank 0 only. The
+    squared sums (fp32) are then all-reduced over ``tp_group``. This is the norm DeepSpeed's
+    ``clip_grad_norm_`` clips with when given an mpu (``runtime/utils.py``), so the logged norm and
+    the clipped one agree. Parameters without a gradient are skipped.
+
+    Args:
+        parameters: an iterable of parameters (each distinct tensor once: pass ``model.parameters()``).
+        tp_group: tensor-parallel group, or None for a single process.
+
+    Returns:
+        The norm as a Python float (0.0 without any gradient).
+    """
+    with_grad = [p for p in parameters if p.grad is not None]
+    if not with_grad:
+        return 0.0  # the same on every TP rank: the ranks hold the same parameter structure
+    first_rank = tp_rank(tp_group) == 0
+    total = torch.zeros((), dtype=torch.float32, device=with_grad[0].grad.device)
+    for p in with_grad:
+        if first_rank or getattr(p, "tensor_model_parallel", False):
+            total += p.grad.detach().float().pow(2).sum()
+    if tp_world_size(tp_group) > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=tp_group)
+    return float(total.sqrt())

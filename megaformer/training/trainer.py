@@ -4,6 +4,11 @@ One optimizer step = ``global_batch_size`` samples: each data-parallel rank runs
 ``gradient_accumulation_steps`` micro-batches of ``micro_batch_size`` samples through the DeepSpeed
 engine, which averages gradients over the data-parallel group, clips, scales (fp16) and steps.
 
+Under tensor parallelism (``parallel.tp_size`` > 1) the world is a ``tp × pp × dp`` grid
+(:class:`~megaformer.parallel.state.ParallelState`): the ranks of one TP group read the same samples
+and hold slices of one model; data is sharded over the data-parallel rank only, and the state is
+DeepSpeed's ``mpu``, so gradients are averaged (and ZeRO partitions) over the data-parallel group.
+
 The samples of step ``s`` are fixed by ``(seed, s)``: on resume the loop continues with exactly the
 samples it would have seen.
 """
@@ -23,6 +28,9 @@ import torch.distributed as dist
 
 from megaformer.config import RunConfig, to_dict, validate_layout
 from megaformer.data.gpt_dataset import GPTSamples, build_train_valid, unigram_entropy
+from megaformer.parallel.rng import DropoutRNG
+from megaformer.parallel.state import ParallelState
+from megaformer.parallel.utils import grad_norm as tp_grad_norm
 from megaformer.training.deepspeed_config import build_deepspeed_config
 from megaformer.training.distributed import init_distributed, pick_backend
 from megaformer.training.metrics import MetricsWriter, StepTimer, format_step_line
@@ -39,6 +47,8 @@ class Layout:
     dp_rank: int
     dp_size: int
     device: torch.device
+    dp_group: Any = None
+    """The data-parallel process group (None: the whole world, as when tp = pp = 1)."""
 
     @property
     def is_main(self) -> bool:
@@ -70,14 +80,15 @@ def _mean_over_dp(value: float, layout: Layout) -> float:
     if layout.dp_size == 1:
         return value
     t = torch.tensor([value], dtype=torch.float64, device=layout.device)
-    dist.all_reduce(t)
+    # Over the data-parallel group only: the TP ranks of one replica hold the same value.
+    dist.all_reduce(t, group=layout.dp_group)
     return float(t.item()) / layout.dp_size
 
 
-def _fp32_grad_norm(model: torch.nn.Module) -> float:
-    """L2 norm of all gradients (fp32, no ZeRO: DeepSpeed clips without reporting the norm)."""
-    norms = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
-    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+def _fp32_grad_norm(model: torch.nn.Module, tp_group: Any = None) -> float:
+    """L2 norm of the whole model's gradients (fp32, no ZeRO: DeepSpeed clips without reporting the
+    norm); at TP > 1 sharded parameters are summed over ``tp_group``, replicated ones counted once."""
+    return tp_grad_norm(model.parameters(), tp_group)
 
 
 def _loss_scale(engine: Any) -> float | None:
@@ -150,8 +161,9 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     backend = pick_backend(cfg.parallel.backend)
     rank, world_size, local_rank = init_distributed(backend)
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
-    # tp = pp = 1: every rank is its own data-parallel rank.
-    layout = Layout(rank, world_size, local_rank, rank, dp_size, device)
+    par = cfg.parallel
+    state = ParallelState.build(par.tp_size, par.pp_size, dp_size)
+    layout = Layout(rank, world_size, local_rank, state.dp_rank, dp_size, device, dp_group=state.dp_group)
 
     run_dir = cfg.output.dir
     ckpt_dir = os.path.join(run_dir, "checkpoints")
@@ -162,8 +174,17 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         _atomic_write_text(os.path.join(run_dir, "config.json"), json.dumps(to_dict(cfg), indent=2) + "\n")
 
     torch.manual_seed(t.seed)
-    model = NormFormerLM(cfg.model, tp_group=None, seed=t.seed)
-    n_params = count_parameters(model)
+    dropout_rng = DropoutRNG(
+        t.seed, tp_rank=state.tp_rank, dp_rank=state.dp_rank, pp_rank=state.pp_rank, device=device
+    )
+    model = NormFormerLM(
+        cfg.model,
+        tp_group=state.tp_group if par.tp_size > 1 else None,
+        seed=t.seed,
+        sequence_parallel=par.sequence_parallel,
+        dropout_rng=dropout_rng,
+    )
+    n_params = count_parameters(model, par.tp_size)
     optimizer = torch.optim.AdamW(
         param_groups(model, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps
     )
@@ -176,13 +197,19 @@ def train(cfg: RunConfig) -> dict[str, Any]:
 
         get_accelerator().is_fp16_supported = lambda: True
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, dist_init_required=False
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        config=ds_config,
+        mpu=state.mpu(),
+        dist_init_required=False,
     )
     gas = engine.gradient_accumulation_steps()
     seq_len = cfg.model.seq_len
     _log(
         layout,
-        f"model: {n_params:,} parameters | world {world_size} on {backend} | dp {dp_size} | "
+        f"model: {n_params:,} parameters | world {world_size} on {backend} | tp {par.tp_size}"
+        f"{' (sequence parallel)' if par.sequence_parallel and par.tp_size > 1 else ''} | dp {dp_size} | "
         f"micro_batch_size {t.micro_batch_size} × grad accumulation {gas} × dp {dp_size} = "
         f"global_batch_size {t.global_batch_size} | seq_len {seq_len} | {t.precision} | ZeRO {t.zero_stage}",
     )
@@ -194,10 +221,13 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         valid_samples=t.eval_batches * t.micro_batch_size * dp_size,
         valid_fraction=cfg.data.valid_fraction,
         seed=t.seed,
+        blend=cfg.data.blend,
+        cache_dir=cfg.data.index_cache_dir or os.path.join(run_dir, "index_cache"),
     )
     _log(
         layout,
-        f"data: {cfg.data.prefix} | train {info['train_documents']} docs / {info['train_tokens']:,} tokens | "
+        f"data: {cfg.data.blend or cfg.data.prefix} | "
+        f"train {info['train_documents']} docs / {info['train_tokens']:,} tokens | "
         f"valid {info['valid_documents']} docs / {info['valid_tokens']:,} tokens",
     )
 
@@ -238,7 +268,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
             if engine.is_gradient_accumulation_boundary() and not (
                 engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization()
             ):
-                grad_norm = _fp32_grad_norm(engine.module)
+                grad_norm = _fp32_grad_norm(engine.module, state.tp_group)
             engine.step()
         if grad_norm is None:
             reported = engine.get_global_grad_norm()

@@ -54,7 +54,12 @@ def test_quickstart_config_is_normformer():
         ),
         (["train.warmup_steps=500", "train.steps=100"], "train.warmup_steps=500"),
         (["model.activation=swish"], "model.activation='swish'"),
-        (["parallel.tp_size=2"], "parallel.tp_size=2"),
+        (["parallel.tp_size=3"], "not divisible by parallel.tp_size=3"),
+        (["parallel.pp_size=2"], "parallel.pp_size=2"),
+        (
+            ["parallel.tp_size=4", "parallel.sequence_parallel=true", "model.seq_len=130"],
+            "model.seq_len=130 tokens across parallel.tp_size=4",
+        ),
         (["train.deepspeed_config=/nonexistent.json"], "/nonexistent.json"),
         (["train.steps"], "expected section.key=value"),
     ],

@@ -1,0 +1,353 @@
+"""Training-sample indices over a ``.bin``/``.idx`` dataset, vectorised and cached as ``.npy``.
+
+A sample is ``seq_len + 1`` consecutive tokens of the stream formed by concatenating documents in a
+shuffled order (one fresh permutation per epoch); consecutive samples share one token. Three arrays:
+
+* ``doc_idx``     int32[E·D] (int64 past 2**31): the document order over E epochs of D documents;
+* ``sample_idx``  int32[S + 1, 2]: where sample i starts, (position in doc_idx, token offset in
+  that document); row S is where the stream past the last sample begins;
+* ``shuffle_idx`` int32[S]: the order in which samples are served.
+
+Built with numpy only (no Python loop over documents or samples): a cache-friendly two-level
+permutation (``shuffle_together``) that carries each document's length along with its id, a
+blockwise cumulative sum, and ``np.repeat`` of each document's position by the number of sample
+starts it holds (linear time, unlike a binary search per sample). At 100M documents / 54M samples of
+2048 the arrays are 0.4 + 0.43 + 0.22 GB.
+
+Cache: ``load_or_build`` stores the three arrays under ``{name}_{key}_{doc,sample,shuffle}_idx.npy``
+where ``key`` hashes everything that shapes them: the dataset's index content (its sequence lengths,
+by SHA-256, not its path or mtime, so a copy on another node hits the same key), the selected
+documents, ``seq_len``, ``num_samples``, ``seed`` and ``shuffle``. Files are written under unique
+temporary names and renamed with ``os.replace``, so several processes building the same index at
+once (one per rank, or nodes without a shared filesystem) never see a half-written file; they
+are loaded with ``mmap_mode="r"``.
+
+This module imports numpy and the data tools only (no torch): ``python -m data_tools.build_index``
+uses it ahead of a run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from data_tools.errors import DataFormatError
+from data_tools.indexed_dataset import HEADER_SIZE, IndexedDataset
+
+__all__ = [
+    "SampleIndex",
+    "build_sample_index",
+    "dataset_digest",
+    "load_or_build",
+    "split_documents",
+]
+
+INDEX_FORMAT = 2  # bump when the arrays' meaning or order changes: old cache entries then miss
+_BLOCK = 1 << 23  # documents per block of the sample-start pass (bounds its scratch memory)
+_PLAIN_SHUFFLE_MAX = 1 << 20  # up to this many elements, one rng.permutation (fits in cache)
+_SHUFFLE_BUCKET = 1 << 17  # elements per bucket of the two-level shuffle (512 KB of int32)
+_SCATTER_CHUNK = 1 << 22  # elements per radix-sorted chunk of its scatter pass
+_HASH_BLOCK = 64 << 20
+
+
+def _index_dtype(n: int) -> type:
+    return np.int32 if n < 2**31 else np.int64
+
+
+def split_documents(num_documents: int, valid_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Splits document ids into train and validation sets, whole documents, deterministically by seed.
+
+    Returns:
+        ``(train_ids, valid_ids)``, sorted int64 arrays; at least one document in each.
+
+    Raises:
+        DataFormatError: fewer than 2 documents.
+    """
+    if num_documents < 2:
+        raise DataFormatError(
+            f"the dataset has {num_documents} document(s); a train/validation split needs at least 2"
+        )
+    num_valid = min(max(1, round(num_documents * valid_fraction)), num_documents - 1)
+    perm = np.random.default_rng([seed, 0x5EED]).permutation(num_documents)
+    return np.sort(perm[num_valid:]), np.sort(perm[:num_valid])
+
+
+def build_sample_index(
+    doc_ids: np.ndarray,
+    doc_lengths: np.ndarray,
+    seq_len: int,
+    num_samples: int,
+    seed: int,
+    shuffle: bool = True,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Builds (doc_idx, sample_idx, shuffle_idx) for ``num_samples`` samples of ``seq_len + 1`` tokens.
+
+    Args:
+        doc_ids: int[D] ids of the documents to draw from.
+        doc_lengths: int[total documents], tokens per document of the whole dataset.
+        seq_len: tokens per sample input (each sample holds seq_len + 1 tokens).
+        num_samples: samples wanted; as many epochs over ``doc_ids`` are made as this needs.
+        seed: seeds the per-epoch document permutations and the sample shuffle.
+        shuffle: shuffle documents per epoch and samples (False: natural order, for evaluation).
+
+    Returns:
+        doc_idx [E·D], sample_idx [num_samples + 1, 2], shuffle_idx [num_samples]; int32 where
+        the values fit, else int64.
+
+    Raises:
+        DataFormatError: the documents hold no more than ``seq_len`` tokens (not one sample), or
+            ``num_samples``/``seq_len`` below 1.
+    """
+    if seq_len < 1 or num_samples < 1:
+        raise DataFormatError(f"expected seq_len >= 1 and num_samples >= 1, got {seq_len} and {num_samples}")
+    doc_ids = np.asarray(doc_ids)
+    doc_lengths = np.asarray(doc_lengths)
+    tokens_per_epoch = int(np.sum(doc_lengths[doc_ids], dtype=np.int64))
+    if tokens_per_epoch <= seq_len:
+        raise DataFormatError(
+            f"the selected documents hold {tokens_per_epoch} tokens, fewer than one sample of "
+            f"seq_len + 1 = {seq_len + 1}; use more data or a shorter model.seq_len"
+        )
+    # Sample i covers stream positions [i·seq_len, i·seq_len + seq_len], so the stream must reach
+    # num_samples·seq_len + 1 tokens.
+    epochs = -(-(num_samples * seq_len + 1) // tokens_per_epoch)
+    ids = doc_ids.astype(_index_dtype(int(doc_ids.max(initial=0)) + 1), copy=False)
+    lens = doc_lengths[doc_ids].astype(np.int32, copy=False)  # sequential: ids are usually sorted
+    rng = np.random.default_rng([seed, 0xD0C])
+    if shuffle:
+        # The lengths travel with the ids, so the sample-start pass reads them in stream order
+        # instead of gathering doc_lengths[doc_idx] at random.
+        perms = [shuffle_together(rng, ids, lens) for _ in range(epochs)]
+        if epochs == 1:  # no copy for one epoch
+            ((doc_idx, stream_lengths),) = perms
+        else:
+            doc_idx = np.concatenate([p[0] for p in perms])
+            stream_lengths = np.concatenate([p[1] for p in perms])
+        del perms
+    else:
+        doc_idx, stream_lengths = np.tile(ids, epochs), np.tile(lens, epochs)
+    sample_idx = _sample_starts(stream_lengths, seq_len, num_samples, int(doc_lengths.max(initial=0)))
+    del stream_lengths
+    order_dtype = _index_dtype(num_samples)
+    if shuffle:
+        (order,) = shuffle_together(
+            np.random.default_rng([seed, 0x5A3]), None, size=num_samples, dtype=order_dtype
+        )
+    else:
+        order = np.arange(num_samples, dtype=order_dtype)
+    return doc_idx, sample_idx, order
+
+
+def shuffle_together(
+    rng: np.random.Generator,
+    *arrays: np.ndarray | None,
+    size: int | None = None,
+    dtype: type = np.int32,
+) -> tuple[np.ndarray, ...]:
+    """Permuted copies of equal-length 1-D ``arrays``, all by one uniformly random permutation
+    drawn from ``rng`` (deterministic by its state). ``None`` in place of the one array stands for
+    ``arange(size, dtype=dtype)`` without building it first.
+
+    Up to ``_PLAIN_SHUFFLE_MAX`` elements: one ``rng.permutation``. Above, a two-level
+    (Rao–Sandelius) shuffle, exactly uniform too but cache-friendly, which a Fisher–Yates shuffle
+    of 100M elements is not (every swap a cache and TLB miss: 7 s for 100M ids here, against about
+    1 s this way): each element goes to one of B buckets uniformly at random, the buckets are laid
+    out one after another (a stable radix sort per chunk of the uint16 bucket labels, then B
+    sequential write streams), then each bucket (~``_SHUFFLE_BUCKET`` elements, in cache) is
+    permuted uniformly.
+    """
+    if len(arrays) == 1 and arrays[0] is None:
+        if size is None:
+            raise TypeError("shuffle_together(rng, None) needs size")
+        n = size
+    else:
+        n = arrays[0].size
+    if n <= _PLAIN_SHUFFLE_MAX:
+        perm = rng.permutation(n)
+        return tuple(perm.astype(dtype) if a is None else a[perm] for a in arrays)
+    buckets = min(-(-n // _SHUFFLE_BUCKET), 1 << 16)
+    labels = rng.integers(0, buckets, n, dtype=np.uint16)
+    fill = np.zeros(buckets, dtype=np.int64)  # next free slot of each bucket in the output
+    np.cumsum(np.bincount(labels, minlength=buckets)[:-1], out=fill[1:])
+    ends = np.empty_like(fill)
+    outs = tuple(np.empty(n, dtype=dtype if a is None else a.dtype) for a in arrays)
+    for c0 in range(0, n, _SCATTER_CHUNK):
+        lab = labels[c0 : c0 + _SCATTER_CHUNK]
+        order = np.argsort(lab, kind="stable")  # radix sort for uint16: linear
+        counts = np.bincount(lab, minlength=buckets)
+        sorted_lab = lab[order]
+        chunk_starts = np.cumsum(counts) - counts
+        # Element r of the sorted chunk goes to its bucket's next free slot plus its rank in it.
+        dest = fill[sorted_lab] + (np.arange(lab.size, dtype=np.int64) - chunk_starts[sorted_lab])
+        for a, out in zip(arrays, outs):
+            out[dest] = (order + c0).astype(out.dtype) if a is None else a[c0 : c0 + _SCATTER_CHUNK][order]
+        fill += counts
+    del labels
+    np.copyto(ends, fill)
+    start = 0
+    for end in ends.tolist():
+        if len(outs) == 1:
+            rng.shuffle(outs[0][start:end])  # in place, in cache
+        else:
+            perm = rng.permutation(end - start)
+            for out in outs:
+                out[start:end] = out[start:end][perm]
+        start = end
+    return outs
+
+
+def _sample_starts(stream_lengths: np.ndarray, seq_len: int, num_samples: int, max_length: int) -> np.ndarray:
+    """sample_idx[S + 1, 2]: for each start k·seq_len, (position in doc_idx, offset in that doc).
+
+    ``stream_lengths[j]`` is the length of the j-th document of the stream (``doc_idx`` order).
+    Document j, spanning tokens [start_j, end_j), holds the sample starts k with
+    ceil(start_j / L) <= k < ceil(end_j / L); repeating j that many times lists the documents of
+    all starts in order. Blocks of ``_BLOCK`` documents bound the scratch memory.
+    """
+    total = num_samples + 1
+    out = np.empty((total, 2), dtype=_index_dtype(max(stream_lengths.size, max_length)))
+    shift = seq_len.bit_length() - 1 if seq_len & (seq_len - 1) == 0 else None
+    filled = 0
+    carry = 0  # stream tokens before the block
+    prev_ceil = 0  # ceil(carry / L)
+    for b0 in range(0, stream_lengths.size, _BLOCK):
+        ends = np.cumsum(stream_lengths[b0 : b0 + _BLOCK], dtype=np.int64)
+        ends += carry
+        # ceil(end / L) per document; ceil(start / L) is the previous document's.
+        ceil_end = (ends + (seq_len - 1)) >> shift if shift is not None else -(-ends // seq_len)
+        counts = np.diff(ceil_end, prepend=prev_ceil)
+        local = np.repeat(np.arange(ends.size, dtype=np.int64), counts)
+        take = min(local.size, total - filled)
+        local = local[:take]
+        out[filled : filled + take, 0] = local + b0
+        # offset = k·L - start of its document = k·L - (end - length)
+        starts = ends[local] - stream_lengths[b0 : b0 + _BLOCK][local]
+        out[filled : filled + take, 1] = np.arange(filled, filled + take, dtype=np.int64) * seq_len - starts
+        filled += take
+        if ends.size:
+            carry, prev_ceil = int(ends[-1]), int(ceil_end[-1])
+        if filled == total:
+            return out
+    raise AssertionError(f"the stream holds {filled} sample starts, expected {total}")  # epochs are enough
+
+
+def dataset_digest(dataset: IndexedDataset) -> str:
+    """SHA-256 of what in the ``.idx`` shapes sample indices: dtype, counts, sequence lengths and
+    document indices (not the path or the mtime: a copy on another node has the same digest).
+
+    Reads the index in 64 MB blocks through file reads (about 0.3 s per GB).
+    """
+    h = hashlib.sha256()
+    n, d = len(dataset), dataset.num_documents + 1
+    h.update(f"{dataset.dtype.str}:{n}:{d}".encode())
+    sections = [(HEADER_SIZE, 4 * n), (HEADER_SIZE + 12 * n, 8 * d)]  # lengths, document indices
+    with open(dataset.idx_path, "rb") as f:
+        for start, size in sections:
+            f.seek(start)
+            while size > 0:
+                block = f.read(min(_HASH_BLOCK, size))
+                if not block:
+                    raise DataFormatError(f"{dataset.idx_path}: truncated while hashing")
+                h.update(block)
+                size -= len(block)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class SampleIndex:
+    """The three arrays (read-only memmaps when loaded from the cache) and where they live.
+
+    Attributes:
+        doc_idx, sample_idx, shuffle_idx: see the module docstring.
+        paths: the three ``.npy`` files, or ``None`` for an index not cached.
+        cache_hit: True when the arrays were loaded, False when built by this call.
+    """
+
+    doc_idx: np.ndarray
+    sample_idx: np.ndarray
+    shuffle_idx: np.ndarray
+    paths: tuple[Path, Path, Path] | None
+    cache_hit: bool
+
+
+def cache_key(
+    digest: str, doc_ids: np.ndarray | None, seq_len: int, num_samples: int, seed: int, shuffle: bool
+) -> str:
+    """24 hex digits hashing every parameter that shapes the indices (``doc_ids=None``: all documents)."""
+    ids = "all" if doc_ids is None else hashlib.sha256(np.ascontiguousarray(doc_ids, dtype="<i8")).hexdigest()
+    spec = {
+        "format": INDEX_FORMAT,
+        "dataset": digest,
+        "documents": ids,
+        "seq_len": seq_len,
+        "num_samples": num_samples,
+        "seed": seed,
+        "shuffle": shuffle,
+    }
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _save_atomic(path: Path, array: np.ndarray) -> None:
+    # A unique temporary name per writer: two processes building at once never write one file.
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            np.save(f, array)
+        os.replace(tmp, path)  # atomic: a reader sees the old file, the new file, or none
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def load_or_build(
+    dataset: IndexedDataset,
+    *,
+    seq_len: int,
+    num_samples: int,
+    seed: int,
+    shuffle: bool = True,
+    doc_ids: np.ndarray | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    doc_lengths: np.ndarray | None = None,
+    digest: str | None = None,
+) -> SampleIndex:
+    """The sample indices of ``dataset``: loaded from ``cache_dir`` by memory map, or built (and
+    saved there). ``cache_dir=None`` builds without caching.
+
+    Args:
+        dataset: the opened dataset.
+        seq_len, num_samples, seed, shuffle: see ``build_sample_index``.
+        doc_ids: the documents to draw from (e.g. a train split); ``None``: all of them.
+        cache_dir: directory of the ``.npy`` files (created if missing); one per node is fine.
+        doc_lengths: tokens per document if already at hand (else read from the index).
+        digest: ``dataset_digest(dataset)`` if already at hand.
+
+    Raises:
+        DataFormatError: too little data for one sample (see ``build_sample_index``).
+    """
+    paths = None
+    if cache_dir is not None:
+        digest = digest or dataset_digest(dataset)
+        key = cache_key(digest, doc_ids, seq_len, num_samples, seed, shuffle)
+        name = Path(dataset.idx_path).name.removesuffix(".idx")
+        d = Path(cache_dir)
+        paths = tuple(d / f"{name}_{key}_{what}_idx.npy" for what in ("doc", "sample", "shuffle"))
+        if all(p.is_file() for p in paths):
+            arrays = [np.load(p, mmap_mode="r") for p in paths]
+            return SampleIndex(*arrays, paths=paths, cache_hit=True)
+    if doc_lengths is None:
+        doc_lengths = dataset.document_lengths(np.int32)
+    ids = np.arange(doc_lengths.size, dtype=_index_dtype(doc_lengths.size)) if doc_ids is None else doc_ids
+    arrays = build_sample_index(ids, doc_lengths, seq_len, num_samples, seed, shuffle)
+    if paths is not None:
+        paths[0].parent.mkdir(parents=True, exist_ok=True)
+        # The shuffle index is renamed into place last; readers check all three, and a file that
+        # another builder replaces meanwhile has the same content (the build is deterministic).
+        for p, a in zip(paths, arrays):
+            _save_atomic(p, a)
+    return SampleIndex(*arrays, paths=paths, cache_hit=False)

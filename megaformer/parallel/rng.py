@@ -1,0 +1,102 @@
+"""Dropout randomness under tensor parallelism: one forked generator state per kind of region.
+
+Where activations are *replicated* across the TP group (the residual stream without sequence
+parallelism), every TP rank must drop the same elements, or the replicas drift apart. Where they
+are *sharded* (attention heads, the FFN intermediate, the sequence slices under sequence
+parallelism), each rank holds different elements and must draw an independent mask, or the
+"random" masks of the shards repeat each other. Megatron-LM keeps a "model-parallel RNG" for the
+second case (``tensor_parallel/random.py``); this is the same idea without a global tracker.
+
+:class:`DropoutRNG` keeps two generator states, seeded from the run seed:
+
+* ``"replicated"``: seeded by ``(seed, dp_rank, pp_rank)``: equal on the ranks of one TP group;
+* ``"sharded"``: seeded by ``(seed, dp_rank, pp_rank, tp_rank)``: different on every TP rank.
+
+``with rng.fork("sharded"): y = F.dropout(x, p)`` swaps the region's state into the default
+generator of ``device`` (CPU or the current CUDA device; ``F.dropout`` and the dropout inside
+``F.scaled_dot_product_attention`` draw from it), runs the block, saves the advanced state and
+restores the caller's, so the rest of the program's random stream is untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from megaformer.parallel.utils import derive_seed
+
+REGIONS = ("replicated", "sharded")
+
+
+class DropoutRNG:
+    """Per-region generator states for dropout, reproducible from the seed.
+
+    Args:
+        seed: the run seed.
+        tp_rank: this process's rank in its TP group (enters only the ``"sharded"`` seed).
+        dp_rank, pp_rank: data- and pipeline-parallel ranks (different replicas and stages draw
+            different masks).
+        device: where the dropout runs; its default generator is the one forked.
+
+    Raises:
+        KeyError: :meth:`fork` with a region other than ``"replicated"`` / ``"sharded"``.
+    """
+
+    def __init__(
+        self,
+        seed: int,
+        *,
+        tp_rank: int = 0,
+        dp_rank: int = 0,
+        pp_rank: int = 0,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.device = torch.device(device)
+        base = f"dp{dp_rank}.pp{pp_rank}"
+        self._seeds = {
+            "replicated": derive_seed(seed, f"dropout.replicated.{base}"),
+            "sharded": derive_seed(seed, f"dropout.sharded.{base}.tp{tp_rank}"),
+        }
+        self._states = {region: self._initial_state(s) for region, s in self._seeds.items()}
+
+    def _initial_state(self, seed: int) -> torch.Tensor:
+        if self.device.type == "cuda":
+            gen = torch.Generator(device=self.device)
+        else:
+            gen = torch.Generator()
+        return gen.manual_seed(seed).get_state()
+
+    def _get(self) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return torch.cuda.get_rng_state(self.device)
+        return torch.get_rng_state()
+
+    def _set(self, state: torch.Tensor) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+    @contextlib.contextmanager
+    def fork(self, region: str) -> Iterator[None]:
+        """Run the block with ``region``'s generator state as the default generator of the device."""
+        if region not in self._states:
+            raise KeyError(f"dropout RNG region {region!r}; use one of {REGIONS}")
+        outer = self._get()
+        self._set(self._states[region])
+        try:
+            yield
+        finally:
+            self._states[region] = self._get()
+            self._set(outer)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The current region states (for exact resume with dropout)."""
+        return {region: state.clone() for region, state in self._states.items()}
+
+    def load_state_dict(self, states: dict[str, torch.Tensor]) -> None:
+        """Restore states saved by :meth:`state_dict`."""
+        for region in REGIONS:
+            self._states[region] = states[region].clone()

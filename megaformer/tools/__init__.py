@@ -1,0 +1,1 @@
+"""Offline tools that operate on megaformer checkpoints."""

@@ -1,0 +1,139 @@
+"""Tensor parallelism end to end: launch/pretrain.sh on real text at tp_size = 2 repeats the tp_size = 1
+run step for step, and a TP=2 checkpoint resharded to TP=1 and on to TP=4 gives the same logits."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megaformer.config.schema import ModelConfig
+from megaformer.model import NormFormerLM
+from megaformer.tools.reshard import load_module, reshard
+from tests.distributed.conftest import read_scalars, run_pretrain
+
+CONFIG = "configs/normformer-quickstart.yaml"
+# Two processes: tp=1 gives dp=2 (4 samples per rank), tp=2 gives dp=1 with 2 accumulation steps:
+# the same 8 samples per step, so the same losses up to float rounding.
+TINY = [
+    "model.hidden_size=64",
+    "model.num_layers=2",
+    "model.num_attention_heads=4",  # splits at TP 4 for the reshard test
+    "model.seq_len=64",
+    "model.resid_scale=true",  # every NormFormer switch on
+    "train.micro_batch_size=4",
+    "train.global_batch_size=8",
+    "train.lr=3e-3",
+    "train.warmup_steps=5",
+    "train.steps=20",
+    "train.log_interval=10",
+    "train.eval_interval=20",
+    "train.eval_batches=1",
+    "train.save_interval=0",
+    "data.valid_fraction=0.02",
+]
+RUNS = {
+    "tp1": ["parallel.tp_size=1", "train.zero_stage=0"],
+    "tp2": ["parallel.tp_size=2", "train.zero_stage=0"],  # our own TP-aware grad norm (fp32, no ZeRO)
+    "tp2_sp_zero1": ["parallel.tp_size=2", "parallel.sequence_parallel=true", "train.zero_stage=1"],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(gutenberg_prefix, tmp_path_factory):
+    out = {}
+    for name, extra in RUNS.items():
+        run_dir = tmp_path_factory.mktemp(name)
+        proc = run_pretrain(
+            CONFIG, [*TINY, *extra, f"data.prefix={gutenberg_prefix}", f"output.dir={run_dir}"]
+        )
+        assert proc.returncode == 0, (
+            f"{name}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
+        out[name] = (run_dir, proc)
+    return out
+
+
+def test_tp2_training_repeats_tp1_step_for_step(runs):
+    ref = read_scalars(str(runs["tp1"][0] / "tensorboard"))
+    for name in ("tp2", "tp2_sp_zero1"):
+        run_dir, proc = runs[name]
+        assert "| tp 2" in proc.stdout and "| dp 1 |" in proc.stdout
+        got = read_scalars(str(run_dir / "tensorboard"))
+        assert sorted(got["train/loss"]) == list(range(1, 21)), name  # logged once per step
+        for step in range(1, 21):
+            for tag in ("train/loss", "train/grad_norm"):
+                assert got[tag][step] == pytest.approx(ref[tag][step], rel=1e-4), (name, tag, step)
+    loss = ref["train/loss"]
+    assert loss[20] < loss[1] - 1.0  # it trains: the comparison is not between two stuck runs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gather_vocab(local: torch.Tensor, group) -> torch.Tensor:
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def _logits_worker(rank: int, world: int, port: int, dirs: dict[str, str], out: str) -> None:
+    """Ranks 0-1 load the TP=2 original, rank 0 the TP=1 reshard, all four the TP=4 reshard."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    groups = {2: dist.new_group([0, 1]), 4: dist.new_group([0, 1, 2, 3])}  # collective: every rank
+    results = {}
+    config = None
+    for tp, key in ((2, "tp2"), (1, "tp1"), (4, "tp4")):
+        if rank >= tp:
+            continue
+        group = groups.get(tp)
+        run_cfg = load_module(model := _empty_model(dirs[key], group), dirs[key], tp_rank=rank)
+        config = ModelConfig(**run_cfg["model"])
+        tokens = torch.randint(
+            0, config.vocab_size, (2, config.seq_len), generator=torch.Generator().manual_seed(0)
+        )
+        with torch.no_grad():
+            logits = model.eval()(tokens)
+            logits = _gather_vocab(logits, group) if group is not None else logits
+        results[tp] = logits[..., : config.vocab_size]
+    if rank == 0:
+        torch.save(results, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _empty_model(ckpt: str, group) -> NormFormerLM:
+    import glob
+
+    state = torch.load(glob.glob(f"{ckpt}/*/mp_rank_00_model_states.pt")[0], weights_only=False)
+    return NormFormerLM(ModelConfig(**state["config"]["model"]), tp_group=group, seed=99)  # weights replaced
+
+
+def test_reshard_tp2_to_tp1_to_tp4_gives_the_same_logits(runs, tmp_path):
+    src = str(runs["tp2"][0] / "checkpoints")
+    tp1 = reshard(src, str(tmp_path / "tp1"), tp=1)
+    tp4 = reshard(str(tmp_path / "tp1"), str(tmp_path / "tp4"), tp=4)
+    assert os.path.basename(tp1) == os.path.basename(tp4) == "global_step20"
+    dirs = {"tp2": src, "tp1": str(tmp_path / "tp1"), "tp4": str(tmp_path / "tp4")}
+    out = str(tmp_path / "logits.pt")
+    mp.spawn(_logits_worker, args=(4, _free_port(), dirs, out), nprocs=4, join=True)
+    logits = torch.load(out)
+    assert logits[1].shape == (2, 64, 50257)
+    for tp in (2, 4):
+        assert float((logits[tp] - logits[1]).abs().max()) <= 1e-5, tp
+    assert float(logits[1].std()) > 0.1  # trained weights, not an empty model
+
+
+def test_reshard_refuses_a_degree_that_does_not_divide_the_heads(runs, tmp_path):
+    with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by tp=3"):
+        reshard(str(runs["tp2"][0] / "checkpoints"), str(tmp_path / "x"), tp=3)
