@@ -149,7 +149,9 @@ def build_train_valid(
 
     Returns:
         ``(train, valid, info)`` where info holds document and token counts of each split (summed
-        over a blend) and, for a blend, ``"blend"``: per dataset its prefix, weight and sample counts.
+        over a blend), ``index_cache_hits``/``index_cache_builds``: sample indices loaded from /
+        built into ``cache_dir``, and, for a blend, ``"blend"``: per dataset its prefix, weight and
+        sample counts.
 
     Raises:
         DataFormatError: missing or corrupt dataset files, a bad blend, too little data.
@@ -169,6 +171,7 @@ def build_train_valid(
     train_counts = apportion(weights, train_samples)
     valid_counts = apportion(weights, valid_samples)
     info = {"train_documents": 0, "valid_documents": 0, "train_tokens": 0, "valid_tokens": 0, "blend": []}
+    info |= {"index_cache_hits": 0, "index_cache_builds": 0}  # sample indices loaded / built (cached)
     trains, valids = [], []
     for (weight, path), n_train, n_valid in zip(pairs, train_counts.tolist(), valid_counts.tolist()):
         dataset = IndexedDataset(path)
@@ -189,6 +192,11 @@ def build_train_valid(
         va = load_or_build(dataset, num_samples=max(n_valid, 1), doc_ids=valid_ids, shuffle=False, **common)
         trains.append(GPTSamples(dataset, tr.doc_idx, tr.sample_idx, tr.shuffle_idx, seq_len))
         valids.append(GPTSamples(dataset, va.doc_idx, va.sample_idx, va.shuffle_idx, seq_len))
+        for index in (tr, va):
+            if index.cache_hit:
+                info["index_cache_hits"] += 1
+            elif index.paths is not None:
+                info["index_cache_builds"] += 1
         info["train_documents"] += len(train_ids)
         info["valid_documents"] += len(valid_ids)
         info["train_tokens"] += int(lengths[train_ids].sum())

@@ -6,6 +6,8 @@ from __future__ import annotations
 import gzip
 import json
 import lzma
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -316,9 +318,20 @@ def test_input_that_matches_nothing(tmp_path, gpt2_flags, run_cli):
 
 def test_interrupted_run_leaves_no_output(tmp_path, shared_data, gpt2_flags):
     """SIGTERM mid-run (a scheduler's kill): exit 130, temporaries removed, nothing that looks finished."""
+    # The novels 20 times over (hard links, or copies across filesystems): ~30 s of work at 2
+    # workers, so the run is surely still going when the signal comes once the .tmp files appear.
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    for k in range(20):
+        for book in sorted((shared_data / "gutenberg-novels").glob("*.txt.xz")):
+            target = inputs / f"{k:02d}-{book.name}"
+            try:
+                os.link(book, target)
+            except OSError:
+                shutil.copyfile(book, target)
     out = tmp_path / "gut"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "data_tools.preprocess", "--input", str(shared_data / "gutenberg-novels")]
+        [sys.executable, "-m", "data_tools.preprocess", "--input", str(inputs)]
         + ["--output-prefix", str(out), *gpt2_flags, "--append-eod", "--workers", "2"],
         cwd=REPO_ROOT,
         stdout=subprocess.PIPE,
