@@ -226,11 +226,21 @@ def check_parallel(cfg: RunConfig) -> None:
         f"parallel.sequence_parallel=true splits model.seq_len={m.seq_len} tokens across "
         f"parallel.tp_size={p.tp_size} ranks; use a seq_len divisible by {p.tp_size} or turn it off.",
     )
-    # Pipeline stages (and their DeepSpeed PipelineModule) are a later release's work; refuse
-    # rather than silently run a different layout.
     _require(
-        p.pp_size == 1,
-        f"parallel.pp_size={p.pp_size}: pipeline parallelism > 1 is not available in this release; use 1.",
+        p.partition_method in ("parameters", "uniform", "type:NormFormerBlock"),
+        f"parallel.partition_method='{p.partition_method}': use parameters, uniform or type:NormFormerBlock.",
+    )
+    _require(
+        p.pp_size <= m.num_layers,
+        f"parallel.pp_size={p.pp_size} stages for model.num_layers={m.num_layers} blocks; use at most "
+        f"{m.num_layers} stages.",
+    )
+    # DeepSpeed refuses these inside deepspeed.initialize, after every process group exists.
+    _require(
+        p.pp_size == 1 or cfg.train.zero_stage <= 1,
+        f"train.zero_stage={cfg.train.zero_stage} with parallel.pp_size={p.pp_size}: DeepSpeed's "
+        "pipeline engine supports ZeRO stage 0 or 1 only (ZeRO-2/3 partition gradients, which the "
+        "pipeline accumulates across micro-batches); use train.zero_stage=1 or parallel.pp_size=1.",
     )
 
 
@@ -260,6 +270,13 @@ def check_train(cfg: RunConfig) -> None:
         f"{t.micro_batch_size}.",
     )
     _require(t.resume != "", "train.resume='': use none, auto or a checkpoint directory.")
+    if t.init_from:
+        from megaformer.tools.reshard import ReshardError, resolve_tag_dir
+
+        try:
+            resolve_tag_dir(t.init_from)
+        except ReshardError as e:
+            raise ConfigError(f"train.init_from='{t.init_from}': {e}.") from None
     if t.deepspeed_config:
         _require(
             os.path.isfile(t.deepspeed_config),

@@ -118,7 +118,12 @@ class ParallelConfig:
     """Tensor-parallel degree (Megatron-style): attention heads, FFN width and vocabulary are split
     across this many consecutive ranks; the model computes the same function at any degree."""
     pp_size: int = 1
-    """Pipeline-parallel degree (1 in this release)."""
+    """Pipeline-parallel degree: the layer list is cut into this many stages run by DeepSpeed's
+    pipeline engine (1: the same layers in one process, no pipeline engine). Gradient accumulation
+    steps are the pipeline's micro-batches. ZeRO stages 2 and 3 need pp_size = 1."""
+    partition_method: str = "parameters"
+    """How DeepSpeed cuts the layers into stages: 'parameters' (balance parameter counts),
+    'uniform' (balance layer counts) or 'type:NormFormerBlock' (balance the decoder blocks)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (Korthikanti et al. 2022): the LayerNorm, dropout and residual
     regions hold seq_len / tp_size tokens per rank instead of all of them (less activation memory,
@@ -174,6 +179,14 @@ class TrainConfig:
     """Checkpoint every this many steps (and at the end); 0: only at the end."""
     resume: str = "none"
     """'none', 'auto' (the latest checkpoint under output.dir, if any) or a checkpoint directory."""
+    init_from: str = ""
+    """A checkpoint directory (a run's checkpoints/ or one global_stepN) saved at ANY (tp, pp, dp)
+    layout: its module weights and step are loaded, resharded to this run's layout; optimizer
+    moments restart from zero (logged). Ignored when train.resume finds a checkpoint. Empty: off."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder block's activations in the backward pass instead of storing them
+    (never the embedding); under tensor parallelism without sequence parallelism the saved block
+    inputs are partitioned across the TP group."""
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,10 @@ from megaformer.pipeline.module import (
     OutputPipe,
     SequentialLM,
     build_pipeline_module,
+    checkpointed,
     layer_specs,
     output_logits,
+    vocab_param_names,
 )
 
 __all__ = [
@@ -20,6 +22,8 @@ __all__ = [
     "OutputPipe",
     "SequentialLM",
     "build_pipeline_module",
+    "checkpointed",
     "layer_specs",
     "output_logits",
+    "vocab_param_names",
 ]

@@ -1,10 +1,13 @@
-"""Reshard a checkpoint to another tensor-parallel degree.
+"""Reshard a checkpoint to another tensor-parallel degree, or load it at another (tp, pp, dp) layout.
 
     python -m megaformer.tools.reshard --input CKPT_DIR --output OUT_DIR --tp N [--tag global_step20]
 
 ``CKPT_DIR`` is a run's ``checkpoints/`` directory (the tag comes from its ``latest`` file, or
-``--tag``) or one ``global_stepN`` directory. The module weights of every ``mp_rank_XX_model_states.pt``
-(one file per TP rank, written by DeepSpeed with our ``mpu``) are consolidated to full tensors, then
+``--tag``) or one ``global_stepN`` directory. The module weights (of every ``mp_rank_XX_model_states.pt``
+at pp = 1: one file per TP rank, written by DeepSpeed with our ``mpu``; of every
+``layer_LL-model_XX-model_states.pt`` at pp > 1: one file per layer and TP rank, written by the
+pipeline engine) are consolidated to full tensors named as in the layer list
+(:mod:`megaformer.pipeline.module`: ``tied_modules.embed.*``, ``<layer index>.*``), then
 split again for ``N`` ranks and written to ``OUT_DIR/<tag>/mp_rank_XX_model_states.pt`` with a
 ``latest`` file, in DeepSpeed's file layout; :func:`load_module` loads them into a model built at
 TP = ``N``. (The files carry the keys DeepSpeed's ``load_checkpoint(..., load_module_only=True)``
@@ -17,9 +20,14 @@ The vocabulary rows (token embedding, untied output layer) are padded to a multi
 ``make_vocab_size_divisible_by × tp``: padding is dropped when consolidating (it is zero and never
 receives a gradient) and re-added, as zeros, for the new degree.
 
+:func:`load_full` puts consolidated weights into a model built at any layout (a
+:class:`~megaformer.pipeline.SequentialLM` or one pipeline stage's ``PipelineModule``): the trainer's
+``train.init_from`` uses it, so a checkpoint saved at one (tp, pp, dp) layout starts a run at another.
+
 Only module weights are carried: optimizer and scheduler states are not resharded (restart the
-optimizer, or use DeepSpeed's universal checkpoints for that). ZeRO-3 checkpoints keep no weights in
-the model-states files and are refused.
+optimizer, or use DeepSpeed's universal checkpoints for that). The next step's loss needs only the
+weights, so it equals the uninterrupted run's; the steps after it differ by the restarted AdamW
+moments. ZeRO-3 checkpoints keep no weights in the model-states files and are refused.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import torch
 from megaformer.config.schema import ModelConfig
 
 _MP_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt$")
+_LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
 
 
 class ReshardError(ValueError):
@@ -51,7 +60,7 @@ def resolve_tag_dir(ckpt_dir: str, tag: str | None = None) -> str:
     """
     if tag is not None:
         path = os.path.join(ckpt_dir, tag)
-    elif glob.glob(os.path.join(ckpt_dir, "mp_rank_*_model_states.pt")):
+    elif glob.glob(os.path.join(ckpt_dir, "*model_states.pt")):
         path = ckpt_dir
     else:
         latest = os.path.join(ckpt_dir, "latest")
@@ -80,52 +89,83 @@ def _model_files(tag_dir: str) -> list[str]:
     return [files[r] for r in range(len(files))]
 
 
+def _layer_model(config: ModelConfig, tp_group=None):
+    from megaformer.pipeline import LMLoss, SequentialLM, layer_specs
+
+    return SequentialLM(layer_specs(config, tp_group=tp_group), LMLoss(config, tp_group))
+
+
 def partition_dims(config: ModelConfig) -> dict[str, int | None]:
     """``{parameter name: partition_dim}`` (None for replicated) from the TP=1 model's tags."""
-    from megaformer.model import NormFormerLM
-
     with torch.device("meta"):
-        model = NormFormerLM(config, tp_group=None)
+        model = _layer_model(config)
     return {
         name: (p.partition_dim if getattr(p, "tensor_model_parallel", False) else None)
         for name, p in model.named_parameters()
     }
 
 
-def _vocab_rows(name: str) -> bool:
+def _vocab_rows(name: str, config: ModelConfig) -> bool:
     """Parameters whose dim 0 is the padded vocabulary."""
-    return name in ("embedding.token.weight", "output.weight")
+    from megaformer.pipeline import vocab_param_names
+
+    return name in vocab_param_names(config)
+
+
+def _pipeline_modules(tag_dir: str, config: ModelConfig, tp: int) -> list[dict[str, torch.Tensor]]:
+    """Per-TP-rank module dicts, in layer-list naming, from a pipeline checkpoint's layer files."""
+    files: dict[tuple[int, int], str] = {}
+    for path in glob.glob(os.path.join(tag_dir, "layer_*-model_*-model_states.pt")):
+        m = _LAYER_FILE.search(path)
+        files[(int(m.group(1)), int(m.group(2)))] = path
+    layers = sorted({layer for layer, _ in files})
+    modules: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+    last = config.num_layers + 2
+    for layer in layers:
+        if layer == last and config.tie_embeddings:
+            continue  # the tied output: the same weight as layer 0's embedding
+        prefix = "tied_modules.embed." if layer == 0 else f"{layer}."
+        for r in range(tp):
+            if (layer, r) not in files:
+                raise ReshardError(f"{tag_dir}: layer {layer} has no file for TP rank {r}")
+            state = torch.load(files[(layer, r)], map_location="cpu", weights_only=False)
+            modules[r].update({prefix + k: v for k, v in state.items()})
+    return modules
 
 
 def consolidate(tag_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
-    """Full, unpadded module weights of a checkpoint saved at any TP degree.
+    """Full, unpadded module weights of a checkpoint saved at any (tp, pp, dp) layout.
 
     Returns:
-        ``(full_state, run_config, extra)``: the full tensors (vocabulary rows cut to
-        ``model.vocab_size``; dtype as saved), the run config dict stored by the trainer, and
-        ``{"step": ...}`` from the client state.
+        ``(full_state, run_config, extra)``: the full tensors in layer-list naming (vocabulary rows
+        cut to ``model.vocab_size``; dtype as saved), the run config dict stored by the trainer,
+        and ``{"step": ...}`` from the client state.
 
     Raises:
-        ReshardError: a checkpoint without the trainer's config, a pipeline checkpoint, a ZeRO-3
-            checkpoint (no weights in the model-states files), or replicas that differ.
+        ReshardError: a checkpoint without the trainer's config, a ZeRO-3 checkpoint (no weights in
+            the model-states files), missing layer files, or replicas that differ.
     """
     files = _model_files(tag_dir)
-    states = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
-    run_config = states[0].get("config")
+    head = torch.load(files[0], map_location="cpu", weights_only=False)
+    run_config = head.get("config")
     if not isinstance(run_config, dict) or "model" not in run_config:
         raise ReshardError(f"{files[0]}: no 'config' in the client state; not written by megaformer.train")
     tp = int(run_config["parallel"]["tp_size"])
-    if int(run_config["parallel"].get("pp_size", 1)) != 1:
-        raise ReshardError(f"{files[0]}: pipeline-parallel checkpoints (pp_size > 1) are not supported")
-    if len(files) != tp:
-        raise ReshardError(f"{tag_dir}: {len(files)} model-state files for parallel.tp_size={tp}")
+    pp = int(run_config["parallel"].get("pp_size", 1))
     config = ModelConfig(**run_config["model"])
+    if pp > 1:
+        modules = _pipeline_modules(tag_dir, config, tp)
+    else:
+        if len(files) != tp:
+            raise ReshardError(f"{tag_dir}: {len(files)} model-state files for parallel.tp_size={tp}")
+        modules = [head["module"]] + [
+            torch.load(f, map_location="cpu", weights_only=False)["module"] for f in files[1:]
+        ]
     dims = partition_dims(config)
-    modules = [s["module"] for s in states]
     full: dict[str, torch.Tensor] = {}
     for name, dim in dims.items():
         if name not in modules[0]:
-            raise ReshardError(f"{files[0]}: parameter '{name}' missing from the module state")
+            raise ReshardError(f"{tag_dir}: parameter '{name}' missing from the module state")
         parts = [m[name] for m in modules]
         if any(p.numel() == 0 for p in parts):
             raise ReshardError(
@@ -133,16 +173,49 @@ def consolidate(tag_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, Any], 
                 "files; save with train.zero_stage <= 2 or consolidate with DeepSpeed's zero_to_fp32 first"
             )
         if dim is None:
-            for r, p in enumerate(parts[1:], start=1):
+            for p in parts[1:]:
                 if not torch.equal(p, parts[0]):
-                    raise ReshardError(f"{files[r]}: replicated parameter '{name}' differs from TP rank 0's")
+                    raise ReshardError(f"{tag_dir}: replicated parameter '{name}' differs from TP rank 0's")
             tensor = parts[0]
         else:
             tensor = torch.cat(parts, dim=dim)
-        if _vocab_rows(name):
+        if _vocab_rows(name, config):
             tensor = tensor[: config.vocab_size]
         full[name] = tensor.clone()
-    return full, run_config, {"step": states[0].get("step")}
+    return full, run_config, {"step": head.get("step"), "pp_size": pp, "tp_size": tp}
+
+
+def load_full(
+    model: torch.nn.Module, full: dict[str, torch.Tensor], config: ModelConfig, tp_rank: int, tp: int
+) -> int:
+    """Copy this TP rank's slice of the full weights into every parameter of ``model``.
+
+    ``model`` is named in layer-list naming: a :class:`~megaformer.pipeline.SequentialLM` or one
+    stage of the ``PipelineModule``. Returns the number of parameters set.
+
+    Raises:
+        ReshardError: a parameter of the model is missing from ``full`` or has another shape.
+    """
+    padded = config.padded_vocab_size(tp)
+    count = 0
+    for name, p in model.named_parameters():
+        if name not in full:
+            raise ReshardError(f"parameter '{name}' is not in the checkpoint (another model config?)")
+        tensor = full[name]
+        if _vocab_rows(name, config):
+            pad = tensor.new_zeros((padded - tensor.shape[0], *tensor.shape[1:]))
+            tensor = torch.cat([tensor, pad], dim=0)
+        if getattr(p, "tensor_model_parallel", False):
+            size = tensor.shape[p.partition_dim] // tp
+            tensor = tensor.narrow(p.partition_dim, tp_rank * size, size)
+        if tuple(tensor.shape) != tuple(p.shape):
+            raise ReshardError(
+                f"parameter '{name}': checkpoint slice {tuple(tensor.shape)} vs model {tuple(p.shape)}"
+            )
+        with torch.no_grad():
+            p.copy_(tensor)
+        count += 1
+    return count
 
 
 def split(full: dict[str, torch.Tensor], config: ModelConfig, tp: int) -> list[dict[str, torch.Tensor]]:
@@ -164,7 +237,7 @@ def split(full: dict[str, torch.Tensor], config: ModelConfig, tp: int) -> list[d
     shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
     for name, dim in dims.items():
         tensor = full[name]
-        if _vocab_rows(name):
+        if _vocab_rows(name, config):
             pad = tensor.new_zeros((padded - tensor.shape[0], *tensor.shape[1:]))
             tensor = torch.cat([tensor, pad], dim=0)
         for r in range(tp):
@@ -183,6 +256,7 @@ def reshard(input_dir: str, output_dir: str, tp: int, tag: str | None = None) ->
     config = ModelConfig(**run_config["model"])
     new_config = copy.deepcopy(run_config)
     new_config["parallel"]["tp_size"] = tp
+    new_config["parallel"]["pp_size"] = 1
     shards = split(full, config, tp)
     name = os.path.basename(os.path.normpath(tag_dir))
     out = os.path.join(output_dir, name)
@@ -193,6 +267,7 @@ def reshard(input_dir: str, output_dir: str, tp: int, tag: str | None = None) ->
             # What DeepSpeed's load_checkpoint(load_module_only=True) reads besides the module.
             "dp_world_size": 1,
             "mp_world_size": tp,
+            "resharded_from_layout": {"tp": extra["tp_size"], "pp": extra["pp_size"]},
             "buffer_names": [],
             "step": extra["step"],
             "config": new_config,
@@ -227,7 +302,7 @@ def load_module(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="megaformer.tools.reshard",
-        description="Rewrite a checkpoint's module weights for another tensor-parallel degree.",
+        description="Rewrite a checkpoint's module weights (any tp, pp) for tp ranks at pp = 1.",
     )
     parser.add_argument("--input", required=True, help="checkpoints/ directory or one global_stepN directory")
     parser.add_argument("--output", required=True, help="directory to write <tag>/mp_rank_XX_model_states.pt")

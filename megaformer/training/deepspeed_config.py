@@ -91,4 +91,13 @@ def build_deepspeed_config(cfg: RunConfig, dp_size: int) -> dict[str, Any]:
     bf16 = dict(ds.get("bf16", {}))
     bf16["enabled"] = t.precision == "bf16"
     ds["bf16"] = bf16
+    p = cfg.parallel
+    if p.pp_size > 1 and p.tp_size > 1 and p.sequence_parallel:
+        # The pipeline engine sends 1/tp of an activation per TP rank and all-gathers it on the next
+        # stage, which assumes the activation is replicated across the TP group; sequence-parallel
+        # activations are per-rank slices, so they travel whole.
+        pipeline = dict(ds.get("pipeline", {}))
+        pipeline["pipe_partitioned"] = False
+        pipeline["grad_partitioned"] = False
+        ds["pipeline"] = pipeline
     return ds

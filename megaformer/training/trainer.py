@@ -9,6 +9,13 @@ Under tensor parallelism (``parallel.tp_size`` > 1) the world is a ``tp × pp ×
 and hold slices of one model; data is sharded over the data-parallel rank only, and the state is
 DeepSpeed's ``mpu``, so gradients are averaged (and ZeRO partitions) over the data-parallel group.
 
+With ``parallel.pp_size`` > 1 the model is a DeepSpeed ``PipelineModule`` over the layer list of
+:mod:`megaformer.pipeline` on the same grid (``ParallelState.topology()``), trained by the pipeline
+engine: one ``engine.train_batch`` per optimizer step, the gradient-accumulation steps being the
+pipeline's micro-batches; the loss it returns is the last stage's, averaged over the data-parallel
+ranks and broadcast to every stage. At ``pp_size`` = 1 the same layer list runs as a
+:class:`~megaformer.pipeline.SequentialLM` in the plain engine.
+
 The samples of step ``s`` are fixed by ``(seed, s)``: on resume the loop continues with exactly the
 samples it would have seen.
 """
@@ -126,9 +133,31 @@ def resolve_resume(cfg: RunConfig, ckpt_dir: str) -> str | None:
     return resume
 
 
+def _eval_batches(samples: GPTSamples, cfg: RunConfig, layout: Layout):
+    """The validation micro-batches of this data-parallel rank, as (tokens, labels)."""
+    mbs = cfg.train.micro_batch_size
+    for b in range(cfg.train.eval_batches):
+        yield micro_batch(samples, (b * layout.dp_size + layout.dp_rank) * mbs, mbs, layout.device)
+
+
+def _train_batches(samples: GPTSamples, cfg: RunConfig, layout: Layout, step: int, gas: int):
+    """Step ``step``'s ``gas`` micro-batches of this data-parallel rank, as (tokens, labels)."""
+    t = cfg.train
+    for micro in range(gas):
+        first = step * t.global_batch_size + (micro * layout.dp_size + layout.dp_rank) * t.micro_batch_size
+        yield micro_batch(samples, first, t.micro_batch_size, layout.device)
+
+
 def evaluate(engine: Any, samples: GPTSamples, cfg: RunConfig, layout: Layout) -> float:
     """Mean validation loss (nats/token) over ``eval_batches`` micro-batches per data-parallel rank."""
     mbs = cfg.train.micro_batch_size
+    if cfg.parallel.pp_size > 1:
+        # Last stage's loss, averaged over the micro-batches and the data-parallel ranks, then
+        # broadcast to every stage by DeepSpeed.
+        loss = engine.eval_batch(
+            _eval_batches(samples, cfg, layout), num_micro_batches=cfg.train.eval_batches
+        )
+        return float(loss)
     engine.eval()
     total = 0.0
     with torch.no_grad():
@@ -138,6 +167,78 @@ def evaluate(engine: Any, samples: GPTSamples, cfg: RunConfig, layout: Layout) -
             total += float(engine(tokens, labels))
     engine.train()
     return _mean_over_dp(total / cfg.train.eval_batches, layout)
+
+
+def _count_parameters(model: torch.nn.Module, tp_size: int, state: ParallelState, count: Any) -> int:
+    """Parameters of the whole model: this stage's, summed over the pipeline stages (the tied
+    embedding's copy on the last stage, marked ``ds_pipe_replicated`` by DeepSpeed, counted once)."""
+    if state.pp_size == 1:
+        return count(model, tp_size)
+    local = torch.nn.Module()
+    local.params = torch.nn.ParameterList(
+        p for p in model.parameters() if not getattr(p, "ds_pipe_replicated", False)
+    )
+    total = torch.tensor([count(local, tp_size)], dtype=torch.int64)
+    dist.all_reduce(total, group=state.pp_group)
+    return int(total.item())
+
+
+def _init_weights_from(model: torch.nn.Module, cfg: RunConfig, state: ParallelState, layout: Layout) -> int:
+    """Load ``train.init_from``'s module weights (saved at any tp / pp / dp layout) into this
+    rank's model (its TP slice of its stage); return the checkpoint's step.
+
+    Raises:
+        ConfigError: a checkpoint of another model configuration.
+    """
+    from megaformer.config import ConfigError
+    from megaformer.tools.reshard import consolidate, load_full, resolve_tag_dir
+
+    tag_dir = resolve_tag_dir(cfg.train.init_from)
+    full, saved, extra = consolidate(tag_dir)
+    if saved["model"] != to_dict(cfg)["model"]:
+        diff = {
+            k: (v, to_dict(cfg)["model"][k])
+            for k, v in saved["model"].items()
+            if to_dict(cfg)["model"].get(k) != v
+        }
+        raise ConfigError(f"train.init_from='{cfg.train.init_from}': saved with another model config {diff}")
+    load_full(model, full, cfg.model, state.tp_rank, state.tp_size)
+    step = int(extra["step"] or 0)
+    _log(
+        layout,
+        f"initialised weights from {tag_dir} (saved at tp {extra['tp_size']} × pp {extra['pp_size']}, "
+        f"step {step}); continuing at step {step} with a fresh optimizer (AdamW moments restart at zero)",
+    )
+    return step
+
+
+def _pipeline_fp32_clipping(engine: Any, state: ParallelState) -> None:
+    """Replace the pipeline engine's fp32 gradient clipping (no ZeRO, no fp16/bf16 optimizer) by a
+    correct one that also records the norm for ``engine.get_global_grad_norm()``.
+
+    DeepSpeed 0.19's ``clip_grad_norm_`` counts a parameter that is not tensor-parallel only where
+    the rank in its "model parallel" group (TP × PP) is 0, i.e. on the first stage alone: the later
+    stages' blocks, norms and the tied embedding's copy drop out of the norm, so pp = 2 clipped
+    with another norm than pp = 1. Here: each stage's TP-aware norm (the tied embedding's copy
+    marked ``ds_pipe_replicated`` skipped), squares summed over the pipeline group, clip coefficient
+    ``min(1, clip / (norm + 1e-6))`` as DeepSpeed's. The data-parallel all-reduce is already done.
+    """
+    max_norm = engine.gradient_clipping()
+    tp_group = state.tp_group if state.tp_size > 1 else None
+
+    def clip_and_record() -> None:
+        params = [p for p in engine.module.parameters() if p.grad is not None]
+        owned = [p for p in params if not getattr(p, "ds_pipe_replicated", False)]
+        square = torch.tensor([tp_grad_norm(owned, tp_group) ** 2], dtype=torch.float64)
+        dist.all_reduce(square, group=state.pp_group)
+        norm = float(square.sqrt())
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        if coef < 1.0:
+            for p in params:
+                p.grad.mul_(coef)
+        engine._global_grad_norm = norm
+
+    engine.clip_fp32_gradients = clip_and_record
 
 
 def train(cfg: RunConfig) -> dict[str, Any]:
@@ -153,7 +254,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     """
     import deepspeed
 
-    from megaformer.model import NormFormerLM, count_parameters, param_groups
+    from megaformer.model import count_parameters, param_groups
+    from megaformer.pipeline import LMLoss, SequentialLM, build_pipeline_module, checkpointed, layer_specs
 
     t = cfg.train
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -177,18 +279,57 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     dropout_rng = DropoutRNG(
         t.seed, tp_rank=state.tp_rank, dp_rank=state.dp_rank, pp_rank=state.pp_rank, device=device
     )
-    model = NormFormerLM(
-        cfg.model,
-        tp_group=state.tp_group if par.tp_size > 1 else None,
-        seed=t.seed,
-        sequence_parallel=par.sequence_parallel,
-        dropout_rng=dropout_rng,
-    )
-    n_params = count_parameters(model, par.tp_size)
+    tp_group = state.tp_group if par.tp_size > 1 else None
+    sequence_parallel = par.sequence_parallel and par.tp_size > 1
+    pipelined = par.pp_size > 1
+    if t.activation_checkpointing:
+        from deepspeed.runtime.activation_checkpointing import checkpointing
+
+        # Under TP the checkpointed block inputs are replicated across the TP group: keep only a
+        # 1/tp slice per rank (all-gathered before recomputation). Sequence-parallel inputs are
+        # already sliced and differ per rank, so they are stored whole.
+        checkpointing.configure(
+            state.mpu() if tp_group is not None else None,
+            partition_activations=tp_group is not None and not sequence_parallel,
+        )
+    if pipelined:
+        model = build_pipeline_module(
+            cfg.model,
+            topology=state.topology(),
+            tp_group=tp_group,
+            seed=t.seed,
+            partition_method=par.partition_method,
+            activation_checkpointing=t.activation_checkpointing,
+            sequence_parallel=sequence_parallel,
+            dropout_rng=dropout_rng,
+        )
+    else:
+        model = SequentialLM(
+            layer_specs(
+                cfg.model,
+                tp_group=tp_group,
+                seed=t.seed,
+                sequence_parallel=sequence_parallel,
+                dropout_rng=dropout_rng,
+            ),
+            LMLoss(cfg.model, tp_group),
+            checkpoint_fn=checkpointed(dropout_rng) if t.activation_checkpointing else None,
+        )
+    n_params = _count_parameters(model, par.tp_size, state, count_parameters)
+    init_step = None
+    if load_dir is None and t.init_from:
+        init_step = _init_weights_from(model, cfg, state, layout)
     optimizer = torch.optim.AdamW(
         param_groups(model, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps
     )
     scheduler = build_scheduler(optimizer, t)
+    if init_step:
+        import warnings
+
+        with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": intended
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(init_step):
+                scheduler.step()
     ds_config = build_deepspeed_config(cfg, dp_size)
     if t.precision == "fp16" and device.type == "cpu" and os.environ.get("MEGAFORMER_CPU_FP16") == "1":
         # DeepSpeed refuses fp16 on CPU ("Type fp16 is not supported on your device"); the tests set
@@ -201,15 +342,19 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         optimizer=optimizer,
         lr_scheduler=scheduler,
         config=ds_config,
-        mpu=state.mpu(),
+        # The pipeline engine builds its groups from the module's topology and takes no mpu.
+        mpu=None if pipelined else state.mpu(),
         dist_init_required=False,
     )
+    if pipelined and not (engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization()):
+        _pipeline_fp32_clipping(engine, state)
     gas = engine.gradient_accumulation_steps()
     seq_len = cfg.model.seq_len
     _log(
         layout,
         f"model: {n_params:,} parameters | world {world_size} on {backend} | tp {par.tp_size}"
-        f"{' (sequence parallel)' if par.sequence_parallel and par.tp_size > 1 else ''} | dp {dp_size} | "
+        f"{' (sequence parallel)' if par.sequence_parallel and par.tp_size > 1 else ''} | "
+        f"pp {par.pp_size}{f' ({par.partition_method})' if pipelined else ''} | dp {dp_size} | "
         f"micro_batch_size {t.micro_batch_size} × grad accumulation {gas} × dp {dp_size} = "
         f"global_batch_size {t.global_batch_size} | seq_len {seq_len} | {t.precision} | ZeRO {t.zero_stage}",
     )
@@ -228,7 +373,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         layout,
         f"data: {cfg.data.blend or cfg.data.prefix} | "
         f"train {info['train_documents']} docs / {info['train_tokens']:,} tokens | "
-        f"valid {info['valid_documents']} docs / {info['valid_tokens']:,} tokens",
+        f"valid {info['valid_documents']} docs / {info['valid_tokens']:,} tokens | "
+        f"sample-index cache: {info['index_cache_hits']} hit, {info['index_cache_builds']} built",
     )
 
     start_step = 0
@@ -240,6 +386,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
             raise ConfigError(f"train.resume: DeepSpeed could not load a checkpoint from {load_dir}")
         start_step = int(client_state["step"])
         _log(layout, f"resumed from {path} at step {start_step}")
+    elif init_step is not None:
+        start_step = init_step
 
     metrics = MetricsWriter(
         tb_dir, enabled=layout.is_main, hparams=to_dict(cfg), purge_step=start_step or None
@@ -259,9 +407,10 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     for step in range(start_step, t.steps):
         loss_sum = 0.0
         grad_norm = None
-        for micro in range(gas):
-            first = step * t.global_batch_size + (micro * dp_size + layout.dp_rank) * t.micro_batch_size
-            tokens, labels = micro_batch(train_samples, first, t.micro_batch_size, device)
+        if pipelined:
+            # Every stage gets the iterator; the first stage reads the tokens, the last the labels.
+            loss_sum = gas * float(engine.train_batch(_train_batches(train_samples, cfg, layout, step, gas)))
+        for tokens, labels in () if pipelined else _train_batches(train_samples, cfg, layout, step, gas):
             loss = engine(tokens, labels)
             engine.backward(loss)
             loss_sum += float(loss.detach())
@@ -276,7 +425,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         step_time = timer.lap()
         step_times.append(step_time)
         done = step + 1
-        train_loss = _mean_over_dp(loss_sum / gas, layout)
+        # The pipeline engine's loss is already the data-parallel mean (on every stage).
+        train_loss = loss_sum / gas if pipelined else _mean_over_dp(loss_sum / gas, layout)
         values = {
             "train/loss": train_loss,
             # the lr used by the update just taken (the scheduler has already advanced)

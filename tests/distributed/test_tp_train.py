@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megaformer.config.schema import ModelConfig
-from megaformer.model import NormFormerLM
+from megaformer.pipeline import LMLoss, SequentialLM, layer_specs
 from megaformer.tools.reshard import load_module, reshard
 from tests.distributed.conftest import read_scalars, run_pretrain
 
@@ -112,11 +112,15 @@ def _logits_worker(rank: int, world: int, port: int, dirs: dict[str, str], out: 
     dist.destroy_process_group()
 
 
-def _empty_model(ckpt: str, group) -> NormFormerLM:
+def _empty_model(ckpt: str, group) -> SequentialLM:
+    """The trainer's model (the layer list; its parameter names are the checkpoint's)."""
     import glob
 
     state = torch.load(glob.glob(f"{ckpt}/*/mp_rank_00_model_states.pt")[0], weights_only=False)
-    return NormFormerLM(ModelConfig(**state["config"]["model"]), tp_group=group, seed=99)  # weights replaced
+    config = ModelConfig(**state["config"]["model"])
+    return SequentialLM(
+        layer_specs(config, tp_group=group, seed=99), LMLoss(config, group)
+    )  # weights replaced
 
 
 def test_reshard_tp2_to_tp1_to_tp4_gives_the_same_logits(runs, tmp_path):

@@ -55,7 +55,13 @@ def test_quickstart_config_is_normformer():
         (["train.warmup_steps=500", "train.steps=100"], "train.warmup_steps=500"),
         (["model.activation=swish"], "model.activation='swish'"),
         (["parallel.tp_size=3"], "not divisible by parallel.tp_size=3"),
-        (["parallel.pp_size=2"], "parallel.pp_size=2"),
+        # invalid pipeline layouts (issue 5): refused before any process group exists
+        (["parallel.pp_size=2", "train.zero_stage=2"], "train.zero_stage=2 with parallel.pp_size=2"),
+        (["parallel.pp_size=2", "train.zero_stage=3"], "supports ZeRO stage 0 or 1 only"),
+        (["parallel.pp_size=5"], "parallel.pp_size=5 stages for model.num_layers=4"),
+        (["parallel.pp_size=0"], "parallel.pp_size=0: must be > 0"),
+        (["parallel.partition_method=type:Block"], "parallel.partition_method='type:Block'"),
+        (["train.init_from=/nonexistent/ckpt"], "train.init_from='/nonexistent/ckpt'"),
         (
             ["parallel.tp_size=4", "parallel.sequence_parallel=true", "model.seq_len=130"],
             "model.seq_len=130 tokens across parallel.tp_size=4",
@@ -147,3 +153,46 @@ def test_lr_schedule_warmup_then_cosine_to_min():
     assert 1e-4 < mid < 1e-3
     lrs = [lr_at(s, t) for s in range(10, 110)]
     assert all(a >= b for a, b in itertools.pairwise(lrs))  # monotone decay
+
+
+def test_pipeline_layouts_that_work_load():
+    cfg = load_config(
+        "configs/normformer-quickstart.yaml",
+        [
+            "parallel.pp_size=2",
+            "parallel.tp_size=2",
+            "train.zero_stage=1",
+            "parallel.partition_method=uniform",
+        ],
+    )
+    assert cfg.parallel.pp_size == 2 and cfg.parallel.partition_method == "uniform"
+    # world size 6 is not a multiple of tp × pp = 4
+    with pytest.raises(
+        ConfigError, match=r"world size 6 is not divisible by parallel\.tp_size × parallel\.pp_size = 4"
+    ):
+        validate_layout(cfg, 6)
+    assert validate_layout(cfg, 8) == 2
+
+
+@pytest.mark.parametrize(
+    ("path", "world", "expect"),
+    [
+        ("configs/normformer-1.3b-3d-v100.yaml", 16, {"pp": 2, "tp": 2, "zero": 1, "fp16": True}),
+        ("configs/normformer-2.7b-3d-a100.yaml", 32, {"pp": 4, "tp": 2, "zero": 1, "bf16": True}),
+        ("configs/normformer-350m-zero2.yaml", 8, {"pp": 1, "tp": 1, "zero": 2, "bf16": True}),
+    ],
+)
+def test_recipes_load_and_build_their_deepspeed_config(path, world, expect):
+    cfg = load_config(path)
+    assert (cfg.parallel.pp_size, cfg.parallel.tp_size, cfg.train.zero_stage) == (
+        expect["pp"], expect["tp"], expect["zero"],
+    )  # fmt: skip
+    dp = validate_layout(cfg, world)
+    ds = build_deepspeed_config(cfg, dp)
+    assert ds["zero_optimization"]["stage"] == expect["zero"]
+    assert ds["fp16"]["enabled"] == expect.get("fp16", False) and ds["bf16"]["enabled"] == expect.get(
+        "bf16", False
+    )
+    if expect.get("fp16"):
+        assert ds["fp16"]["loss_scale"] == 0  # dynamic loss scaling
+    assert ds["gradient_accumulation_steps"] * cfg.train.micro_batch_size * dp == cfg.train.global_batch_size
