@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,13 @@ def gutenberg_prefix(tmp_path_factory) -> str:
     ]  # fmt: skip
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True)
     return f"{out}_text_document"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for MASTER_PORT of spawned process groups)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_pretrain(

@@ -3,22 +3,15 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 
-from tests.distributed.conftest import REPO, read_scalars
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.distributed.conftest import REPO, free_port, read_scalars
 
 
 def test_two_nodes_by_hostfile_and_node_rank(gutenberg_prefix, tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
-    port = str(_free_port())
+    port = str(free_port())
     overrides = [
         f"data.prefix={gutenberg_prefix}", "model.hidden_size=64", "model.num_layers=2",
         "model.num_attention_heads=2", "model.seq_len=64", "train.steps=4", "train.micro_batch_size=4",

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 from datetime import timedelta
 
 import torch
@@ -31,14 +30,9 @@ from megaformer.parallel.mappings import (
 )
 from megaformer.parallel.rng import DropoutRNG
 from megaformer.parallel.state import ParallelState
+from tests.distributed.conftest import free_port
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -337,7 +331,7 @@ def _worker(rank: int, world_size: int, port: int, names: list[str]) -> None:
 
 
 def _spawn(world_size: int, names: list[str]) -> None:
-    mp.spawn(_worker, args=(world_size, _free_port(), names), nprocs=world_size, join=True)
+    mp.spawn(_worker, args=(world_size, free_port(), names), nprocs=world_size, join=True)
 
 
 # Each spawn costs seconds of process start-up (every child imports torch), so one spawn per TP degree

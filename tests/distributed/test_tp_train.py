@@ -4,7 +4,6 @@ run step for step, and a TP=2 checkpoint resharded to TP=1 and on to TP=4 gives 
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 
 import pytest
@@ -15,7 +14,7 @@ import torch.multiprocessing as mp
 from megaformer.config.schema import ModelConfig
 from megaformer.pipeline import LMLoss, SequentialLM, layer_specs
 from megaformer.tools.reshard import load_module, reshard
-from tests.distributed.conftest import read_scalars, run_pretrain
+from tests.distributed.conftest import free_port, read_scalars, run_pretrain
 
 CONFIG = "configs/normformer-quickstart.yaml"
 # Two processes: tp=1 gives dp=2 (4 samples per rank), tp=2 gives dp=1 with 2 accumulation steps:
@@ -73,12 +72,6 @@ def test_tp2_training_repeats_tp1_step_for_step(runs):
     assert loss[20] < loss[1] - 1.0  # it trains: the comparison is not between two stuck runs
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _gather_vocab(local: torch.Tensor, group) -> torch.Tensor:
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, local.contiguous(), group=group)
@@ -130,7 +123,7 @@ def test_reshard_tp2_to_tp1_to_tp4_gives_the_same_logits(runs, tmp_path):
     assert os.path.basename(tp1) == os.path.basename(tp4) == "global_step20"
     dirs = {"tp2": src, "tp1": str(tmp_path / "tp1"), "tp4": str(tmp_path / "tp4")}
     out = str(tmp_path / "logits.pt")
-    mp.spawn(_logits_worker, args=(4, _free_port(), dirs, out), nprocs=4, join=True)
+    mp.spawn(_logits_worker, args=(4, free_port(), dirs, out), nprocs=4, join=True)
     logits = torch.load(out)
     assert logits[1].shape == (2, 64, 50257)
     for tp in (2, 4):
