@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import bz2
+import contextlib
 import glob
 import gzip
 import io
@@ -413,18 +414,29 @@ def _init_worker(
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
-def _start_pool(workers: int, init_args: tuple) -> multiprocessing.pool.Pool:
-    """A pool whose workers ignore Ctrl-C and die on SIGTERM.
+@contextlib.contextmanager
+def _stop_signals_blocked() -> Iterator[None]:
+    """Block Ctrl-C and SIGTERM in this thread, and so in every thread or process started inside.
 
-    The stop signals are blocked while the workers are forked: a Python handler that raises in
-    the middle of a fork runs inside an at-fork hook, where the exception is printed and dropped,
-    so the parent would never learn it was told to stop. Blocked, the signal waits until here.
+    Two reasons. A process-directed signal goes to any thread that does not block it, and on
+    CPython < 3.12 one that lands on a helper thread (tqdm's monitor, the pool's handlers) only
+    sets a flag the main thread may not look at until much later: seen here, a SIGTERM went
+    unanswered for 30 s while the main thread waited on a worker's result. And a Python handler
+    that raises in the middle of a fork runs inside an at-fork hook, where the exception is printed
+    and dropped. Started under this block, helper threads never take the stop signals, so the main
+    thread does, as soon as the block is lifted here.
     """
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     try:
-        return multiprocessing.Pool(workers, initializer=_init_worker, initargs=init_args)
+        yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _start_pool(workers: int, init_args: tuple) -> multiprocessing.pool.Pool:
+    """A pool whose workers ignore Ctrl-C and die on SIGTERM (see :func:`_stop_signals_blocked`)."""
+    with _stop_signals_blocked():
+        return multiprocessing.Pool(workers, initializer=_init_worker, initargs=init_args)
 
 
 @dataclass
@@ -618,26 +630,31 @@ def preprocess(args: argparse.Namespace) -> PreprocessSummary:
     from tqdm import tqdm
 
     # disable=None: a bar on a terminal, nothing in logs (where --log-interval lines are printed).
-    bar = tqdm(unit=" docs", file=sys.stderr, disable=None, dynamic_ncols=True, desc="tokenizing")
+    with _stop_signals_blocked():  # tqdm's monitor thread must not take the stop signals
+        bar = tqdm(unit=" docs", file=sys.stderr, disable=None, dynamic_ncols=True, desc="tokenizing")
     writers: list[IndexedDatasetWriter] = []
     next_log = args.log_interval
     try:
         writers = [IndexedDatasetWriter(prefix, dtype) for prefix in summary.outputs]
         units = _work_units(paths, args.json_keys, args.text_split_blank_lines)
         init_args = (tokenizer_kwargs, args.append_eod, dtype, tuple(args.json_keys))
-        for encoded in _encoded_units(units, args.workers, init_args, tokenizer):
-            for record in encoded.bad:
-                _skip(record, args.skip_bad_records, summary)
-            for writer, tokens, lengths in zip(writers, encoded.tokens, encoded.lengths):
-                writer.add_documents(tokens, lengths)
-                summary.tokens += tokens.size
-            summary.documents += encoded.lengths.shape[1]
-            summary.text_bytes += encoded.text_bytes
-            if bar.disable and args.log_interval > 0 and summary.documents >= next_log:
-                _log_progress(summary, time.perf_counter() - start)
-                next_log = (summary.documents // args.log_interval + 1) * args.log_interval
-            bar.update(encoded.records)
-            bar.set_postfix_str(f"{summary.text_bytes / 1e6:.1f} MB", refresh=False)
+        # closing(): on an interrupt the pool is terminated here, not whenever the suspended
+        # generator happens to be collected (after main() has already reported the interrupt).
+        encoded_units = contextlib.closing(_encoded_units(units, args.workers, init_args, tokenizer))
+        with encoded_units as encoded_iter:
+            for encoded in encoded_iter:
+                for record in encoded.bad:
+                    _skip(record, args.skip_bad_records, summary)
+                for writer, tokens, lengths in zip(writers, encoded.tokens, encoded.lengths):
+                    writer.add_documents(tokens, lengths)
+                    summary.tokens += tokens.size
+                summary.documents += encoded.lengths.shape[1]
+                summary.text_bytes += encoded.text_bytes
+                if bar.disable and args.log_interval > 0 and summary.documents >= next_log:
+                    _log_progress(summary, time.perf_counter() - start)
+                    next_log = (summary.documents // args.log_interval + 1) * args.log_interval
+                bar.update(encoded.records)
+                bar.set_postfix_str(f"{summary.text_bytes / 1e6:.1f} MB", refresh=False)
         if summary.documents == 0:
             raise PreprocessError(
                 f"no documents to write from {len(paths)} input file(s)"
