@@ -41,6 +41,7 @@ from megaformer.parallel.utils import grad_norm as tp_grad_norm
 from megaformer.training.deepspeed_config import build_deepspeed_config
 from megaformer.training.distributed import init_distributed, pick_backend
 from megaformer.training.metrics import MetricsWriter, StepTimer, format_step_line
+from megaformer.training.rng_state import load_rng_state, save_rng_state
 from megaformer.training.schedule import build_scheduler, lr_at
 
 
@@ -279,6 +280,14 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     dropout_rng = DropoutRNG(
         t.seed, tp_rank=state.tp_rank, dp_rank=state.dp_rank, pp_rank=state.pp_rank, device=device
     )
+    rng_layout = {
+        "tp": cfg.parallel.tp_size,
+        "pp": cfg.parallel.pp_size,
+        "dp": dp_size,
+        "tp_rank": state.tp_rank,
+        "pp_rank": state.pp_rank,
+        "dp_rank": state.dp_rank,
+    }
     tp_group = state.tp_group if par.tp_size > 1 else None
     sequence_parallel = par.sequence_parallel and par.tp_size > 1
     pipelined = par.pp_size > 1
@@ -386,6 +395,9 @@ def train(cfg: RunConfig) -> dict[str, Any]:
             raise ConfigError(f"train.resume: DeepSpeed could not load a checkpoint from {load_dir}")
         start_step = int(client_state["step"])
         _log(layout, f"resumed from {path} at step {start_step}")
+        with open(os.path.join(load_dir, "latest"), encoding="utf-8") as f:
+            tag_dir = os.path.join(load_dir, f.read().strip())
+        _log(layout, load_rng_state(tag_dir, rank, rng_layout, dropout_rng, device))
     elif init_step is not None:
         start_step = init_step
 
@@ -401,6 +413,9 @@ def train(cfg: RunConfig) -> dict[str, Any]:
 
     def save(step: int) -> None:
         client_state = {"step": step, "consumed_samples": step * t.global_batch_size, "config": to_dict(cfg)}
+        # Before DeepSpeed's save, which writes the `latest` tag last: a checkpoint that `latest`
+        # names always has every rank's generator state.
+        save_rng_state(os.path.join(ckpt_dir, f"global_step{step}"), rank, rng_layout, dropout_rng, device)
         engine.save_checkpoint(ckpt_dir, tag=f"global_step{step}", client_state=client_state)
         _log(layout, f"saved checkpoint {os.path.join(ckpt_dir, f'global_step{step}')}")
 

@@ -1,0 +1,92 @@
+"""Random-generator state in checkpoints, one file per rank, for exact resume with dropout.
+
+DeepSpeed's checkpoint holds the model, optimizer and scheduler, and the ``client_state`` of one
+rank per model-parallel group; it holds no generator state. With dropout on, a resumed run would
+restart the masks from the seed and its losses would leave the uninterrupted run's at the first
+step. Each rank therefore writes its own states next to DeepSpeed's files, before DeepSpeed
+writes the ``latest`` tag (so a checkpoint that ``latest`` names always has them):
+
+``{checkpoint_dir}/{tag}/rng_state/rank{global_rank:05d}.pt``: a dict with the ``layout`` that
+wrote it (tp, pp, dp sizes and this rank's coordinates), the :class:`~megaformer.parallel.rng.
+DropoutRNG` region states, torch's CPU state, the CUDA state of this rank's device (if on GPU),
+numpy's and Python's ``random`` states.
+
+Dropout streams belong to a (tp, pp, dp) coordinate, so they are restored only at the layout that
+saved them; at another layout (``train.init_from``, or a resume on a different world size) the
+masks restart from the seed, and :func:`load_rng_state` says so.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import torch
+
+from megaformer.parallel.rng import DropoutRNG
+
+
+def rng_state_path(tag_dir: str, rank: int) -> str:
+    """``{tag_dir}/rng_state/rank{rank:05d}.pt``."""
+    return os.path.join(tag_dir, "rng_state", f"rank{rank:05d}.pt")
+
+
+def save_rng_state(
+    tag_dir: str, rank: int, layout: dict[str, int], dropout_rng: DropoutRNG, device: torch.device
+) -> str:
+    """Write this rank's generator states under ``tag_dir``; returns the file's path.
+
+    Written to a temporary name and renamed, so a killed save leaves no file that loads.
+
+    Args:
+        tag_dir: the checkpoint's tag directory (``.../checkpoints/global_step{N}``); created.
+        rank: the global rank.
+        layout: ``{"tp": .., "pp": .., "dp": .., "tp_rank": .., "pp_rank": .., "dp_rank": ..}``;
+            compared on load.
+        dropout_rng: the run's dropout generator states.
+        device: the rank's device; its CUDA generator state is saved when it is a GPU.
+    """
+    path = rng_state_path(tag_dir, rank)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    state = {
+        "layout": dict(layout),
+        "dropout": dropout_rng.state_dict(),
+        "torch_cpu": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+    tmp = f"{path}.tmp.{os.getpid()}"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def load_rng_state(
+    tag_dir: str, rank: int, layout: dict[str, int], dropout_rng: DropoutRNG, device: torch.device
+) -> str:
+    """Restore this rank's generator states saved by :func:`save_rng_state`, if they fit.
+
+    Returns:
+        A line for the log: restored, or why not (no file: a checkpoint of an older version or of
+        another tool; another layout). Neither is an error: only dropout masks differ from the
+        uninterrupted run's, and only when dropout is on.
+    """
+    path = rng_state_path(tag_dir, rank)
+    if not os.path.isfile(path):
+        return f"no generator state at {path}: dropout masks restart from the seed"
+    # weights_only=False: the file holds numpy's and Python's state tuples, written by this code.
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if state["layout"] != dict(layout):
+        return (
+            f"generator state in {path} was saved at layout {state['layout']}, this run is {dict(layout)}: "
+            "dropout masks restart from the seed"
+        )
+    dropout_rng.load_state_dict(state["dropout"])
+    torch.set_rng_state(state["torch_cpu"])
+    if device.type == "cuda" and state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    return f"restored generator states from {path}"

@@ -1,0 +1,53 @@
+"""Per-rank generator state in checkpoints: restored at the saving layout only, never half-written."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import torch
+
+from megaformer.parallel.rng import DropoutRNG
+from megaformer.training.rng_state import load_rng_state, rng_state_path, save_rng_state
+
+CPU = torch.device("cpu")
+LAYOUT = {"tp": 2, "pp": 1, "dp": 1, "tp_rank": 1, "pp_rank": 0, "dp_rank": 0}
+
+
+def _draw(rng: DropoutRNG) -> torch.Tensor:
+    with rng.fork("sharded"):
+        return torch.rand(8)
+
+
+def test_round_trip_continues_every_stream(tmp_path):
+    rng = DropoutRNG(7, tp_rank=1)
+    _draw(rng)
+    torch.manual_seed(3)
+    np.random.seed(3)
+    random.seed(3)
+    path = save_rng_state(str(tmp_path / "global_step5"), 1, LAYOUT, rng, CPU)
+    assert path == rng_state_path(str(tmp_path / "global_step5"), 1) and os.path.isfile(path)
+    assert not [p for p in os.listdir(os.path.dirname(path)) if ".tmp" in p]
+    expected = (_draw(rng), torch.rand(3), np.random.rand(3), random.random())
+
+    fresh = DropoutRNG(7, tp_rank=1)  # a restarted process: streams back at the seed
+    torch.manual_seed(0)
+    message = load_rng_state(str(tmp_path / "global_step5"), 1, LAYOUT, fresh, CPU)
+    assert message.startswith("restored generator states from")
+    got = (_draw(fresh), torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert np.array_equal(got[2], expected[2]) and got[3] == expected[3]
+
+
+def test_other_layout_or_missing_file_restarts_from_the_seed(tmp_path):
+    rng = DropoutRNG(7, tp_rank=1)
+    _draw(rng)
+    save_rng_state(str(tmp_path), 1, LAYOUT, rng, CPU)
+    fresh = DropoutRNG(7, tp_rank=1)
+    seed_draw = _draw(DropoutRNG(7, tp_rank=1))
+    message = load_rng_state(str(tmp_path), 1, {**LAYOUT, "dp": 2}, fresh, CPU)
+    assert "was saved at layout" in message and "restart from the seed" in message
+    assert torch.equal(_draw(fresh), seed_draw)  # untouched
+    message = load_rng_state(str(tmp_path), 0, LAYOUT, fresh, CPU)
+    assert message.startswith("no generator state at") and "rank00000.pt" in message
