@@ -30,6 +30,7 @@ __all__ = [
     "build_train_valid",
     "document_lengths",
     "split_documents",
+    "samples_unigram_entropy",
     "unigram_entropy",
 ]
 
@@ -108,7 +109,7 @@ class BlendedSamples:
     """Samples of several ``GPTSamples`` interleaved by weight (see :mod:`data_tools.blend`).
 
     ``samples[i]`` is sample ``dataset_sample_index[i]`` of part ``dataset_index[i]``;
-    ``dataset`` is the first part's dataset (what the trainer's unigram-entropy summary reads).
+    ``dataset`` is the first part's dataset.
     """
 
     parts: list[GPTSamples]
@@ -217,12 +218,8 @@ def build_train_valid(
     return train, valid, info
 
 
-def unigram_entropy(dataset: IndexedDataset, doc_ids: np.ndarray | None = None) -> float:
-    """Entropy in nats of the empirical unigram token distribution (over ``doc_ids`` or all).
-
-    The loss of a model that ignores context can do no better than this, so a trained LM's loss
-    should end well below it. Reads the tokens in chunks (bounded memory).
-    """
+def _unigram_counts(dataset: IndexedDataset, doc_ids: np.ndarray | None = None) -> np.ndarray:
+    """int64[max_id + 1]: how often each token id occurs (in ``doc_ids`` or all documents)."""
     tokens = np.memmap(dataset.bin_path, dtype=dataset.dtype, mode="r")
     counts = np.zeros(int(tokens.max()) + 1 if tokens.size else 1, dtype=np.int64)
     if doc_ids is None:
@@ -237,5 +234,36 @@ def unigram_entropy(dataset: IndexedDataset, doc_ids: np.ndarray | None = None) 
         for a in range(lo, hi, chunk):
             part = np.asarray(tokens[a : min(hi, a + chunk)])
             counts += np.bincount(part, minlength=counts.size)[: counts.size]
-    p = counts[counts > 0] / counts.sum()
+    return counts
+
+
+def _entropy(p: np.ndarray) -> float:
+    p = p[p > 0]
     return float(-(p * np.log(p)).sum())
+
+
+def unigram_entropy(dataset: IndexedDataset, doc_ids: np.ndarray | None = None) -> float:
+    """Entropy in nats of the empirical unigram token distribution (over ``doc_ids`` or all).
+
+    The loss of a model that ignores context can do no better than this, so a trained LM's loss
+    should end well below it. Reads the tokens in chunks (bounded memory).
+    """
+    counts = _unigram_counts(dataset, doc_ids)
+    return _entropy(counts / max(int(counts.sum()), 1))
+
+
+def samples_unigram_entropy(samples: GPTSamples | BlendedSamples) -> float:
+    """Unigram entropy in nats of what training reads: of one dataset, or of a blend's mixture.
+
+    For a blend the distribution is ``sum_i f_i * p_i``, with ``p_i`` the unigram distribution of
+    part i and ``f_i`` the fraction of the blend's samples drawn from it (the weights, to within
+    one sample): the best loss a context-free model can reach on the blended stream.
+    """
+    if isinstance(samples, GPTSamples):
+        return unigram_entropy(samples.dataset)
+    shares = np.bincount(np.asarray(samples.dataset_index), minlength=len(samples.parts)) / len(samples)
+    dists = [_unigram_counts(part.dataset) for part in samples.parts]
+    mixture = np.zeros(max(d.size for d in dists), dtype=np.float64)
+    for share, counts in zip(shares, dists):
+        mixture[: counts.size] += share * counts / max(int(counts.sum()), 1)
+    return _entropy(mixture)

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megaformer.config import RunConfig, to_dict, validate_layout
-from megaformer.data.gpt_dataset import GPTSamples, build_train_valid, unigram_entropy
+from megaformer.data.gpt_dataset import GPTSamples, build_train_valid, samples_unigram_entropy
 from megaformer.parallel.rng import DropoutRNG
 from megaformer.parallel.state import ParallelState
 from megaformer.parallel.utils import grad_norm as tp_grad_norm
@@ -486,7 +486,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         "checkpoint_dir": os.path.abspath(os.path.join(ckpt_dir, f"global_step{t.steps}")),
     }
     if layout.is_main:
-        summary["unigram_entropy"] = unigram_entropy(train_samples.dataset)
+        summary["unigram_entropy"] = samples_unigram_entropy(train_samples)
         _atomic_write_text(os.path.join(run_dir, "summary.json"), json.dumps(summary, indent=2) + "\n")
         _log(
             layout,

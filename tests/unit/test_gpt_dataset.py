@@ -11,10 +11,12 @@ import pytest
 
 from data_tools.indexed_dataset import DataFormatError, IndexedDataset, IndexedDatasetWriter
 from megaformer.data.gpt_dataset import (
+    BlendedSamples,
     GPTSamples,
     build_sample_index,
     build_train_valid,
     document_lengths,
+    samples_unigram_entropy,
     split_documents,
     unigram_entropy,
 )
@@ -156,3 +158,24 @@ def test_real_text_samples_match_tokenizer_stream(tmp_path):
     counts = np.bincount(flat)
     p = counts[counts > 0] / counts.sum()
     assert h == pytest.approx(float(-(p * np.log(p)).sum()))
+
+
+def test_blend_unigram_entropy_is_the_mixtures(tmp_path):
+    """Two parts on disjoint token ids, drawn 1:3: H(mix) = sum f_i H_i + H(f) (grouping rule)."""
+    rng = np.random.default_rng(1)
+    parts, entropies = [], []
+    for k, low in enumerate((10, 500)):
+        docs = [list(rng.integers(low, low + 50 * (k + 1), size=int(rng.integers(5, 30)))) for _ in range(40)]
+        ds = IndexedDataset(_write(tmp_path / f"part{k}", docs))
+        seq_len = 8
+        n = (int(document_lengths(ds).sum()) - 1) // seq_len
+        doc_idx, sample_idx, _ = build_sample_index(np.arange(40), document_lengths(ds), seq_len, n, seed=0)
+        parts.append(GPTSamples(ds, doc_idx, sample_idx, np.arange(n), seq_len))
+        entropies.append(unigram_entropy(ds))
+    dataset_index = np.array([0, 1, 1, 1] * 10, dtype=np.int16)
+    blend = BlendedSamples(parts, dataset_index, np.arange(40, dtype=np.int64) // 4)
+    f = np.array([0.25, 0.75])
+    expected = float((f * entropies).sum() - (f * np.log(f)).sum())
+    assert samples_unigram_entropy(blend) == pytest.approx(expected, rel=1e-9)
+    assert samples_unigram_entropy(parts[1]) == pytest.approx(entropies[1])
+    assert abs(expected - entropies[0]) > 0.5  # the first part alone would be far off
