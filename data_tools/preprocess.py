@@ -622,10 +622,15 @@ def preprocess(args: argparse.Namespace) -> PreprocessSummary:
     dtype = optimal_dtype(tokenizer.vocab_size)
     summary = PreprocessSummary()
     summary.outputs = [f"{output_prefix}_{key}_document" for key in args.json_keys]
-    if args.num_shards > 1 and _finished(summary.outputs):
-        summary.already_done = True
-        summary.seconds = time.perf_counter() - start
-        return summary
+    manifest = _shard_manifest(paths, args, tokenizer_kwargs) if args.num_shards > 1 else None
+    if manifest is not None:
+        done, why_not = _finished(summary.outputs, output_prefix, manifest)
+        if done:
+            summary.already_done = True
+            summary.seconds = time.perf_counter() - start
+            return summary
+        if why_not:
+            print(f"redoing shard {args.shard_index} of {args.num_shards}: {why_not}", file=sys.stderr)
 
     from tqdm import tqdm
 
@@ -660,8 +665,13 @@ def preprocess(args: argparse.Namespace) -> PreprocessSummary:
                 f"no documents to write from {len(paths)} input file(s)"
                 + (f" (skipped {sum(summary.skipped.values())} bad records)" if summary.skipped else "")
             )
+        if manifest is not None:  # a redone shard's old manifest must not vouch for new outputs
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(_manifest_path(output_prefix))
         for writer in writers:
             writer.finalize()
+        if manifest is not None:  # last: a run killed before this point looks unfinished
+            _write_manifest(output_prefix, manifest)
     except BaseException:
         for writer in writers:
             writer.abort()
@@ -699,18 +709,59 @@ def shard_inputs(
     return mine, f"{output_prefix}-{shard_index:05d}-of-{num_shards:05d}"
 
 
-def _finished(outputs: Sequence[str]) -> bool:
-    """Whether every output of a shard exists and opens as a valid dataset (a rerun skips it).
+def _manifest_path(shard_prefix: str) -> str:
+    return f"{shard_prefix}.shard.json"
 
-    The writer renames ``.idx`` into place last, after ``.bin``, so a killed run never leaves a
-    pair that passes this check.
+
+def _shard_manifest(paths: Sequence[Path], args: argparse.Namespace, tokenizer_kwargs: dict) -> dict:
+    """What a shard's outputs were made from: its input files (path and size) and the settings
+    that shape the tokens. A rerun skips the shard only when this is unchanged."""
+    return {
+        "inputs": [[str(path.resolve()), path.stat().st_size] for path in paths],
+        "json_keys": list(args.json_keys),
+        "append_eod": bool(args.append_eod),
+        "text_split_blank_lines": bool(args.text_split_blank_lines),
+        "tokenizer": {
+            k: (str(Path(v).resolve()) if v and k != "tokenizer_type" else v)
+            for k, v in tokenizer_kwargs.items()
+        },
+    }
+
+
+def _write_manifest(shard_prefix: str, manifest: dict) -> None:
+    path = _manifest_path(shard_prefix)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _finished(outputs: Sequence[str], shard_prefix: str, manifest: dict) -> tuple[bool, str]:
+    """Whether a shard is finished from the same inputs and settings (a rerun skips it), and if
+    not, why (empty when nothing of it exists yet).
+
+    The writer renames ``.idx`` into place last, after ``.bin``, and the shard's manifest
+    (``{shard_prefix}.shard.json``: input files with sizes, keys, tokenizer, flags) is written
+    after every ``.idx``, so a killed run never leaves a shard that passes this check; and a shard
+    whose inputs or settings changed since it was written is redone, not silently kept.
     """
     for prefix in outputs:
         try:
             IndexedDataset(prefix)
-        except (FileNotFoundError, DataFormatError):
-            return False
-    return True
+        except FileNotFoundError:
+            return False, ""
+        except DataFormatError as e:
+            return False, f"its output is not a valid dataset ({e})"
+    try:
+        with open(_manifest_path(shard_prefix), encoding="utf-8") as f:
+            saved = json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False, f"no valid {_manifest_path(shard_prefix)} (the run that wrote it did not finish)"
+    changed = [key for key in manifest if saved.get(key) != manifest[key]]
+    if changed:
+        return False, f"its {', '.join(changed)} changed since it was written"
+    return True, ""
 
 
 def _skip(record: BadRecord, skip_bad_records: bool, summary: PreprocessSummary) -> None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import lzma
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest.mock import ANY
 
 import numpy as np
 import pytest
@@ -83,6 +85,30 @@ def test_shards_then_merge_give_the_single_run_bytes(jsonl_dir, single_run, tmp_
         "--num-shards", 3, "--shard-index", 1,
     )  # fmt: skip
     assert r.returncode == 0 and "already finished; skipping" in r.stdout
+
+
+def test_shard_is_redone_when_its_inputs_change_or_its_manifest_is_missing(jsonl_dir, tmp_path):
+    """A finished shard is kept only for the inputs and settings that made it (its .shard.json)."""
+    inputs = tmp_path / "in"
+    shutil.copytree(jsonl_dir, inputs)
+    args = ["--input", inputs, "--output-prefix", tmp_path / "c4", *GPT2]
+    args += ["--num-shards", 3, "--shard-index", 1]
+    prefix = tmp_path / "c4-00001-of-00003_text_document"
+    manifest = tmp_path / "c4-00001-of-00003.shard.json"
+    assert _cli("data_tools.preprocess", *args).returncode == 0
+    before = IndexedDataset(prefix).num_documents
+    assert json.loads(manifest.read_text())["inputs"] == [[str((inputs / "part-1.jsonl").resolve()), ANY]]
+    with open(inputs / "part-1.jsonl", "a", encoding="utf-8") as f:  # shard 1 of 3 = part-1 only
+        f.write(json.dumps({"text": "One more document, appended after the shard was written."}) + "\n")
+    r = _cli("data_tools.preprocess", *args)
+    assert r.returncode == 0 and "done:" in r.stdout, r.stderr
+    assert "redoing shard 1 of 3: its inputs changed" in r.stderr
+    assert IndexedDataset(prefix).num_documents == before + 1
+    manifest.unlink()  # as if killed after the last .idx rename, before the manifest
+    r = _cli("data_tools.preprocess", *args)
+    assert r.returncode == 0 and "done:" in r.stdout and "c4-00001-of-00003.shard.json" in r.stderr
+    r = _cli("data_tools.preprocess", *args, "--json-keys", "text")  # same settings: kept
+    assert "already finished; skipping" in r.stdout
 
 
 def test_killed_shard_looks_unfinished_and_reruns(tmp_path):
