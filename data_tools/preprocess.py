@@ -435,8 +435,15 @@ def _stop_signals_blocked() -> Iterator[None]:
 
 def _start_pool(workers: int, init_args: tuple) -> multiprocessing.pool.Pool:
     """A pool whose workers ignore Ctrl-C and die on SIGTERM (see :func:`_stop_signals_blocked`)."""
-    with _stop_signals_blocked():
-        return multiprocessing.Pool(workers, initializer=_init_worker, initargs=init_args)
+    pool = None
+    try:
+        with _stop_signals_blocked():
+            pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=init_args)
+    except BaseException:  # a stop signal that came during the fork is raised as the block lifts
+        if pool is not None:
+            pool.terminate()
+        raise
+    return pool
 
 
 @dataclass
@@ -714,10 +721,12 @@ def _manifest_path(shard_prefix: str) -> str:
 
 
 def _shard_manifest(paths: Sequence[Path], args: argparse.Namespace, tokenizer_kwargs: dict) -> dict:
-    """What a shard's outputs were made from: its input files (path and size) and the settings
+    """What a shard's outputs were made from: its input files (path, size, mtime) and the settings
     that shape the tokens. A rerun skips the shard only when this is unchanged."""
     return {
-        "inputs": [[str(path.resolve()), path.stat().st_size] for path in paths],
+        # mtime too: an edit that keeps the size must not keep the shard (the worst a copy with
+        # new times can cost is one needless redo).
+        "inputs": [[str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns] for path in paths],
         "json_keys": list(args.json_keys),
         "append_eod": bool(args.append_eod),
         "text_split_blank_lines": bool(args.text_split_blank_lines),
@@ -742,7 +751,7 @@ def _finished(outputs: Sequence[str], shard_prefix: str, manifest: dict) -> tupl
     not, why (empty when nothing of it exists yet).
 
     The writer renames ``.idx`` into place last, after ``.bin``, and the shard's manifest
-    (``{shard_prefix}.shard.json``: input files with sizes, keys, tokenizer, flags) is written
+    (``{shard_prefix}.shard.json``: input files with sizes and mtimes, keys, tokenizer, flags) is written
     after every ``.idx``, so a killed run never leaves a shard that passes this check; and a shard
     whose inputs or settings changed since it was written is redone, not silently kept.
     """
@@ -757,7 +766,10 @@ def _finished(outputs: Sequence[str], shard_prefix: str, manifest: dict) -> tupl
         with open(_manifest_path(shard_prefix), encoding="utf-8") as f:
             saved = json.load(f)
     except (FileNotFoundError, json.JSONDecodeError):
-        return False, f"no valid {_manifest_path(shard_prefix)} (the run that wrote it did not finish)"
+        return False, (
+            f"no valid {_manifest_path(shard_prefix)} (the run that wrote the shard did not finish, "
+            "or a version before manifests wrote it)"
+        )
     changed = [key for key in manifest if saved.get(key) != manifest[key]]
     if changed:
         return False, f"its {', '.join(changed)} changed since it was written"
@@ -863,7 +875,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted; no output written", file=sys.stderr)
+        print(
+            "interrupted; nothing finished was written (temporaries removed): rerun to redo it",
+            file=sys.stderr,
+        )
         return 130
     if summary.already_done:
         print(f"shard {args.shard_index} of {args.num_shards} already finished; skipping it")

@@ -253,7 +253,10 @@ def unigram_entropy(dataset: IndexedDataset, doc_ids: np.ndarray | None = None) 
 
 
 def samples_unigram_entropy(samples: GPTSamples | BlendedSamples) -> float:
-    """Unigram entropy in nats of what training reads: of one dataset, or of a blend's mixture.
+    """Unigram entropy in nats of the data a run trains on: of one dataset, or of a blend's mixture.
+
+    Counts cover each dataset whole, its held-out documents included (a few percent of it): a
+    reference level for the loss, not a figure of the training split alone.
 
     For a blend the distribution is ``sum_i f_i * p_i``, with ``p_i`` the unigram distribution of
     part i and ``f_i`` the fraction of the blend's samples drawn from it (the weights, to within

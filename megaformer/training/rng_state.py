@@ -65,21 +65,21 @@ def save_rng_state(
 
 def load_rng_state(
     tag_dir: str, rank: int, layout: dict[str, int], dropout_rng: DropoutRNG, device: torch.device
-) -> str:
+) -> tuple[bool, str]:
     """Restore this rank's generator states saved by :func:`save_rng_state`, if they fit.
 
     Returns:
-        A line for the log: restored, or why not (no file: a checkpoint of an older version or of
-        another tool; another layout). Neither is an error: only dropout masks differ from the
-        uninterrupted run's, and only when dropout is on.
+        ``(restored, line for the log)``: restored, or why not (no file: a checkpoint of an older
+        version or of another tool; another layout). Neither is an error: only dropout masks
+        differ from the uninterrupted run's, and only when dropout is on.
     """
     path = rng_state_path(tag_dir, rank)
     if not os.path.isfile(path):
-        return f"no generator state at {path}: dropout masks restart from the seed"
+        return False, f"no generator state at {path}: dropout masks restart from the seed"
     # weights_only=False: the file holds numpy's and Python's state tuples, written by this code.
     state = torch.load(path, map_location="cpu", weights_only=False)
     if state["layout"] != dict(layout):
-        return (
+        return False, (
             f"generator state in {path} was saved at layout {state['layout']}, this run is {dict(layout)}: "
             "dropout masks restart from the seed"
         )
@@ -89,4 +89,4 @@ def load_rng_state(
         torch.cuda.set_rng_state(state["cuda"], device)
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
-    return f"restored generator states from {path}"
+    return True, f"restored generator states from {path}"

@@ -388,16 +388,25 @@ def train(cfg: RunConfig) -> dict[str, Any]:
 
     start_step = 0
     if load_dir is not None:
-        path, client_state = engine.load_checkpoint(load_dir)
+        # One tag for every rank, read once: `latest` may move on if another job still writes there.
+        tag = [None]
+        if rank == 0:
+            with open(os.path.join(load_dir, "latest"), encoding="utf-8") as f:
+                tag[0] = f.read().strip()
+        dist.broadcast_object_list(tag, src=0)
+        path, client_state = engine.load_checkpoint(load_dir, tag=tag[0])
         if path is None:
             from megaformer.config import ConfigError
 
-            raise ConfigError(f"train.resume: DeepSpeed could not load a checkpoint from {load_dir}")
+            raise ConfigError(f"train.resume: DeepSpeed could not load {tag[0]} from {load_dir}")
         start_step = int(client_state["step"])
         _log(layout, f"resumed from {path} at step {start_step}")
-        with open(os.path.join(load_dir, "latest"), encoding="utf-8") as f:
-            tag_dir = os.path.join(load_dir, f.read().strip())
-        _log(layout, load_rng_state(tag_dir, rank, rng_layout, dropout_rng, device))
+        restored, why = load_rng_state(os.path.join(load_dir, tag[0]), rank, rng_layout, dropout_rng, device)
+        if not restored:  # from any rank: rank 0's line below speaks for the count only
+            print(f"[megaformer] rank {rank}: {why}", flush=True)
+        count = torch.tensor([int(restored)], dtype=torch.int64, device=device)
+        dist.all_reduce(count)
+        _log(layout, f"restored generator states on {int(count.item())}/{world_size} ranks")
     elif init_step is not None:
         start_step = init_step
 

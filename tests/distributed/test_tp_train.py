@@ -44,8 +44,9 @@ RUNS = {  # name: (processes, overrides)
     # micro-batch of 4 per replica. Gradients reduced or partitioned over the wrong group (the
     # world, or the TP group) would change the losses and the DeepSpeed-computed grad norm.
     "tp2_dp2_zero2": (4, ["parallel.tp_size=2", "train.zero_stage=2"]),
-    # The A100 recipe's precision with parameters partitioned by ZeRO-3 over TP shards.
-    "tp2_bf16_zero3": (2, ["parallel.tp_size=2", "train.precision=bf16", "train.zero_stage=3"]),
+    # The A100 recipe's precision, with each TP shard's parameters partitioned by ZeRO-3 over the
+    # 2 data-parallel ranks that hold it (tp 2 × dp 2).
+    "tp2_dp2_bf16_zero3": (4, ["parallel.tp_size=2", "train.precision=bf16", "train.zero_stage=3"]),
 }
 
 
@@ -79,11 +80,11 @@ def test_tp2_training_repeats_tp1_step_for_step(runs):
     assert loss[20] < loss[1] - 1.0  # it trains: the comparison is not between two stuck runs
 
 
-def test_tp2_bf16_zero3_follows_the_fp32_run(runs):
+def test_tp2_dp2_bf16_zero3_follows_the_fp32_run(runs):
     """bf16 rounds (8 mantissa bits), so the losses agree loosely (seen: 1.4e-4), but on every step."""
     ref = read_scalars(str(runs["tp1"][0] / "tensorboard"))["train/loss"]
-    run_dir, proc = runs["tp2_bf16_zero3"]
-    assert "| tp 2" in proc.stdout and "bf16 | ZeRO 3" in proc.stdout
+    run_dir, proc = runs["tp2_dp2_bf16_zero3"]
+    assert "| tp 2" in proc.stdout and "| dp 2 |" in proc.stdout and "bf16 | ZeRO 3" in proc.stdout
     got = read_scalars(str(run_dir / "tensorboard"))["train/loss"]
     assert sorted(got) == list(range(1, 21))
     worst = max(abs(got[s] - ref[s]) / ref[s] for s in range(1, 21))

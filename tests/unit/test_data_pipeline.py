@@ -97,7 +97,8 @@ def test_shard_is_redone_when_its_inputs_change_or_its_manifest_is_missing(jsonl
     manifest = tmp_path / "c4-00001-of-00003.shard.json"
     assert _cli("data_tools.preprocess", *args).returncode == 0
     before = IndexedDataset(prefix).num_documents
-    assert json.loads(manifest.read_text())["inputs"] == [[str((inputs / "part-1.jsonl").resolve()), ANY]]
+    part1 = str((inputs / "part-1.jsonl").resolve())
+    assert json.loads(manifest.read_text())["inputs"] == [[part1, ANY, ANY]]  # path, size, mtime
     with open(inputs / "part-1.jsonl", "a", encoding="utf-8") as f:  # shard 1 of 3 = part-1 only
         f.write(json.dumps({"text": "One more document, appended after the shard was written."}) + "\n")
     r = _cli("data_tools.preprocess", *args)

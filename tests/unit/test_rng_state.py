@@ -33,8 +33,8 @@ def test_round_trip_continues_every_stream(tmp_path):
 
     fresh = DropoutRNG(7, tp_rank=1)  # a restarted process: streams back at the seed
     torch.manual_seed(0)
-    message = load_rng_state(str(tmp_path / "global_step5"), 1, LAYOUT, fresh, CPU)
-    assert message.startswith("restored generator states from")
+    restored, message = load_rng_state(str(tmp_path / "global_step5"), 1, LAYOUT, fresh, CPU)
+    assert restored and message.startswith("restored generator states from")
     got = (_draw(fresh), torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     assert np.array_equal(got[2], expected[2]) and got[3] == expected[3]
@@ -46,8 +46,8 @@ def test_other_layout_or_missing_file_restarts_from_the_seed(tmp_path):
     save_rng_state(str(tmp_path), 1, LAYOUT, rng, CPU)
     fresh = DropoutRNG(7, tp_rank=1)
     seed_draw = _draw(DropoutRNG(7, tp_rank=1))
-    message = load_rng_state(str(tmp_path), 1, {**LAYOUT, "dp": 2}, fresh, CPU)
-    assert "was saved at layout" in message and "restart from the seed" in message
+    restored, message = load_rng_state(str(tmp_path), 1, {**LAYOUT, "dp": 2}, fresh, CPU)
+    assert not restored and "was saved at layout" in message and "restart from the seed" in message
     assert torch.equal(_draw(fresh), seed_draw)  # untouched
-    message = load_rng_state(str(tmp_path), 0, LAYOUT, fresh, CPU)
-    assert message.startswith("no generator state at") and "rank00000.pt" in message
+    restored, message = load_rng_state(str(tmp_path), 0, LAYOUT, fresh, CPU)
+    assert not restored and message.startswith("no generator state at") and "rank00000.pt" in message
