@@ -41,6 +41,6 @@ print(f"  unigram entropy         {s['unigram_entropy']:.4f} nats/token (best lo
 print(f"  training throughput     {s['tokens_per_s']:,.0f} tokens/s over {s['world_size']} processes")
 print(f"  TensorBoard             tensorboard --logdir {s['tensorboard_dir']}")
 print(f"  checkpoint              {s['checkpoint_dir']}")
-print(f"  sample text             python -m megaformer.tools.generate --checkpoint {s['checkpoint_dir']} --prompt 'It was'")
+print(f"  sample text             .venv/bin/python -m megaformer.tools.generate --checkpoint {s['checkpoint_dir']} --prompt 'It was'")
 print("=" * 78)
 PYEOF
