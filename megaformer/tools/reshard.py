@@ -38,6 +38,7 @@ import glob
 import os
 import re
 import sys
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -112,8 +113,20 @@ def _vocab_rows(name: str, config: ModelConfig) -> bool:
     return name in vocab_param_names(config)
 
 
-def _pipeline_modules(tag_dir: str, config: ModelConfig, tp: int) -> list[dict[str, torch.Tensor]]:
-    """Per-TP-rank module dicts, in layer-list naming, from a pipeline checkpoint's layer files."""
+def _load(path: str) -> Any:
+    """``torch.load`` memory-mapped: tensors are read from disk only when touched, so a rank that
+    needs a few of a checkpoint's parameters does not hold all of them in memory."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except RuntimeError:  # a file in torch's legacy (non-zip) format cannot be mapped
+        return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _pipeline_modules(
+    tag_dir: str, config: ModelConfig, tp: int, names: Collection[str] | None = None
+) -> list[dict[str, torch.Tensor]]:
+    """Per-TP-rank module dicts, in layer-list naming, from a pipeline checkpoint's layer files
+    (only the layers holding one of ``names``, when given)."""
     files: dict[tuple[int, int], str] = {}
     for path in glob.glob(os.path.join(tag_dir, "layer_*-model_*-model_states.pt")):
         m = _LAYER_FILE.search(path)
@@ -125,16 +138,24 @@ def _pipeline_modules(tag_dir: str, config: ModelConfig, tp: int) -> list[dict[s
         if layer == last and config.tie_embeddings:
             continue  # the tied output: the same weight as layer 0's embedding
         prefix = "tied_modules.embed." if layer == 0 else f"{layer}."
+        if names is not None and not any(name.startswith(prefix) for name in names):
+            continue
         for r in range(tp):
             if (layer, r) not in files:
                 raise ReshardError(f"{tag_dir}: layer {layer} has no file for TP rank {r}")
-            state = torch.load(files[(layer, r)], map_location="cpu", weights_only=False)
+            state = _load(files[(layer, r)])
             modules[r].update({prefix + k: v for k, v in state.items()})
     return modules
 
 
-def consolidate(tag_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+def consolidate(
+    tag_dir: str, names: Collection[str] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
     """Full, unpadded module weights of a checkpoint saved at any (tp, pp, dp) layout.
+
+    ``names`` (layer-list naming) limits the result to those parameters: a pipeline stage loading
+    its own layers reads and holds only them (files are memory-mapped, and layer files of other
+    stages are not opened), not the whole model.
 
     Returns:
         ``(full_state, run_config, extra)``: the full tensors in layer-list naming (vocabulary rows
@@ -146,7 +167,7 @@ def consolidate(tag_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, Any], 
             the model-states files), missing layer files, or replicas that differ.
     """
     files = _model_files(tag_dir)
-    head = torch.load(files[0], map_location="cpu", weights_only=False)
+    head = _load(files[0])
     run_config = head.get("config")
     if not isinstance(run_config, dict) or "model" not in run_config:
         raise ReshardError(f"{files[0]}: no 'config' in the client state; not written by megaformer.train")
@@ -154,16 +175,16 @@ def consolidate(tag_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, Any], 
     pp = int(run_config["parallel"].get("pp_size", 1))
     config = ModelConfig(**run_config["model"])
     if pp > 1:
-        modules = _pipeline_modules(tag_dir, config, tp)
+        modules = _pipeline_modules(tag_dir, config, tp, names)
     else:
         if len(files) != tp:
             raise ReshardError(f"{tag_dir}: {len(files)} model-state files for parallel.tp_size={tp}")
-        modules = [head["module"]] + [
-            torch.load(f, map_location="cpu", weights_only=False)["module"] for f in files[1:]
-        ]
+        modules = [head["module"]] + [_load(f)["module"] for f in files[1:]]
     dims = partition_dims(config)
     full: dict[str, torch.Tensor] = {}
     for name, dim in dims.items():
+        if names is not None and name not in names:
+            continue
         if name not in modules[0]:
             raise ReshardError(f"{tag_dir}: parameter '{name}' missing from the module state")
         parts = [m[name] for m in modules]

@@ -224,3 +224,8 @@ def test_reshard_tool_reads_pipeline_checkpoints(runs, tmp_path):
     assert full.keys() == original.keys() and "tied_modules.embed.token.weight" in full
     for name, tensor in original.items():
         assert torch.equal(full[name], tensor), name
+    # What one pipeline stage asks for at init_from: its own parameters only, the same tensors.
+    wanted = {name for name in original if name.startswith(("tied_modules.embed.", "1."))}
+    part, _, _ = consolidate(src + "/global_step10", names=wanted)
+    assert part.keys() == wanted and len(wanted) < len(original)
+    assert all(torch.equal(part[name], original[name]) for name in wanted)
