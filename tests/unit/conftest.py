@@ -12,15 +12,17 @@ import numpy as np
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# CI checks out shared/ next to the clone, as ../shared
-SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+# The project's own copies of the shared data (data/, each set with its SOURCE.md), so a clone
+# runs every test without ../shared beside it.
+SHARED_DATA = REPO_ROOT / "data"
 
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
-    """``../shared/data`` (skips the test where it is absent)."""
-    if not (SHARED_DATA / "gpt2-bpe" / "encoder.json").is_file():
-        pytest.skip(f"shared data not found at {SHARED_DATA}")
+    """``data/`` of the project: GPT-2 BPE files, Gutenberg novels, C4 / Dolma samples, Tiny Shakespeare."""
+    for name in ("gpt2-bpe/encoder.json", "gutenberg-novels", "c4-sample-jsonl", "tinyshakespeare/input.txt"):
+        if not (SHARED_DATA / name).exists():
+            raise FileNotFoundError(f"{SHARED_DATA / name} is missing: restore it with git checkout data/")
     return SHARED_DATA
 
 
