@@ -34,6 +34,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from data_tools.files import atomic_write_json  # noqa: E402
 from data_tools.indexed_dataset import MAGIC, VERSION  # noqa: E402
 
 SEQ_LEN = 2048
@@ -163,12 +164,8 @@ def main() -> None:
     print(
         "build s = open (validate the .idx) + document lengths + indices + save; hit s = open + hash + mmap"
     )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(results, indent=2) + "\n")
-    os.replace(tmp, out)
-    print(f"wrote {out}")
+    atomic_write_json(args.out, results)
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

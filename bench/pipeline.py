@@ -25,6 +25,10 @@ import tempfile
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from data_tools.files import atomic_write_json  # noqa: E402
+
 CONFIG = os.path.join(REPO, "configs", "normformer-quickstart.yaml")
 MODEL = [
     "model.hidden_size=256",
@@ -105,10 +109,7 @@ def run(steps: int, out: str | None) -> list[dict]:
         "results": results,
     }
     if out:
-        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-        with open(out, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
+        atomic_write_json(out, report)
     return results
 
 

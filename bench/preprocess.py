@@ -37,6 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from data_tools.files import atomic_write_json  # noqa: E402
 from data_tools.tokenizer import build_tokenizer  # noqa: E402
 
 BPE = REPO / "data" / "gpt2-bpe"
@@ -206,12 +207,8 @@ def main() -> None:
         f"{hours:.1f} h"
     )
     print(f"same bytes for every worker count: {results['same_bytes_for_all_workers']}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp_out = out.with_suffix(".json.tmp")
-    tmp_out.write_text(json.dumps(results, indent=2) + "\n")
-    os.replace(tmp_out, out)
-    print(f"wrote {out}")
+    atomic_write_json(args.out, results)
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

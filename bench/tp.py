@@ -28,6 +28,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from data_tools.files import atomic_write_json
 from megaformer.config.schema import ModelConfig
 from megaformer.model import NormFormerLM, param_groups
 
@@ -123,8 +124,7 @@ def main() -> None:
         "steps": args.steps,
         "rows": rows,
     }
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
+    atomic_write_json(args.out, result)
     print(f"{'layout':<14} {'step (s)':>9} {'tokens/s':>10} {'vs tp1':>7}")
     for r in rows:
         name = f"tp{r['tp']}" + (" +sp" if r["sequence_parallel"] else "")

@@ -49,6 +49,7 @@ from typing import BinaryIO
 import numpy as np
 
 from data_tools.errors import DataFormatError, DataToolsError, PreprocessError
+from data_tools.files import atomic_write_json
 from data_tools.indexed_dataset import IndexedDataset, IndexedDatasetWriter, optimal_dtype
 from data_tools.tokenizer import TOKENIZER_TYPES, build_tokenizer
 
@@ -678,7 +679,7 @@ def preprocess(args: argparse.Namespace) -> PreprocessSummary:
         for writer in writers:
             writer.finalize()
         if manifest is not None:  # last: a run killed before this point looks unfinished
-            _write_manifest(output_prefix, manifest)
+            atomic_write_json(_manifest_path(output_prefix), manifest, indent=1)
     except BaseException:
         for writer in writers:
             writer.abort()
@@ -735,15 +736,6 @@ def _shard_manifest(paths: Sequence[Path], args: argparse.Namespace, tokenizer_k
             for k, v in tokenizer_kwargs.items()
         },
     }
-
-
-def _write_manifest(shard_prefix: str, manifest: dict) -> None:
-    path = _manifest_path(shard_prefix)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def _finished(outputs: Sequence[str], shard_prefix: str, manifest: dict) -> tuple[bool, str]:

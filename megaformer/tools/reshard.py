@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from data_tools.files import atomic_write_text
 from megaformer.config.schema import ModelConfig
 
 _MP_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt$")
@@ -297,8 +298,7 @@ def reshard(input_dir: str, output_dir: str, tp: int, tag: str | None = None) ->
         path = os.path.join(out, f"mp_rank_{r:02d}_model_states.pt")
         torch.save(state, path + ".tmp")
         os.replace(path + ".tmp", path)
-    with open(os.path.join(output_dir, "latest"), "w", encoding="utf-8") as f:
-        f.write(name)
+    atomic_write_text(os.path.join(output_dir, "latest"), name)
     return out
 
 

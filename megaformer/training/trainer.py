@@ -22,7 +22,6 @@ samples it would have seen.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -33,6 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from data_tools.files import atomic_write_json
 from megaformer.config import RunConfig, to_dict, validate_layout
 from megaformer.data.gpt_dataset import GPTSamples, build_train_valid, samples_unigram_entropy
 from megaformer.parallel.rng import DropoutRNG
@@ -75,13 +75,6 @@ def micro_batch(
 def _log(layout: Layout, message: str) -> None:
     if layout.is_main:
         print(f"[megaformer] {message}", flush=True)
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def _mean_over_dp(value: float, layout: Layout) -> float:
@@ -276,7 +269,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     load_dir = resolve_resume(cfg, ckpt_dir)
     if layout.is_main:
         os.makedirs(ckpt_dir, exist_ok=True)
-        _atomic_write_text(os.path.join(run_dir, "config.json"), json.dumps(to_dict(cfg), indent=2) + "\n")
+        atomic_write_json(os.path.join(run_dir, "config.json"), to_dict(cfg))
 
     torch.manual_seed(t.seed)
     dropout_rng = DropoutRNG(
@@ -498,7 +491,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     }
     if layout.is_main:
         summary["unigram_entropy"] = samples_unigram_entropy(train_samples)
-        _atomic_write_text(os.path.join(run_dir, "summary.json"), json.dumps(summary, indent=2) + "\n")
+        atomic_write_json(os.path.join(run_dir, "summary.json"), summary)
         _log(
             layout,
             f"done: {t.steps} steps in {elapsed:.1f} s | {summary['tokens_per_s']:,.0f} tokens/s | "
