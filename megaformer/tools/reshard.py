@@ -36,6 +36,7 @@ import argparse
 import copy
 import glob
 import os
+import pickle
 import re
 import sys
 from collections.abc import Collection
@@ -118,9 +119,15 @@ def _load(path: str) -> Any:
     """``torch.load`` memory-mapped: tensors are read from disk only when touched, so a rank that
     needs a few of a checkpoint's parameters does not hold all of them in memory."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except RuntimeError:  # a file in torch's legacy (non-zip) format cannot be mapped
-        return torch.load(path, map_location="cpu", weights_only=False)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        except RuntimeError:  # a file in torch's legacy (non-zip) format cannot be mapped
+            return torch.load(path, map_location="cpu", weights_only=False)
+    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:
+        raise ReshardError(
+            f"{path}: not a readable checkpoint file ({type(e).__name__}: {e}); it is truncated or "
+            "damaged: load another global_stepN (--tag) or rewrite it from a good copy"
+        ) from e
 
 
 def _pipeline_modules(

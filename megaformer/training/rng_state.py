@@ -19,6 +19,7 @@ masks restart from the seed, and :func:`load_rng_state` says so.
 from __future__ import annotations
 
 import os
+import pickle
 import random
 
 import numpy as np
@@ -68,6 +69,9 @@ def load_rng_state(
 ) -> tuple[bool, str]:
     """Restore this rank's generator states saved by :func:`save_rng_state`, if they fit.
 
+    Raises:
+        RuntimeError: the file exists but cannot be read (truncated or damaged); names it.
+
     Returns:
         ``(restored, line for the log)``: restored, or why not (no file: a checkpoint of an older
         version or of another tool; another layout). Neither is an error: only dropout masks
@@ -76,8 +80,15 @@ def load_rng_state(
     path = rng_state_path(tag_dir, rank)
     if not os.path.isfile(path):
         return False, f"no generator state at {path}: dropout masks restart from the seed"
-    # weights_only=False: the file holds numpy's and Python's state tuples, written by this code.
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        # weights_only=False: the file holds numpy's and Python's state tuples, written by this code.
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:
+        raise RuntimeError(
+            f"{path}: unreadable generator state ({type(e).__name__}: {e}); the checkpoint is damaged: "
+            "resume from an earlier global_stepN, or delete this file to resume with dropout masks "
+            "restarting from the seed"
+        ) from e
     if state["layout"] != dict(layout):
         return False, (
             f"generator state in {path} was saved at layout {state['layout']}, this run is {dict(layout)}: "

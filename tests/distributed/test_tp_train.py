@@ -4,6 +4,7 @@ run step for step, and a TP=2 checkpoint resharded to TP=1 and on to TP=4 gives 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from datetime import timedelta
@@ -176,3 +177,12 @@ def test_generate_samples_text_from_a_tp2_checkpoint(runs, tmp_path):
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert bad.returncode == 2 and str(tmp_path) in bad.stderr, bad.stderr
+    damaged = tmp_path / "damaged"
+    shutil.copytree(run_dir / "checkpoints", damaged)
+    truncated = damaged / "global_step20" / "mp_rank_01_model_states.pt"
+    truncated.write_bytes(truncated.read_bytes()[:5000])
+    bad = subprocess.run(
+        [sys.executable, "-m", "megaformer.tools.generate", "--checkpoint", str(damaged)],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 2 and f"{truncated}: not a readable checkpoint file" in bad.stderr, bad.stderr

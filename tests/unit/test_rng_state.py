@@ -6,6 +6,7 @@ import os
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from megaformer.parallel.rng import DropoutRNG
@@ -38,6 +39,14 @@ def test_round_trip_continues_every_stream(tmp_path):
     got = (_draw(fresh), torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     assert np.array_equal(got[2], expected[2]) and got[3] == expected[3]
+
+
+def test_damaged_file_is_a_clear_error(tmp_path):
+    path = save_rng_state(str(tmp_path), 0, LAYOUT, DropoutRNG(7), CPU)
+    with open(path, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(RuntimeError, match=r"rank00000\.pt: unreadable generator state .* damaged"):
+        load_rng_state(str(tmp_path), 0, LAYOUT, DropoutRNG(7), CPU)
 
 
 def test_other_layout_or_missing_file_restarts_from_the_seed(tmp_path):
