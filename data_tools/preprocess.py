@@ -724,10 +724,11 @@ def _manifest_path(shard_prefix: str) -> str:
 def _shard_manifest(paths: Sequence[Path], args: argparse.Namespace, tokenizer_kwargs: dict) -> dict:
     """What a shard's outputs were made from: its input files (path, size, mtime) and the settings
     that shape the tokens. A rerun skips the shard only when this is unchanged."""
+    stats = [(path, path.stat()) for path in paths]
     return {
         # mtime too: an edit that keeps the size must not keep the shard (the worst a copy with
         # new times can cost is one needless redo).
-        "inputs": [[str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns] for path in paths],
+        "inputs": [[str(path.resolve()), st.st_size, st.st_mtime_ns] for path, st in stats],
         "json_keys": list(args.json_keys),
         "append_eod": bool(args.append_eod),
         "text_split_blank_lines": bool(args.text_split_blank_lines),
