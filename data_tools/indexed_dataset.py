@@ -25,7 +25,7 @@ from __future__ import annotations
 import array
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -193,8 +193,15 @@ class IndexedDatasetWriter:
         self._lengths.frombytes(lengths.astype(np.int32).tobytes())
         self._num_tokens += tokens.size
 
-    def finalize(self) -> None:
-        """Writes the index, then renames ``.bin.tmp`` and ``.idx.tmp`` to their final names."""
+    def finalize(self, before_index: Callable[[], None] | None = None) -> None:
+        """Writes the index, then renames ``.bin.tmp`` and ``.idx.tmp`` to their final names.
+
+        Args:
+            before_index: called once ``.bin`` is in place and before ``.idx`` is: files that
+                describe the dataset (its statistics sidecar) are written there, so that they
+                exist whenever the ``.idx`` does, and a run killed in between leaves no ``.idx``
+                (nothing that looks finished). If it raises, the ``.idx`` is not put in place.
+        """
         if self._closed:
             raise RuntimeError(f"{self.bin_path}: finalize() after finalize() or abort()")
         try:
@@ -217,6 +224,8 @@ class IndexedDatasetWriter:
             # sit next to the new .bin in between.
             self.idx_path.unlink(missing_ok=True)
             os.replace(self._bin_tmp, self.bin_path)
+            if before_index is not None:
+                before_index()
             os.replace(self._idx_tmp, self.idx_path)
         except BaseException:
             self.abort()
@@ -384,6 +393,11 @@ class IndexedDataset:
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["prefix"])
+
+    @property
+    def prefix(self) -> str:
+        """The dataset's path without ``.bin``/``.idx``, as given."""
+        return self._prefix
 
     def __len__(self) -> int:
         """Number of sequences N."""

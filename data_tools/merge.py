@@ -7,6 +7,11 @@ The result is Megatron-compatible and, for the shards of one sharded preprocessi
 shard order, byte-identical to preprocessing all the inputs in one run. Tokens are copied file to
 file in blocks (never loaded whole); the index is written one input at a time, so memory is one
 input's index arrays. Output goes to ``.tmp`` names, renamed when complete.
+
+The output's statistics sidecar (``{output_prefix}.stats.json``, see :mod:`data_tools.stats`) is
+the sum of the inputs' sidecars; an input without a usable one (made before sidecars existed, or
+stale) is counted from its tokens first (one read of it), checking document ends against
+``--eod-token`` or, by default, the EOD id of the inputs that have sidecars.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import numpy as np
 
 from data_tools.errors import DataFormatError, DataToolsError
 from data_tools.indexed_dataset import DTYPE_CODES, HEADER_SIZE, MAGIC, VERSION, IndexedDataset
+from data_tools.stats import DatasetStats, compute_stats, merge_stats, read_stats, stats_path, write_stats
 
 __all__ = ["expand_prefixes", "main", "merge"]
 
@@ -54,10 +60,40 @@ def expand_prefixes(inputs: Sequence[str]) -> list[str]:
     return prefixes
 
 
-def merge(prefixes: Sequence[str], output_prefix: str) -> tuple[int, int]:
-    """Writes ``output_prefix.bin/.idx``, the datasets one after another; returns (documents, tokens).
+def input_stats(prefixes: Sequence[str], eod_token: int | None = None) -> list[DatasetStats]:
+    """Each input's statistics: its sidecar or, where that is missing, stale or unreadable, counted
+    from its tokens (a note on stderr says which).
 
-    Each input is validated on open (``IndexedDataset``); all must share a token dtype.
+    Args:
+        eod_token: EOD id checked in the inputs counted here; ``None``: the EOD id that the inputs
+            with sidecars share, if they share one (else no check).
+
+    Raises:
+        DataFormatError: a corrupt input.
+    """
+    found: dict[str, DatasetStats] = {}
+    missing: dict[str, str] = {}
+    for prefix in prefixes:
+        try:
+            found[prefix] = read_stats(prefix)
+        except DataFormatError as e:
+            missing[prefix] = str(e).split(";")[0]
+    if eod_token is None:
+        eods = {s.eod_token for s in found.values()}
+        eod_token = eods.pop() if len(eods) == 1 else None
+    for prefix, why in missing.items():
+        print(f"{why}; counting the tokens of {prefix}", file=sys.stderr)
+        found[prefix] = compute_stats(prefix, eod_token=eod_token, progress=True)
+    return [found[p] for p in prefixes]
+
+
+def merge(prefixes: Sequence[str], output_prefix: str, eod_token: int | None = None) -> tuple[int, int]:
+    """Writes ``output_prefix.bin/.idx`` and its statistics sidecar, the datasets one after another;
+    returns (documents, tokens).
+
+    Each input is validated on open (``IndexedDataset``); all must share a token dtype. The sidecar
+    is the sum of the inputs' statistics (``input_stats``, given ``eod_token``), written after the
+    ``.bin`` and before the ``.idx`` is renamed into place.
 
     Raises:
         DataFormatError: no inputs, a corrupt input, mixed dtypes, or an output that is an input.
@@ -78,6 +114,14 @@ def merge(prefixes: Sequence[str], output_prefix: str) -> tuple[int, int]:
         raise DataFormatError(f"{output_prefix}: the output is also an input; choose another --output-prefix")
     n_seq = sum(len(d) for d in datasets)
     n_docs = sum(d.num_documents for d in datasets)
+    parts = input_stats(prefixes, eod_token)
+    stats = merge_stats(parts)
+    if stats.tokenizer.get("type") == "unknown" and any(p.tokenizer.get("type") != "unknown" for p in parts):
+        print(
+            f"note: the inputs' sidecars name different tokenizers (or none); {stats_path(output_prefix)} "
+            "records the tokenizer as unknown",
+            file=sys.stderr,
+        )
     bin_tmp, idx_tmp = Path(f"{bin_path}.tmp"), Path(f"{idx_path}.tmp")
     bin_path.parent.mkdir(parents=True, exist_ok=True)
     total_bytes = sum(d.bin_path.stat().st_size for d in datasets)
@@ -111,6 +155,7 @@ def merge(prefixes: Sequence[str], output_prefix: str) -> tuple[int, int]:
         assert idx_tmp.stat().st_size == HEADER_SIZE + 12 * n_seq + 8 * (n_docs + 1)
         idx_path.unlink(missing_ok=True)  # no old .idx next to the new .bin in between
         os.replace(bin_tmp, bin_path)
+        write_stats(output_prefix, stats)  # before the .idx: a finished-looking dataset has its sidecar
         os.replace(idx_tmp, idx_path)
     except BaseException:
         bin_tmp.unlink(missing_ok=True)
@@ -125,11 +170,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--input", nargs="+", required=True, help="dataset prefixes, .idx/.bin paths or globs, in order"
     )
-    p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    p.add_argument(
+        "--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx and PREFIX.stats.json"
+    )
+    p.add_argument(
+        "--eod-token",
+        type=int,
+        default=None,
+        help="EOD id to check in inputs without a statistics sidecar (default: the one the inputs' "
+        "sidecars name)",
+    )
     args = p.parse_args(argv)
     try:
         prefixes = expand_prefixes(args.input)
-        docs, tokens = merge(prefixes, args.output_prefix)
+        docs, tokens = merge(prefixes, args.output_prefix, args.eod_token)
     except (DataToolsError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -137,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("interrupted; no output written", file=sys.stderr)
         return 130
     print(f"done: merged {len(prefixes)} datasets, {docs:,} documents, {tokens:,} tokens")
-    print(f"wrote {args.output_prefix}.bin and {args.output_prefix}.idx")
+    print(f"wrote {args.output_prefix}.bin, {args.output_prefix}.idx and {stats_path(args.output_prefix)}")
     return 0
 
 

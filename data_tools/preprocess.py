@@ -22,6 +22,10 @@ A bad record (malformed JSON, missing key, a value that is not a string, invalid
 whitespace-only text) stops the run with an ``error: FILE:LINE: ...`` line and status 2, unless
 ``--skip-bad-records`` is given: then it is skipped and counted by reason in the summary. Outputs
 are written under ``.tmp`` names and renamed only once everything succeeded.
+
+Each output also gets its statistics sidecar ``{prefix}_{key}_document.stats.json`` (token counts
+per id, document count, EOD check, tokenizer; see :mod:`data_tools.stats`), counted from the
+encoded chunks as they are written (no second read), and put in place before the ``.idx``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import argparse
 import bz2
 import contextlib
+import functools
 import glob
 import gzip
 import io
@@ -51,6 +56,15 @@ import numpy as np
 from data_tools.errors import DataFormatError, DataToolsError, PreprocessError
 from data_tools.files import atomic_write_json
 from data_tools.indexed_dataset import IndexedDataset, IndexedDatasetWriter, optimal_dtype
+from data_tools.stats import (
+    StatsAccumulator,
+    compute_stats,
+    read_stats,
+    sparse_counts,
+    stats_path,
+    tokenizer_entry,
+    write_stats,
+)
 from data_tools.tokenizer import TOKENIZER_TYPES, build_tokenizer
 
 __all__ = [
@@ -454,6 +468,10 @@ class _Encoded:
     Attributes:
         lengths: int32[num_keys, num_documents], tokens per document and key (EOD included).
         tokens: per key, the ids of all its documents back to back, in the output dtype.
+        counts: per key, ``(ids, occurrences)`` of the ids in ``tokens`` (for the statistics
+            sidecar: counted here, in the worker, so the writing process only adds a few thousand
+            numbers per unit; sparse, because a dense vocabulary-sized vector per unit would pickle
+            about as large as the tokens themselves).
         bad: the unit's bad records, in input order.
         records: records seen (documents + bad), for the progress bar.
         text_bytes: UTF-8 bytes of the documents' texts.
@@ -461,6 +479,7 @@ class _Encoded:
 
     lengths: np.ndarray
     tokens: list[np.ndarray]
+    counts: list[tuple[np.ndarray, np.ndarray]]
     bad: list[BadRecord]
     records: int
     text_bytes: int
@@ -501,7 +520,8 @@ def _encode_unit(unit: tuple) -> _Encoded:
     lengths = np.array([[len(x) + extra for x in lists] for lists in per_key], dtype=np.int32)
     lengths = lengths.reshape(len(keys), -1)
     tokens = [_concatenate(lists, int(n.sum()), dtype, eod) for lists, n in zip(per_key, lengths)]
-    return _Encoded(lengths, tokens, bad, len(records), text_bytes)
+    counts = [sparse_counts(t) for t in tokens]
+    return _Encoded(lengths, tokens, counts, bad, len(records), text_bytes)
 
 
 def _concatenate(parts: list, size: int, dtype: np.dtype, eod: int | None) -> np.ndarray:
@@ -628,12 +648,17 @@ def preprocess(args: argparse.Namespace) -> PreprocessSummary:
     }
     tokenizer = build_tokenizer(**tokenizer_kwargs)  # here first, so bad files fail before any work
     dtype = optimal_dtype(tokenizer.vocab_size)
+    # What the statistics sidecars record: the tokenizer (type, size, sha256 of its files) and the
+    # EOD id every document ends with (checked as the documents are added, not assumed).
+    tokenizer_info = tokenizer_entry(**tokenizer_kwargs, vocab_size=tokenizer.vocab_size)
+    eod = tokenizer.eod if args.append_eod else None
     summary = PreprocessSummary()
     summary.outputs = [f"{output_prefix}_{key}_document" for key in args.json_keys]
     manifest = _shard_manifest(paths, args, tokenizer_kwargs) if args.num_shards > 1 else None
     if manifest is not None:
         done, why_not = _finished(summary.outputs, output_prefix, manifest)
         if done:
+            _complete_stats(summary.outputs, eod, tokenizer_info)
             summary.already_done = True
             summary.seconds = time.perf_counter() - start
             return summary
@@ -646,6 +671,7 @@ def preprocess(args: argparse.Namespace) -> PreprocessSummary:
     with _stop_signals_blocked():  # tqdm's monitor thread must not take the stop signals
         bar = tqdm(unit=" docs", file=sys.stderr, disable=None, dynamic_ncols=True, desc="tokenizing")
     writers: list[IndexedDatasetWriter] = []
+    accumulators = [StatsAccumulator(eod, tokenizer.vocab_size, where=prefix) for prefix in summary.outputs]
     next_log = args.log_interval
     try:
         writers = [IndexedDatasetWriter(prefix, dtype) for prefix in summary.outputs]
@@ -658,8 +684,11 @@ def preprocess(args: argparse.Namespace) -> PreprocessSummary:
             for encoded in encoded_iter:
                 for record in encoded.bad:
                     _skip(record, args.skip_bad_records, summary)
-                for writer, tokens, lengths in zip(writers, encoded.tokens, encoded.lengths):
+                for writer, acc, tokens, lengths, counts in zip(
+                    writers, accumulators, encoded.tokens, encoded.lengths, encoded.counts
+                ):
                     writer.add_documents(tokens, lengths)
+                    acc.add_documents(tokens, lengths, counts)
                     summary.tokens += tokens.size
                 summary.documents += encoded.lengths.shape[1]
                 summary.text_bytes += encoded.text_bytes
@@ -676,8 +705,11 @@ def preprocess(args: argparse.Namespace) -> PreprocessSummary:
         if manifest is not None:  # a redone shard's old manifest must not vouch for new outputs
             with contextlib.suppress(FileNotFoundError):
                 os.remove(_manifest_path(output_prefix))
-        for writer in writers:
-            writer.finalize()
+        for writer, acc, prefix in zip(writers, accumulators, summary.outputs):
+            stats = acc.finish(tokenizer_info)
+            # The sidecar is written after the .bin and before the .idx is renamed into place: a
+            # dataset that looks finished always has its statistics.
+            writer.finalize(before_index=functools.partial(write_stats, prefix, stats))
         if manifest is not None:  # last: a run killed before this point looks unfinished
             atomic_write_json(_manifest_path(output_prefix), manifest, indent=1)
     except BaseException:
@@ -767,6 +799,17 @@ def _finished(outputs: Sequence[str], shard_prefix: str, manifest: dict) -> tupl
     if changed:
         return False, f"its {', '.join(changed)} changed since it was written"
     return True, ""
+
+
+def _complete_stats(outputs: Sequence[str], eod: int | None, tokenizer_info: dict) -> None:
+    """Writes the statistics sidecar of a finished shard that has none (or a stale one): a shard
+    finished before sidecars existed gets one from a scan of its tokens instead of a redo."""
+    for prefix in outputs:
+        try:
+            read_stats(prefix)
+        except DataFormatError as e:
+            print(f"{prefix}: {str(e).split(';')[0]}; computing it from the tokens", file=sys.stderr)
+            write_stats(prefix, compute_stats(prefix, eod_token=eod, tokenizer=tokenizer_info))
 
 
 def _skip(record: BadRecord, skip_bad_records: bool, summary: PreprocessSummary) -> None:
@@ -876,11 +919,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if summary.already_done:
         print(f"shard {args.shard_index} of {args.num_shards} already finished; skipping it")
         for prefix in summary.outputs:
-            print(f"kept {prefix}.bin and {prefix}.idx")
+            print(f"kept {prefix}.bin, {prefix}.idx and {stats_path(prefix)}")
         return 0
     print(f"done: {summary.line()}")
     for prefix in summary.outputs:
-        print(f"wrote {prefix}.bin and {prefix}.idx")
+        print(f"wrote {prefix}.bin, {prefix}.idx and {stats_path(prefix)}")
     return 0
 
 

@@ -10,11 +10,17 @@ rest is the training set. Both outputs keep the input's document order and are w
 document per sequence (the layout ``preprocess`` writes, so for its outputs the bytes of a
 document are unchanged). Tokens are copied in blocks from the memory-mapped input, never loaded
 whole; outputs are written under ``.tmp`` names and renamed when complete.
+
+Both outputs get their statistics sidecar (``{prefix}.stats.json``, see :mod:`data_tools.stats`),
+counted from the blocks as they are copied (no extra read). The EOD id and tokenizer are taken from
+the input's sidecar; an input without one gives outputs whose sidecars record neither (a note says
+so: run ``python -m data_tools.stats`` on the input first to keep them).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Sequence
 
@@ -22,6 +28,7 @@ import numpy as np
 
 from data_tools.errors import DataFormatError, DataToolsError
 from data_tools.indexed_dataset import IndexedDataset, IndexedDatasetWriter
+from data_tools.stats import UNKNOWN_TOKENIZER, StatsAccumulator, read_stats, write_stats
 
 __all__ = ["choose_holdout", "main", "split_dataset"]
 
@@ -56,14 +63,23 @@ def choose_holdout(doc_lengths: np.ndarray, holdout_tokens: int, seed: int) -> n
 
 
 def _copy(
-    writer: IndexedDatasetWriter, tokens: np.ndarray, ends: np.ndarray, lengths: np.ndarray, a: int, b: int
+    writer: IndexedDatasetWriter,
+    acc: StatsAccumulator,
+    tokens: np.ndarray,
+    ends: np.ndarray,
+    lengths: np.ndarray,
+    a: int,
+    b: int,
 ):
-    """Appends documents [a, b) to ``writer`` in blocks of about ``_COPY_TOKENS`` tokens."""
+    """Appends documents [a, b) to ``writer`` (and counts them in ``acc``) in blocks of about
+    ``_COPY_TOKENS`` tokens."""
     while a < b:
         first = int(ends[a] - lengths[a])
         # last document ending within the block (at least one, however long)
         j = a + max(1, int(np.searchsorted(ends[a:b], first + _COPY_TOKENS, side="right")))
-        writer.add_documents(np.asarray(tokens[first : int(ends[j - 1])]), lengths[a:j])
+        block = np.asarray(tokens[first : int(ends[j - 1])])
+        writer.add_documents(block, lengths[a:j])
+        acc.add_documents(block, lengths[a:j])
         a = j
 
 
@@ -78,6 +94,17 @@ def split_dataset(
     from tqdm import tqdm
 
     dataset = IndexedDataset(prefix)
+    try:
+        source = read_stats(prefix)
+        eod, tokenizer = source.eod_token, source.tokenizer
+    except DataFormatError as e:
+        print(
+            f"note: {str(e).split(';')[0]}: the outputs' sidecars record no EOD id and an unknown "
+            f"tokenizer (first run python -m data_tools.stats --data-prefix {prefix} --eod-token ... "
+            "--tokenizer-type ... to keep them)",
+            file=sys.stderr,
+        )
+        eod, tokenizer = None, dict(UNKNOWN_TOKENIZER)
     lengths = dataset.document_lengths(np.int32 if len(dataset) < 2**31 else np.int64)
     mask = choose_holdout(lengths, holdout_tokens, seed)
     ends = np.cumsum(lengths, dtype=np.int64)  # sequences are contiguous: document d is [end-len, end)
@@ -91,15 +118,20 @@ def split_dataset(
         True: IndexedDatasetWriter(holdout_prefix, dataset.dtype),
         False: IndexedDatasetWriter(train_prefix, dataset.dtype),
     }
+    out_prefixes = {True: holdout_prefix, False: train_prefix}
+    accs = {side: StatsAccumulator(eod, where=out) for side, out in out_prefixes.items()}
     try:
         with tqdm(
             total=int(ends[-1]), unit=" tok", unit_scale=True, desc="splitting", disable=None, file=sys.stderr
         ) as bar:
             for a, b in zip(starts.tolist(), stops.tolist()):
-                _copy(writers[bool(mask[a])], tokens, ends, lengths, a, b)
+                side = bool(mask[a])
+                _copy(writers[side], accs[side], tokens, ends, lengths, a, b)
                 bar.update(int(ends[b - 1] - ends[a] + lengths[a]))
-        for w in writers.values():
-            w.finalize()
+        for side, w in writers.items():
+            stats = accs[side].finish(tokenizer)
+            # the sidecar before the .idx: an output that looks finished has its statistics
+            w.finalize(before_index=functools.partial(write_stats, out_prefixes[side], stats))
     except BaseException:
         for w in writers.values():
             w.abort()
@@ -137,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"done: held out {counts['holdout_documents']:,} documents / {counts['holdout_tokens']:,} tokens, "
         f"kept {counts['train_documents']:,} documents / {counts['train_tokens']:,} tokens"
     )
-    print(f"wrote {args.holdout_prefix}.bin/.idx and {args.train_prefix}.bin/.idx")
+    print(f"wrote {args.holdout_prefix}.bin/.idx/.stats.json and {args.train_prefix}.bin/.idx/.stats.json")
     return 0
 
 

@@ -30,15 +30,16 @@ def main(argv: list[str] | None = None) -> None:
     # DeepSpeed's ZeRO still calls the deprecated torch name once per step; the warning says nothing
     # a user can act on and buries the step log.
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated", category=FutureWarning)
-    from data_tools.indexed_dataset import DataFormatError
+    from data_tools.errors import DataFormatError
     from megaformer.training.distributed import finish
 
     try:
         cfg = load_config(args.config, args.overrides)
+        from megaformer.tools.reshard import ReshardError
         from megaformer.training.trainer import train
 
         train(cfg)
-    except (ConfigError, DataFormatError) as e:
+    except (ConfigError, DataFormatError, ReshardError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         finish(2)
     finish(0)

@@ -8,14 +8,16 @@ Rules (each violation is a :class:`ConfigError` naming the file, key or value an
 * the named validators below accept the values (ranges, choices, cross-field rules).
 
 Rules that need the world size (batch divisibility, tp × pp × dp) are checked by
-:func:`validate_layout`, called by the trainer before any process group is used.
+:func:`validate_layout`; rules that need files (datasets, checkpoints, the DeepSpeed JSON) by the
+trainer's preflight (:mod:`megaformer.training.preflight`). Both run before any process group
+starts. Loading itself is pure: it reads the YAML and imports nothing but the standard library
+and PyYAML (a test checks that ``import megaformer.config`` imports no torch).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 from collections.abc import Callable, Iterable
 from typing import Any, get_type_hints
 
@@ -270,18 +272,9 @@ def check_train(cfg: RunConfig) -> None:
         f"{t.micro_batch_size}.",
     )
     _require(t.resume != "", "train.resume='': use none, auto or a checkpoint directory.")
-    if t.init_from:
-        from megaformer.tools.reshard import ReshardError, resolve_tag_dir
-
-        try:
-            resolve_tag_dir(t.init_from)
-        except ReshardError as e:
-            raise ConfigError(f"train.init_from='{t.init_from}': {e}.") from None
-    if t.deepspeed_config:
-        _require(
-            os.path.isfile(t.deepspeed_config),
-            f"train.deepspeed_config='{t.deepspeed_config}': file not found.",
-        )
+    # Whether train.init_from / train.resume / train.deepspeed_config name readable files is checked
+    # by the trainer's preflight (megaformer.training.preflight), before any process group starts:
+    # loading a config reads the YAML and nothing else.
 
 
 def check_data(cfg: RunConfig) -> None:
@@ -291,14 +284,7 @@ def check_data(cfg: RunConfig) -> None:
         0 <= d.eod_token < cfg.model.vocab_size, f"data.eod_token={d.eod_token}: outside the vocabulary."
     )
     _require(d.num_workers >= 0, f"data.num_workers={d.num_workers}: must be >= 0.")
-    if d.blend:
-        from data_tools.blend import parse_blend
-        from data_tools.errors import DataFormatError
-
-        try:
-            parse_blend(d.blend)
-        except DataFormatError as e:
-            raise ConfigError(f"{e}.") from None
+    # data.blend's syntax and the datasets themselves are checked by the preflight.
 
 
 VALIDATORS: list[Callable[[RunConfig], None]] = [check_model, check_parallel, check_train, check_data]

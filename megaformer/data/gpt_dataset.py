@@ -22,6 +22,7 @@ import numpy as np
 from data_tools.blend import apportion, blend_indices, check_prefixes, parse_blend
 from data_tools.indexed_dataset import DataFormatError, IndexedDataset
 from data_tools.sample_index import build_sample_index, load_or_build, split_documents
+from data_tools.stats import mixture_unigram_entropy, read_stats
 
 __all__ = [
     "BlendedSamples",
@@ -29,8 +30,8 @@ __all__ = [
     "build_sample_index",
     "build_train_valid",
     "document_lengths",
-    "split_documents",
     "samples_unigram_entropy",
+    "split_documents",
     "unigram_entropy",
 ]
 
@@ -219,8 +220,11 @@ def build_train_valid(
 
 
 def _unigram_counts(dataset: IndexedDataset, doc_ids: np.ndarray | None = None) -> np.ndarray:
-    """int64[max_id + 1]: how often each token id occurs (in ``doc_ids`` or all documents)."""
-    tokens = np.memmap(dataset.bin_path, dtype=dataset.dtype, mode="r")
+    """int64[max_id + 1]: how often each token id occurs (in ``doc_ids`` or all documents).
+
+    Reads the tokens (in chunks): for tools and tests only, never on the training path.
+    """
+    tokens = np.memmap(dataset.bin_path, dtype=dataset.dtype, mode="r") if dataset.num_tokens else np.zeros(0)
     counts = np.zeros(int(tokens.max()) + 1 if tokens.size else 1, dtype=np.int64)
     if doc_ids is None:
         ranges = [(0, tokens.size)]
@@ -245,8 +249,8 @@ def _entropy(p: np.ndarray) -> float:
 def unigram_entropy(dataset: IndexedDataset, doc_ids: np.ndarray | None = None) -> float:
     """Entropy in nats of the empirical unigram token distribution (over ``doc_ids`` or all).
 
-    The loss of a model that ignores context can do no better than this, so a trained LM's loss
-    should end well below it. Reads the tokens in chunks (bounded memory).
+    SCANS the token stream (in chunks, bounded memory): for tools and tests. The training path uses
+    :func:`samples_unigram_entropy`, which reads the datasets' statistics sidecars instead.
     """
     counts = _unigram_counts(dataset, doc_ids)
     return _entropy(counts / max(int(counts.sum()), 1))
@@ -255,18 +259,19 @@ def unigram_entropy(dataset: IndexedDataset, doc_ids: np.ndarray | None = None) 
 def samples_unigram_entropy(samples: GPTSamples | BlendedSamples) -> float:
     """Unigram entropy in nats of the data a run trains on: of one dataset, or of a blend's mixture.
 
-    Counts cover each dataset whole, its held-out documents included (a few percent of it): a
-    reference level for the loss, not a figure of the training split alone.
+    Read from each dataset's statistics sidecar (``{prefix}.stats.json``, written at preprocessing):
+    no token is read. Counts cover each dataset whole, its held-out documents included (a few
+    percent of it): a reference level for the loss, not a figure of the training split alone.
 
     For a blend the distribution is ``sum_i f_i * p_i``, with ``p_i`` the unigram distribution of
     part i and ``f_i`` the fraction of the blend's samples drawn from it (the weights, to within
     one sample): the best loss a context-free model can reach on the blended stream.
+
+    Raises:
+        DataFormatError: a dataset's sidecar is missing, unreadable or stale (the message names the
+            file and the ``python -m data_tools.stats`` command that writes it).
     """
     if isinstance(samples, GPTSamples):
-        return unigram_entropy(samples.dataset)
+        return read_stats(samples.dataset.prefix).unigram_entropy
     shares = np.bincount(np.asarray(samples.dataset_index), minlength=len(samples.parts)) / len(samples)
-    dists = [_unigram_counts(part.dataset) for part in samples.parts]
-    mixture = np.zeros(max(d.size for d in dists), dtype=np.float64)
-    for share, counts in zip(shares, dists):
-        mixture[: counts.size] += share * counts / max(int(counts.sum()), 1)
-    return _entropy(mixture)
+    return mixture_unigram_entropy([read_stats(part.dataset.prefix) for part in samples.parts], shares)

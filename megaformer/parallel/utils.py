@@ -107,30 +107,45 @@ def mark_no_weight_decay(param: torch.nn.Parameter) -> torch.nn.Parameter:
     return param
 
 
-def grad_norm(parameters, tp_group: ProcessGroup | None) -> float:
-    """L2 norm of the gradients of the WHOLE model, each parameter counted once, on every TP rank.
+def grad_norm_squared(
+    parameters, tp_group: ProcessGroup | None, device: torch.device | None = None
+) -> torch.Tensor:
+    """Squared L2 norm of the gradients of the WHOLE model (every TP rank's share), on the device.
 
     A sharded parameter (``tensor_model_parallel=True``) contributes its local slice on every rank;
     a replicated one holds the same gradient on every rank and is counted on TP rank 0 only. The
     squared sums (fp32) are then all-reduced over ``tp_group``. This is the norm DeepSpeed's
     ``clip_grad_norm_`` clips with when given an mpu (``runtime/utils.py``), so the logged norm and
-    the clipped one agree. Parameters without a gradient are skipped.
+    the clipped one agree. Parameters without a gradient are skipped. Nothing is read to the host.
 
     Args:
         parameters: an iterable of parameters (each distinct tensor once: pass ``model.parameters()``).
         tp_group: tensor-parallel group, or None for a single process.
+        device: where the result lives (default: the first gradient's device, else the TP group's
+            communication device): it takes part in collectives, so under NCCL it must be CUDA.
 
     Returns:
-        The norm as a Python float (0.0 without any gradient).
+        A float32 0-dim tensor on ``device``, the same on every TP rank.
     """
+    from megaformer.parallel.comm import comm_device
+
     with_grad = [p for p in parameters if p.grad is not None]
-    if not with_grad:
-        return 0.0  # the same on every TP rank: the ranks hold the same parameter structure
+    if device is None:
+        device = with_grad[0].grad.device if with_grad else comm_device(tp_group)
+    total = torch.zeros((), dtype=torch.float32, device=device)
     first_rank = tp_rank(tp_group) == 0
-    total = torch.zeros((), dtype=torch.float32, device=with_grad[0].grad.device)
     for p in with_grad:
         if first_rank or getattr(p, "tensor_model_parallel", False):
-            total += p.grad.detach().float().pow(2).sum()
+            total += p.grad.detach().float().pow(2).sum().to(device)
     if tp_world_size(tp_group) > 1:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=tp_group)
-    return float(total.sqrt())
+    return total
+
+
+def grad_norm(parameters, tp_group: ProcessGroup | None) -> float:
+    """:func:`grad_norm_squared`'s square root as a Python float (a host sync: for tests and tools).
+
+    Returns:
+        The norm (0.0 without any gradient).
+    """
+    return float(grad_norm_squared(parameters, tp_group).sqrt())

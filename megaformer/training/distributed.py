@@ -1,4 +1,5 @@
-"""Process-group start-up and clean exit for DeepSpeed on nccl (GPU) or gloo (CPU)."""
+"""Backend choice and clean exit of the process group (start-up is DeepSpeed's: see
+:func:`megaformer.training.ds_adapter.init_distributed`)."""
 
 from __future__ import annotations
 
@@ -14,30 +15,6 @@ def pick_backend(requested: str) -> str:
     if requested != "auto":
         return requested
     return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def init_distributed(backend: str) -> tuple[int, int, int]:
-    """Start the default process group through DeepSpeed; return (rank, world_size, local_rank).
-
-    The launcher (``deepspeed`` or ``torchrun``) sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
-    MASTER_PORT. A plain ``python`` start without them runs as a single process.
-    """
-    import deepspeed
-
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
-    if backend == "gloo":
-        # DeepSpeed JIT-compiles its shared-memory CPU collective (~30 s) at init even though gloo
-        # does the work; marking it incompatible skips the build (FACTS-DEEPSPEED-CPU.md).
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend=backend)
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-    return dist.get_rank(), dist.get_world_size(), local_rank
 
 
 def finish(exit_code: int = 0) -> None:

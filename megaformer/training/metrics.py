@@ -1,4 +1,9 @@
-"""Run metrics: TensorBoard scalars from one writer (global rank 0) and a one-line console log."""
+"""Run metrics: TensorBoard scalars from one writer (global rank 0) and a one-line console log.
+
+Values produced on the device (losses, gradient norms) are kept as tensors by
+:class:`DeferredScalars` and read to the host together, once per log interval: the step itself
+never waits for the device.
+"""
 
 from __future__ import annotations
 
@@ -52,21 +57,56 @@ class MetricsWriter:
             self._writer = None
 
 
+class DeferredScalars:
+    """Scalars of several steps, kept as given (device tensors or numbers) until :meth:`flush`.
+
+    ``flush`` reads every tensor to the host in one transfer (a single synchronisation with the
+    device) and writes the values to a :class:`MetricsWriter`; call it when a line is logged.
+    """
+
+    def __init__(self, writer: MetricsWriter) -> None:
+        self.writer = writer
+        self._pending: list[tuple[int, dict[str, Any]]] = []
+
+    def add(self, step: int, values: dict[str, Any]) -> None:
+        """Hold ``values`` (name -> 0-dim tensor, number or None) of ``step``."""
+        self._pending.append((step, dict(values)))
+
+    def flush(self) -> dict[str, float | None]:
+        """Write every held step to TensorBoard; return the last step's values as floats."""
+        import torch
+
+        tensors = [v for _, vals in self._pending for v in vals.values() if isinstance(v, torch.Tensor)]
+        values: list[float] = []
+        if tensors:
+            # Stacked where they live, then one copy to the host: one synchronisation in all.
+            device = tensors[0].device
+            values = torch.stack([t.detach().float().reshape(()).to(device) for t in tensors]).tolist()
+        host = iter(values)
+        last: dict[str, float | None] = {}
+        for step, vals in self._pending:
+            last = {
+                k: (next(host) if isinstance(v, torch.Tensor) else (None if v is None else float(v)))
+                for k, v in vals.items()
+            }
+            self.writer.scalars(step, last)
+        self._pending.clear()
+        return last
+
+
 class StepTimer:
-    """Wall-clock seconds per optimizer step (synchronises CUDA so GPU time is counted)."""
+    """Host wall-clock seconds per optimizer step.
+
+    No device synchronisation: on GPU a step's time is the host's, which runs ahead of the device
+    by at most the queue the next read-back (a log line, a loss-scale check) drains; averaged over
+    a log interval it is the device's.
+    """
 
     def __init__(self) -> None:
         self._start = time.perf_counter()
 
     def lap(self) -> float:
         """Seconds since the previous lap (or construction)."""
-        try:
-            import torch
-
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-        except ImportError:  # pragma: no cover
-            pass
         now = time.perf_counter()
         elapsed, self._start = now - self._start, now
         return elapsed

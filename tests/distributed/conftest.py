@@ -12,6 +12,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "data"
+CPU_FP16_PATH = str(REPO / "tests" / "support" / "cpu_fp16")
+"""Put on PYTHONPATH to run DeepSpeed's fp16 path on CPU (its sitecustomize; test-only)."""
 
 
 @pytest.fixture(scope="session")

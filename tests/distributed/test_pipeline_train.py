@@ -11,7 +11,7 @@ layouts repeat its per-step losses from the same seed (same weights) and the sam
   run's (weights only; the optimizer restarts, so later steps differ and are not compared);
 * pp = 2 resumes exactly from its own DeepSpeed checkpoint (train.resume=auto);
 * pp = 2 × dp = 2 with ZeRO-1 in bf16 trains (loss falls), one TensorBoard writer;
-* the fp16 path (dynamic loss scaling) runs at pp = 2 on CPU (MEGAFORMER_CPU_FP16=1);
+* the fp16 path (dynamic loss scaling) runs at pp = 2 on CPU (tests/support/cpu_fp16 on PYTHONPATH);
 * ZeRO-2 with pp = 2 is refused before any process group starts.
 """
 
@@ -23,7 +23,7 @@ import shutil
 
 import pytest
 
-from tests.distributed.conftest import read_scalars, run_pretrain
+from tests.distributed.conftest import CPU_FP16_PATH, read_scalars, run_pretrain
 
 CONFIG = "configs/normformer-quickstart.yaml"
 # Every layout sees the same 8 samples per step: 1 process = 2 micro-batches of 4, pp = 2 (dp = 1)
@@ -182,7 +182,7 @@ def test_pp2_dp2_zero1_bf16_trains_with_one_writer(gutenberg_prefix, tmp_path):
 
 
 def test_pp2_fp16_dynamic_loss_scaling_runs_on_cpu(gutenberg_prefix, tmp_path, monkeypatch):
-    monkeypatch.setenv("MEGAFORMER_CPU_FP16", "1")
+    monkeypatch.setenv("PYTHONPATH", CPU_FP16_PATH)
     proc = run_pretrain(
         CONFIG,
         [*TINY, "parallel.pp_size=2", "train.zero_stage=1", "train.precision=fp16", "train.steps=3",

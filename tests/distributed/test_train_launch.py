@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from tests.distributed.conftest import read_scalars, run_pretrain
+from tests.distributed.conftest import CPU_FP16_PATH, read_scalars, run_pretrain
 
 CONFIG = "configs/normformer-quickstart.yaml"
 TINY = [
@@ -140,7 +140,7 @@ def test_missing_dataset_is_a_clear_error(tmp_path):
 
 def test_fp16_dynamic_loss_scale_is_logged(gutenberg_prefix, tmp_path, monkeypatch):
     """The fp16 path (DeepSpeed's dynamic loss scaler) on CPU, which DeepSpeed refuses unless told."""
-    monkeypatch.setenv("MEGAFORMER_CPU_FP16", "1")
+    monkeypatch.setenv("PYTHONPATH", CPU_FP16_PATH)
     proc = run_pretrain(
         CONFIG,
         [*TINY, f"data.prefix={gutenberg_prefix}", "train.steps=6", "train.precision=fp16",

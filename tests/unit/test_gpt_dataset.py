@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from data_tools.indexed_dataset import DataFormatError, IndexedDataset, IndexedDatasetWriter
+from data_tools.stats import compute_stats, write_stats
 from megaformer.data.gpt_dataset import (
     BlendedSamples,
     GPTSamples,
@@ -29,6 +30,8 @@ def _write(prefix: Path, docs: list[list[int]]) -> str:
     with IndexedDatasetWriter(str(prefix), np.uint16) as writer:
         for doc in docs:
             writer.add_document(np.array(doc, dtype=np.int64))
+    # the statistics sidecar preprocess writes beside every dataset (samples_unigram_entropy reads it)
+    write_stats(prefix, compute_stats(prefix))
     return str(prefix)
 
 

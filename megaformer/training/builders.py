@@ -1,0 +1,205 @@
+"""The parts a run is assembled from, each built by one function: layout, model, optimizer, data.
+
+Order in :func:`megaformer.training.trainer.train`: preflight (no process group) -> :func:`build_layout`
+(process groups) -> :func:`build_data` (sample indices; a data problem stops the run before the model
+exists) -> :func:`build_model` -> :func:`build_optimizer` -> ``ds_adapter.initialize``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megaformer.config import RunConfig
+from megaformer.parallel.rng import DropoutRNG
+from megaformer.parallel.state import ParallelState
+
+
+@dataclass(frozen=True)
+class Layout:
+    """This process's place in the job: its ranks, its groups and its device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+    state: ParallelState
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        return self.state.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.state.dp_size
+
+    @property
+    def tp_group(self) -> Any:
+        """The tensor-parallel group, or None at tp = 1 (the layers then skip communication)."""
+        return self.state.tp_group if self.state.tp_size > 1 else None
+
+    def rng_layout(self) -> dict[str, int]:
+        """The coordinates a generator-state file is valid for (see :mod:`.rng_state`)."""
+        s = self.state
+        return {
+            "tp": s.tp_size,
+            "pp": s.pp_size,
+            "dp": s.dp_size,
+            "tp_rank": s.tp_rank,
+            "pp_rank": s.pp_rank,
+            "dp_rank": s.dp_rank,
+        }
+
+
+def log(layout: Layout, message: str) -> None:
+    """Print ``[megaformer] message`` on global rank 0."""
+    if layout.is_main:
+        print(f"[megaformer] {message}", flush=True)
+
+
+def build_layout(cfg: RunConfig, dp_size: int) -> Layout:
+    """Start the process groups (DeepSpeed's ``init_distributed``) and build the tp × pp × dp grid.
+
+    The backend (``parallel.backend``; ``auto``: NCCL with CUDA, else gloo) was checked by the
+    preflight.
+    """
+    from megaformer.training.distributed import pick_backend
+    from megaformer.training.ds_adapter import init_distributed
+
+    backend = pick_backend(cfg.parallel.backend)
+    rank, world_size, local_rank = init_distributed(backend)
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    par = cfg.parallel
+    state = ParallelState.build(par.tp_size, par.pp_size, dp_size)
+    return Layout(rank, world_size, local_rank, backend, device, state)
+
+
+def build_model(cfg: RunConfig, layout: Layout, dropout_rng: DropoutRNG) -> torch.nn.Module:
+    """The model of this rank: :class:`~megaformer.model.NormFormerLM` at pp = 1, else this stage of
+    the DeepSpeed ``PipelineModule`` cut from the same layer plan. Moved to ``layout.device``.
+
+    Activation checkpointing (``train.activation_checkpointing``) recomputes each block; under TP
+    without sequence parallelism the saved block inputs are partitioned across the TP group.
+    """
+    from megaformer.model import NormFormerLM
+    from megaformer.pipeline import build_pipeline_module, checkpointed
+
+    t, par = cfg.train, cfg.parallel
+    tp_group = layout.tp_group
+    sequence_parallel = par.sequence_parallel and par.tp_size > 1
+    if t.activation_checkpointing:
+        from deepspeed.runtime.activation_checkpointing import checkpointing
+
+        # Sequence-parallel block inputs are already sliced and differ per rank: stored whole.
+        checkpointing.configure(
+            layout.state.mpu() if tp_group is not None else None,
+            partition_activations=tp_group is not None and not sequence_parallel,
+        )
+    common = dict(
+        tp_group=tp_group, seed=t.seed, sequence_parallel=sequence_parallel, dropout_rng=dropout_rng
+    )
+    if par.pp_size > 1:
+        model = build_pipeline_module(
+            cfg.model,
+            topology=layout.state.topology(),
+            partition_method=par.partition_method,
+            activation_checkpointing=t.activation_checkpointing,
+            **common,
+        )
+    else:
+        ckpt = checkpointed(dropout_rng) if t.activation_checkpointing else None
+        model = NormFormerLM(cfg.model, checkpoint_fn=ckpt, **common)
+    return model.to(layout.device)
+
+
+def count_parameters_global(model: torch.nn.Module, layout: Layout) -> int:
+    """Parameters of the whole model (every TP shard and pipeline stage), the same on every rank.
+
+    Sharded parameters count ``tp`` times (:func:`megaformer.model.count_parameters`); this stage's
+    counts are summed over the pipeline group, the tied embedding's copy on the last stage (marked
+    ``ds_pipe_replicated`` by DeepSpeed) counted once. The sum is a collective on the group's
+    communication device.
+    """
+    from megaformer.model import count_parameters
+    from megaformer.parallel.comm import all_reduce_ints
+
+    state = layout.state
+    local = torch.nn.Module()
+    local.params = torch.nn.ParameterList(
+        p for p in model.parameters() if not getattr(p, "ds_pipe_replicated", False)
+    )
+    count = count_parameters(local, state.tp_size)
+    if state.pp_size == 1:
+        return count
+    return all_reduce_ints([count], group=state.pp_group)[0]
+
+
+def build_optimizer(model: torch.nn.Module, cfg: RunConfig, start_step: int) -> tuple[Any, Any]:
+    """AdamW (no weight decay on biases, norms and scales) and the warmup + decay schedule,
+    advanced to ``start_step`` (for ``train.init_from``; a resume restores DeepSpeed's state)."""
+    from megaformer.model import param_groups
+    from megaformer.training.schedule import build_scheduler
+
+    t = cfg.train
+    optimizer = torch.optim.AdamW(
+        param_groups(model, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps
+    )
+    scheduler = build_scheduler(optimizer, t)
+    with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": intended
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(start_step):
+            scheduler.step()
+    return optimizer, scheduler
+
+
+@dataclass
+class Data:
+    """The run's training and validation samples and how this rank reads them."""
+
+    train: Any
+    """Indexable samples (``GPTSamples`` / ``BlendedSamples``), int64[seq_len + 1] each."""
+    valid: Any
+    info: dict
+    unigram_entropy: float
+    """Of the data the run reads (a blend: of its mixture), from the dataset sidecars (nats)."""
+
+
+def build_data(cfg: RunConfig, layout: Layout, stats: list, datasets: list[tuple[float, str]]) -> Data:
+    """Open the datasets and build (or load from the cache) the sample indices.
+
+    Validation reads the first ``eval_batches × global_batch_size`` held-out samples, the same at
+    any data-parallel size.
+
+    Raises:
+        DataFormatError: too little held-out data for one evaluation, or a corrupt dataset.
+    """
+    from data_tools.stats import mixture_unigram_entropy
+    from megaformer.data.gpt_dataset import build_train_valid
+    from megaformer.data.loader import valid_num_samples
+
+    t = cfg.train
+    train, valid, info = build_train_valid(
+        cfg.data.prefix,
+        cfg.model.seq_len,
+        train_samples=t.steps * t.global_batch_size,
+        valid_samples=valid_num_samples(t.eval_batches, t.global_batch_size),
+        valid_fraction=cfg.data.valid_fraction,
+        seed=t.seed,
+        blend=cfg.data.blend,
+        cache_dir=cfg.data.index_cache_dir or os.path.join(cfg.output.dir, "index_cache"),
+    )
+    if len(stats) == 1:
+        entropy = stats[0].unigram_entropy
+    else:
+        shares = [b["train_samples"] for b in info["blend"]]
+        entropy = mixture_unigram_entropy(stats, [s / sum(shares) for s in shares])
+    return Data(train, valid, info, entropy)

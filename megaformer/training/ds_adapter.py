@@ -1,0 +1,300 @@
+"""Everything megaformer asks of DeepSpeed, in one module, for the one minor version it is tested with.
+
+DeepSpeed gives the engine (data parallelism, ZeRO 0–3, fp16 dynamic loss scaling, bf16, gradient
+accumulation), the pipeline engine (1F1B) and the checkpoint files. Where this project relies on
+behaviour or names that are not DeepSpeed's public API, that reliance lives here, and
+:func:`check_deepspeed_version` refuses a DeepSpeed other than :data:`TESTED_DEEPSPEED` before any
+process group starts:
+
+* ``init_distributed``: on gloo, DeepSpeed's shared-memory CPU collective is marked incompatible so
+  it is not JIT-compiled (~30 s) at start-up (``deepspeed.ops.__compatible_ops__``).
+* the pipeline engine's fp32 gradient clipping (``PipelineEngine.clip_fp32_gradients``) is replaced
+  by a correct one that also records the norm (:func:`_install_pipeline_fp32_clipping`);
+* loss scale and skipped steps are read from the engine's fp16 optimizer
+  (``DeepSpeedEngine._get_optimizer_loss_scale``, ``DeepSpeedEngine.skipped_steps``);
+* checkpoint file names (:data:`MODEL_STATES_FILE`, :data:`LAYER_STATES_FILE`), read by
+  :mod:`megaformer.tools.reshard`.
+
+Every tensor handed to a collective here is on the communication device of its group
+(:func:`megaformer.parallel.comm.comm_device`): CUDA under NCCL, which refuses CPU tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Iterator
+from importlib import metadata
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megaformer.config import ConfigError
+
+TESTED_DEEPSPEED = "0.19"
+"""The DeepSpeed minor version this module is written and tested against (requirements.txt pins it)."""
+
+MODEL_STATES_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt$")
+"""A plain engine's per-TP-rank module file in a ``global_stepN`` directory (group: TP rank)."""
+LAYER_STATES_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
+"""The pipeline engine's per-layer, per-TP-rank module file (groups: layer index, TP rank)."""
+
+
+def model_states_name(tp_rank: int) -> str:
+    """File name of TP rank ``tp_rank``'s module weights in a plain engine's checkpoint."""
+    return f"mp_rank_{tp_rank:02d}_model_states.pt"
+
+
+def check_deepspeed_version(version: str | None = None) -> str:
+    """Refuse a DeepSpeed whose minor version is not :data:`TESTED_DEEPSPEED`; return the version.
+
+    Args:
+        version: the version to check (default: the installed one, read without importing it).
+
+    Raises:
+        ConfigError: DeepSpeed missing, or another minor version; names the fix.
+    """
+    if version is None:
+        try:
+            version = metadata.version("deepspeed")
+        except metadata.PackageNotFoundError:
+            raise ConfigError(
+                "deepspeed is not installed; run scripts/install.sh (or pip install -r requirements.txt)"
+            ) from None
+    minor = ".".join(version.split(".")[:2])
+    if minor != TESTED_DEEPSPEED:
+        raise ConfigError(
+            f"deepspeed {version} is installed, but megaformer is tested with deepspeed "
+            f"{TESTED_DEEPSPEED}.x only (it relies on engine internals that change between minor "
+            f"versions); install it with: pip install 'deepspeed>={TESTED_DEEPSPEED}.8,<0.20'"
+        )
+    return version
+
+
+def check_precision(precision: str, backend: str) -> None:
+    """Refuse ``train.precision=fp16`` where DeepSpeed's accelerator has no fp16 (CPU).
+
+    Raises:
+        ConfigError: naming the precision, the device and the fix.
+    """
+    if precision != "fp16":
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    if not get_accelerator().is_fp16_supported():
+        raise ConfigError(
+            f"train.precision=fp16: DeepSpeed's {get_accelerator().device_name()} accelerator has no "
+            f"fp16 support on this machine (backend {backend}); use train.precision=bf16 or fp32, "
+            "or run on GPUs"
+        )
+
+
+def init_distributed(backend: str) -> tuple[int, int, int]:
+    """Start the default process group through DeepSpeed; return (rank, world_size, local_rank).
+
+    The launcher (``deepspeed`` or ``torchrun``) sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
+    MASTER_PORT; a plain ``python`` start without them runs as a single process. Under NCCL the
+    CUDA device of ``LOCAL_RANK`` is made current first, so collectives and object broadcasts use it.
+    """
+    import deepspeed
+
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    if backend == "gloo":
+        # DeepSpeed JIT-compiles its shared-memory CPU collective (~30 s) at init even though gloo
+        # does the work; marking it incompatible skips the build (FACTS-DEEPSPEED-CPU.md).
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend=backend)
+    return dist.get_rank(), dist.get_world_size(), local_rank
+
+
+def pipeline_grad_norm(params: Iterable[torch.nn.Parameter], state: Any) -> torch.Tensor:
+    """L2 norm of the whole pipelined model's gradients, on every stage, as a device tensor.
+
+    Each stage's TP-aware squared norm (:func:`megaformer.parallel.utils.grad_norm_squared`; the
+    tied embedding's copy on the last stage, marked ``ds_pipe_replicated`` by DeepSpeed, skipped)
+    summed over the pipeline group, in fp32 on the group's communication device.
+    """
+    from megaformer.parallel.comm import comm_device
+    from megaformer.parallel.utils import grad_norm_squared
+
+    owned = [p for p in params if not getattr(p, "ds_pipe_replicated", False)]
+    tp_group = state.tp_group if state.tp_size > 1 else None
+    square = grad_norm_squared(owned, tp_group, device=comm_device(state.pp_group))
+    if state.pp_size > 1:
+        dist.all_reduce(square, group=state.pp_group)
+    return square.sqrt()
+
+
+def _install_pipeline_fp32_clipping(engine: Any, state: Any) -> None:
+    """Replace the pipeline engine's fp32 gradient clipping (no ZeRO, no fp16/bf16 optimizer).
+
+    DeepSpeed 0.19's ``clip_grad_norm_`` counts a parameter that is not tensor-parallel only where
+    the rank in its "model parallel" group (TP × PP) is 0, i.e. on the first stage alone: the later
+    stages' blocks, norms and the tied embedding's copy drop out of the norm, so pp = 2 clipped with
+    another norm than pp = 1. Here the norm of :func:`pipeline_grad_norm`, the clip coefficient
+    ``min(1, clip / (norm + 1e-6))`` as DeepSpeed's, applied on the device (no host sync), and the
+    norm recorded for ``engine.get_global_grad_norm()``.
+    """
+    max_norm = engine.gradient_clipping()
+
+    def clip_and_record() -> None:
+        params = [p for p in engine.module.parameters() if p.grad is not None]
+        norm = pipeline_grad_norm(params, state)
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in params:
+            p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
+        engine._global_grad_norm = norm
+
+    engine.clip_fp32_gradients = clip_and_record
+
+
+class Engine:
+    """A DeepSpeed engine (plain or pipeline) behind the few calls the trainer makes.
+
+    Losses and norms stay on the device as tensors; nothing here reads them to the host.
+
+    Args:
+        engine: what ``deepspeed.initialize`` returned.
+        state: the job's :class:`~megaformer.parallel.state.ParallelState`.
+        pipelined: ``engine`` is a ``PipelineEngine``.
+    """
+
+    def __init__(self, engine: Any, state: Any, pipelined: bool) -> None:
+        self.engine = engine
+        self.state = state
+        self.pipelined = pipelined
+        self.gas = engine.gradient_accumulation_steps()
+        self._fp32_plain = not (
+            engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization()
+        )
+        self._grad_norm: Any = None
+        if pipelined and self._fp32_plain:
+            _install_pipeline_fp32_clipping(engine, state)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    def train_step(self, micro_batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One optimizer step over ``gas`` micro-batches of this data-parallel rank.
+
+        Returns:
+            The step's mean training loss (nats/token) over its micro-batches and the data-parallel
+            ranks: a float32 0-dim tensor on the device (read it only when logging).
+        """
+        if self.pipelined:
+            # Every stage gets the iterator; the first stage reads the tokens, the last the labels.
+            # The loss returned is the last stage's, averaged over data-parallel ranks and
+            # broadcast to every stage by DeepSpeed.
+            loss = self.engine.train_batch(micro_batches)
+            self._grad_norm = self.engine.get_global_grad_norm()
+            return loss.detach().float()
+        total = None
+        self._grad_norm = None
+        for _ in range(self.gas):
+            tokens, labels = next(micro_batches)
+            loss = self.engine(tokens, labels)
+            self.engine.backward(loss)
+            # fp64 on the device: the mean of gas micro-batch losses, free of summation-order noise
+            total = loss.detach().double() if total is None else total + loss.detach().double()
+            if self._fp32_plain and self.engine.is_gradient_accumulation_boundary():
+                # DeepSpeed clips fp32 gradients without reporting the norm: ours, TP-aware.
+                from megaformer.parallel.utils import grad_norm_squared
+
+                tp_group = self.state.tp_group if self.state.tp_size > 1 else None
+                self._grad_norm = grad_norm_squared(self.engine.module.parameters(), tp_group).sqrt()
+            self.engine.step()
+        if self._grad_norm is None:
+            self._grad_norm = self.engine.get_global_grad_norm()
+        return self._mean_over_dp(total / self.gas)
+
+    def eval_loss(
+        self, micro_batches: Iterator[tuple[torch.Tensor, torch.Tensor]], count: int
+    ) -> torch.Tensor:
+        """Mean loss over ``count`` micro-batches of this rank and over the data-parallel ranks.
+
+        Returns:
+            A float32 0-dim device tensor; the same on every rank.
+        """
+        if self.pipelined:
+            loss = self.engine.eval_batch(micro_batches, num_micro_batches=count)
+            return loss.detach().float()
+        self.engine.eval()
+        total = None
+        with torch.no_grad():
+            for _ in range(count):
+                tokens, labels = next(micro_batches)
+                loss = self.engine(tokens, labels).detach().double()
+                total = loss if total is None else total + loss
+        self.engine.train()
+        return self._mean_over_dp(total / count)
+
+    def _mean_over_dp(self, value: torch.Tensor) -> torch.Tensor:
+        from megaformer.parallel.comm import mean_over_group
+
+        # Over the data-parallel group only: the TP ranks of one replica hold the same value.
+        return mean_over_group(value, self.state.dp_group, self.state.dp_size)
+
+    def grad_norm(self) -> torch.Tensor | float | None:
+        """The last step's global gradient norm (a device tensor or a float), or None if unknown."""
+        return self._grad_norm
+
+    def loss_scale(self) -> float | None:
+        """The fp16 dynamic loss scale now (None outside fp16)."""
+        if not self.engine.fp16_enabled():
+            return None
+        scale = self.engine._get_optimizer_loss_scale()
+        return None if scale is None else float(scale)
+
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped so far for fp16 overflow (0 outside fp16)."""
+        return int(self.engine.skipped_steps)
+
+    def save(self, ckpt_dir: str, tag: str, client_state: dict) -> None:
+        """Write a DeepSpeed checkpoint ``ckpt_dir/tag`` (DeepSpeed writes ``latest`` last)."""
+        self.engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state)
+
+    def load(self, ckpt_dir: str, tag: str) -> tuple[str, dict]:
+        """Load ``ckpt_dir/tag`` (module, optimizer, scheduler); return (path, client_state).
+
+        Raises:
+            ConfigError: DeepSpeed could not load it.
+        """
+        path, client_state = self.engine.load_checkpoint(ckpt_dir, tag=tag)
+        if path is None:
+            raise ConfigError(f"train.resume: DeepSpeed could not load {tag} from {ckpt_dir}")
+        return path, client_state
+
+
+def initialize(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    ds_config: dict,
+    state: Any,
+    pipelined: bool,
+) -> Engine:
+    """``deepspeed.initialize`` with our optimizer, schedule and layout, wrapped in :class:`Engine`.
+
+    The plain engine takes ``state`` as its ``mpu`` (gradients averaged and ZeRO partitioned over
+    the data-parallel group); the pipeline engine builds its groups from the module's topology.
+    """
+    import deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        config=ds_config,
+        mpu=None if pipelined else state.mpu(),
+        dist_init_required=False,
+    )
+    return Engine(engine, state, pipelined)

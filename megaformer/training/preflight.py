@@ -1,0 +1,208 @@
+"""Checks that need files or the world size, run before any process group starts or model is built.
+
+A bad dataset or checkpoint found after ``deepspeed.initialize`` costs minutes at 1.3B parameters
+(and a device-side assert on GPU when a token id is beyond the embedding); found here it costs a
+second and an error that names the file and the fix. Every process runs the preflight on its own
+(no communication exists yet), reading only headers, indices and the dataset sidecars.
+
+What is checked (each failure a :class:`~megaformer.config.ConfigError` or
+:class:`~data_tools.errors.DataFormatError`):
+
+* the layout: world size divisible by tp × pp, global batch by micro batch × dp;
+* the DeepSpeed version (:func:`megaformer.training.ds_adapter.check_deepspeed_version`) and the
+  engine JSON (``train.deepspeed_config``): readable, no key the YAML owns;
+* every dataset of ``data.prefix`` / ``data.blend``: a valid ``.bin/.idx`` pair (header, index,
+  ``.bin`` size) with its statistics sidecar (``PREFIX.stats.json``, written at preprocessing); its
+  largest token id below ``model.vocab_size``; its documents ending in ``data.eod_token``;
+* ``train.resume`` / ``train.init_from``: a checkpoint directory whose ``latest`` tag names a
+  directory of complete (readable zip) DeepSpeed files.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import zipfile
+from dataclasses import dataclass, field
+
+from data_tools.errors import DataFormatError
+from megaformer.config import ConfigError, RunConfig, validate_layout
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What the preflight found: the data-parallel size and each dataset's statistics."""
+
+    dp_size: int
+    datasets: list[tuple[float, str]]
+    """``[(weight, prefix)]``: ``data.prefix`` with weight 1, or the normalised ``data.blend``."""
+    stats: list = field(default_factory=list)
+    """One :class:`data_tools.stats.DatasetStats` per dataset, in the order of ``datasets``."""
+
+
+def run_preflight(cfg: RunConfig, world_size: int) -> Preflight:
+    """Check everything a run needs that the config alone cannot tell (see the module docstring).
+
+    Args:
+        cfg: the loaded config.
+        world_size: processes in the job (``WORLD_SIZE`` of the launcher).
+
+    Raises:
+        ConfigError: a layout the world size cannot satisfy, an unusable DeepSpeed or engine JSON,
+            a checkpoint that is missing or incomplete.
+        DataFormatError: a dataset that is missing, corrupt, without statistics sidecar, with token
+            ids beyond the vocabulary or documents not ended by ``data.eod_token``.
+    """
+    from megaformer.training.deepspeed_config import read_engine_json
+    from megaformer.training.ds_adapter import check_deepspeed_version
+
+    dp_size = validate_layout(cfg, world_size)
+    check_deepspeed_version()
+    check_backend_and_precision(cfg)
+    if cfg.train.deepspeed_config:
+        read_engine_json(cfg.train.deepspeed_config)
+    datasets = data_prefixes(cfg)
+    stats = [check_dataset(prefix, cfg) for _, prefix in datasets]
+    if cfg.train.resume not in ("none", "auto"):
+        check_checkpoint(cfg.train.resume, "train.resume")
+    elif cfg.train.resume == "auto":
+        ckpt_dir = os.path.join(cfg.output.dir, "checkpoints")
+        if os.path.isfile(os.path.join(ckpt_dir, "latest")):
+            check_checkpoint(ckpt_dir, "train.resume=auto")
+    if cfg.train.init_from:
+        check_checkpoint(cfg.train.init_from, "train.init_from")
+    return Preflight(dp_size=dp_size, datasets=datasets, stats=stats)
+
+
+def check_backend_and_precision(cfg: RunConfig) -> str:
+    """The backend the run will use; refuse NCCL without CUDA and fp16 where DeepSpeed has none.
+
+    Raises:
+        ConfigError: naming ``parallel.backend`` or ``train.precision`` and the fix.
+    """
+    import torch
+
+    from megaformer.training.distributed import pick_backend
+    from megaformer.training.ds_adapter import check_precision
+
+    backend = pick_backend(cfg.parallel.backend)
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError(
+            "parallel.backend=nccl: this machine has no CUDA device (NCCL runs on GPUs only); "
+            "use parallel.backend=auto (gloo on CPU) or run on GPUs"
+        )
+    check_precision(cfg.train.precision, backend)
+    return backend
+
+
+def data_prefixes(cfg: RunConfig) -> list[tuple[float, str]]:
+    """``[(weight, prefix)]`` of the run: the parsed ``data.blend``, or ``[(1.0, data.prefix)]``.
+
+    Raises:
+        DataFormatError: a malformed ``data.blend`` (names the item).
+    """
+    from data_tools.blend import parse_blend
+
+    if cfg.data.blend:
+        return parse_blend(cfg.data.blend)
+    return [(1.0, cfg.data.prefix)]
+
+
+def check_dataset(prefix: str, cfg: RunConfig):
+    """Open ``prefix``'s ``.bin/.idx`` (header, index and size checks) and read its sidecar.
+
+    Returns:
+        Its :class:`data_tools.stats.DatasetStats`.
+
+    Raises:
+        DataFormatError: missing files, a corrupt pair, a missing or stale sidecar, token ids
+            ``>= model.vocab_size``, or documents not ended by ``data.eod_token``.
+    """
+    from data_tools.indexed_dataset import IndexedDataset
+    from data_tools.stats import read_stats
+
+    where = "data.blend" if cfg.data.blend else "data.prefix"
+    try:
+        IndexedDataset(prefix)
+    except FileNotFoundError as e:
+        raise DataFormatError(
+            f"{where}='{prefix}': {e}; build the dataset with python -m data_tools.preprocess "
+            "--output-prefix ... (the prefix ends in _text_document) or fix the path"
+        ) from None
+    stats = read_stats(prefix)
+    vocab = cfg.model.vocab_size
+    if stats.max_token_id >= vocab:
+        raise DataFormatError(
+            f"{prefix}.bin holds token id {stats.max_token_id} (from {prefix}.stats.json), but "
+            f"model.vocab_size={vocab}: the dataset was tokenized with another vocabulary "
+            f"({stats.tokenizer.get('type', 'unknown')}, {stats.tokenizer.get('vocab_size', '?')} "
+            f"entries); set model.vocab_size >= {stats.max_token_id + 1} or retokenize the corpus"
+        )
+    eod = cfg.data.eod_token
+    if stats.eod_token is not None and stats.eod_token != eod:
+        raise DataFormatError(
+            f"{prefix}: documents end in token {stats.eod_token} ({prefix}.stats.json) but "
+            f"data.eod_token={eod}; set data.eod_token={stats.eod_token}"
+        )
+    if stats.documents_end_with_eod is False or stats.eod_token is None:
+        raise DataFormatError(
+            f"{prefix}: its documents are not all ended by data.eod_token={eod} ({prefix}.stats.json: "
+            f"eod_token={stats.eod_token}, documents_end_with_eod={stats.documents_end_with_eod}); "
+            "samples would run documents together: preprocess with --append-eod, or recompute the "
+            f"sidecar with python -m data_tools.stats --data-prefix {prefix} --eod-token {eod}"
+        )
+    return stats
+
+
+def _latest_tag_dir(ckpt: str, key: str) -> str:
+    """The ``global_stepN`` directory a checkpoint path means (itself, or what ``latest`` names)."""
+    if glob.glob(os.path.join(ckpt, "*model_states.pt")):
+        return ckpt
+    latest = os.path.join(ckpt, "latest")
+    if not os.path.isdir(ckpt):
+        raise ConfigError(f"{key}='{ckpt}': no such directory; pass a run's checkpoints/ directory")
+    if not os.path.isfile(latest):
+        raise ConfigError(
+            f"{key}='{ckpt}': no DeepSpeed checkpoint there (no 'latest' file and no model-state "
+            "files); pass a run's checkpoints/ directory or one global_stepN directory"
+        )
+    with open(latest, encoding="utf-8") as f:
+        tag = f.read().strip()
+    path = os.path.join(ckpt, tag)
+    if not tag or not os.path.isdir(path):
+        raise ConfigError(
+            f"{latest}: names '{tag}', which is not a directory beside it; write the tag of an "
+            f"existing global_stepN into {latest}"
+        )
+    return path
+
+
+def check_checkpoint(ckpt: str, key: str) -> str:
+    """Check that a checkpoint's files are complete; return its tag directory.
+
+    Every ``*.pt`` of the tag directory must be a complete zip archive (``torch.save``'s format
+    keeps its directory at the end, so a truncated file is refused without reading it whole).
+
+    Raises:
+        ConfigError: no checkpoint there, a dangling ``latest``, or a truncated / damaged file;
+            the message names the file and an earlier ``global_stepN`` to use instead.
+    """
+    tag_dir = _latest_tag_dir(ckpt, key)
+    files = sorted(glob.glob(os.path.join(tag_dir, "*.pt")) + glob.glob(os.path.join(tag_dir, "*", "*.pt")))
+    if not files:
+        raise ConfigError(f"{key}: {tag_dir} holds no checkpoint files (*.pt)")
+    for path in files:
+        if not zipfile.is_zipfile(path):
+            parent = os.path.dirname(os.path.normpath(tag_dir))
+            others = sorted(
+                d
+                for d in os.listdir(parent)
+                if d.startswith("global_step") and os.path.join(parent, d) != tag_dir
+            )
+            hint = f" (others here: {', '.join(others[-3:])})" if others else ""
+            raise ConfigError(
+                f"{key}: {path} is truncated or damaged (not a complete torch checkpoint file); "
+                f"load an earlier global_stepN{hint} by writing its name into {parent}/latest, "
+                "or pass that directory"
+            )
+    return tag_dir
