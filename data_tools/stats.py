@@ -54,14 +54,17 @@ __all__ = [
     "UNKNOWN_TOKENIZER",
     "DatasetStats",
     "StatsAccumulator",
+    "build_parser",
     "compute_stats",
     "describe_tokenizer",
     "main",
     "merge_stats",
     "mixture_unigram_entropy",
     "read_stats",
+    "sparse_counts",
     "stats_command",
     "stats_path",
+    "tokenizer_entry",
     "write_stats",
 ]
 
