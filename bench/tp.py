@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/tp.py [--steps 10] [--warmup 3] [--out bench/results/tp.json]
 
-Each TP degree runs in its own group of spawned processes (gloo on CPU, nccl on GPUs), one model
+The model is :class:`megaformer.model.NormFormerLM`, the one the trainer trains at pp = 1. Each TP
+degree runs in its own group of spawned processes (gloo on CPU, nccl on GPUs), one model
 replica (dp = 1), so the figures show what splitting one model costs or gains on this machine. A
 step is forward + backward + AdamW on one batch; the median over ``--steps`` timed steps is reported.
 On CPU the cores are divided among the processes (``torch.set_num_threads(cores // tp)``), so TP = 2

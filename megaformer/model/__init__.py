@@ -1,6 +1,37 @@
-"""NormFormer / Pre-LN decoder language models built from :mod:`megaformer.parallel` layers."""
+"""The NormFormer / Pre-LN decoder LM, built from :mod:`megaformer.parallel` layers.
 
-from megaformer.model.normformer import NormFormerBlock, NormFormerEmbedding, NormFormerLM
+:func:`model_layers` is the model's one layer plan; :class:`NormFormerLM` builds it in one process
+(the trainer's model at pp = 1, and what tests, benchmarks, ``generate`` and ``reshard`` use);
+:mod:`megaformer.pipeline` turns the same plan into DeepSpeed pipeline stages.
+"""
+
+from megaformer.model.lm import LayerDef, NormFormerLM, layer_prefixes, model_layers, vocab_param_names
+from megaformer.model.normformer import (
+    FinalNorm,
+    LMLoss,
+    NormFormerBlock,
+    NormFormerEmbedding,
+    OutputProjection,
+    ReplicatedLayerNorm,
+    sinusoidal_positions,
+    tied_output_logits,
+)
 from megaformer.model.params import count_parameters, param_groups
 
-__all__ = ["NormFormerBlock", "NormFormerEmbedding", "NormFormerLM", "count_parameters", "param_groups"]
+__all__ = [
+    "FinalNorm",
+    "LMLoss",
+    "LayerDef",
+    "NormFormerBlock",
+    "NormFormerEmbedding",
+    "NormFormerLM",
+    "OutputProjection",
+    "ReplicatedLayerNorm",
+    "count_parameters",
+    "layer_prefixes",
+    "model_layers",
+    "param_groups",
+    "sinusoidal_positions",
+    "tied_output_logits",
+    "vocab_param_names",
+]

@@ -1,4 +1,5 @@
-"""The NormFormer decoder LM (Shleifer, Weston & Ott 2021, arXiv:2110.09456), and its Pre-LN baseline.
+"""The layers of the NormFormer decoder LM (Shleifer, Weston & Ott 2021, arXiv:2110.09456) and of
+its Pre-LN baseline; :mod:`megaformer.model.lm` lists them into the one model.
 
 One decoder layer (paper Fig. 1, Sec. 2), with NormFormer's additions in capitals::
 
@@ -11,6 +12,12 @@ baseline. Built from the tensor-parallel layers of :mod:`megaformer.parallel`, s
 at any TP degree and computes the same function (heads and ``g`` split across ranks, FFN_LN reducing
 its statistics across ranks, POSTATTN_LN replicated after the row-parallel reduce).
 
+The pieces, in model order: :class:`NormFormerEmbedding` (tokens to the first hidden state),
+:class:`NormFormerBlock` (one decoder layer), :class:`FinalNorm` (the LayerNorm after the last block),
+then the output projection to vocabulary-sharded logits: :func:`tied_output_logits` (the token
+embedding's weight, ``tie_embeddings``) or :class:`OutputProjection` (a separate weight), and
+:class:`LMLoss` (vocabulary-parallel cross-entropy of those logits).
+
 With ``sequence_parallel`` (Korthikanti et al. 2022, arXiv:2205.05198) the residual stream, every
 replicated LayerNorm, ResScale and the hidden dropout work on ``[B, T / tp, d]`` sequence slices;
 the row-parallel reduces become reduce-scatters and the copies before column-parallel layers
@@ -18,6 +25,11 @@ all-gathers. The function computed is the same. Dropout draws from a
 :class:`~megaformer.parallel.rng.DropoutRNG`: the same mask on every TP rank where activations are
 replicated, different masks where they are sharded (attention probabilities of the local heads,
 sequence slices).
+
+Every parameter's full tensor is drawn from a generator seeded by the base seed and a fixed name
+(``embedding.token``, ``embedding.position``, ``layers.<i>.<sub-layer>``, ``output``; see
+:func:`~megaformer.parallel.utils.derive_seed`), so a layer built on its own (by a pipeline stage)
+equals the same layer built inside the whole model, at any TP degree.
 """
 
 from __future__ import annotations
@@ -36,7 +48,6 @@ from megaformer.parallel import (
     ShardedLayerNorm,
     VocabParallelEmbedding,
     copy_to_tp_region,
-    mask_padded_vocab,
     vocab_parallel_cross_entropy,
 )
 from megaformer.parallel.layers import sequence_region_param
@@ -102,13 +113,6 @@ class ReplicatedLayerNorm(nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
 
 
-def replicated_layer_norm(
-    size: int, eps: float, *, tp_group: ProcessGroup | None = None, sequence_parallel: bool = False
-) -> ReplicatedLayerNorm:
-    """A :class:`ReplicatedLayerNorm` (kept as a function for existing callers)."""
-    return ReplicatedLayerNorm(size, eps, tp_group=tp_group, sequence_parallel=sequence_parallel)
-
-
 def _dropout(x: torch.Tensor, p: float, training: bool, rng: DropoutRNG, region: str) -> torch.Tensor:
     """``F.dropout`` drawing its mask from ``rng``'s ``region`` (no fork when it is a no-op)."""
     if not training or p == 0.0:
@@ -139,8 +143,17 @@ class NormFormerEmbedding(nn.Module):
     ``scale_embedding`` (fairseq, the paper's code base), plus positions.
 
     Shapes: ``tokens: LongTensor[B, T]`` (``T <= seq_len``) -> ``float32[B, T, d]``, replicated; with
-    ``sequence_parallel``, ``[B, T / tp, d]``, this rank's slice of the sequence.
+    ``sequence_parallel``, ``[B, T / tp, d]``, this rank's slice of the sequence. The token table is
+    ``token.weight``, ``float32[V_pad / tp, d]`` (read again by :func:`tied_output_logits`).
+
+    Raises:
+        ConfigError: an unknown ``position_embedding`` / ``activation``, heads not dividing d.
+        ValueError: (forward) more than ``seq_len`` tokens, or, with sequence parallelism, a length
+            not divisible by the TP size.
     """
+
+    # Parameters (relative names) whose dim 0 is the padded vocabulary.
+    VOCAB_PARAMS = ("token.weight",)
 
     def __init__(
         self,
@@ -247,7 +260,7 @@ class NormFormerBlock(nn.Module):
             return derive_seed(seed, f"layers.{layer_index}.{name}")
 
         # --- attention -------------------------------------------------------------------------
-        self.ln1 = replicated_layer_norm(d, config.layernorm_eps, tp_group=tp_group, sequence_parallel=sp)
+        self.ln1 = ReplicatedLayerNorm(d, config.layernorm_eps, tp_group=tp_group, sequence_parallel=sp)
         # Fused QKV; the full weight's rows are ordered [heads, 3, head_dim], so TP rank r's
         # contiguous slice holds the whole q, k and v of heads [r·nh/tp, (r+1)·nh/tp).
         self.qkv = ColumnParallelLinear(
@@ -273,13 +286,13 @@ class NormFormerBlock(nn.Module):
             sequence_parallel=sp,
         )
         self.post_attn_ln = (
-            replicated_layer_norm(d, config.layernorm_eps, tp_group=tp_group, sequence_parallel=sp)
+            ReplicatedLayerNorm(d, config.layernorm_eps, tp_group=tp_group, sequence_parallel=sp)
             if config.post_attn_ln
             else None
         )
 
         # --- feed-forward ----------------------------------------------------------------------
-        self.ln2 = replicated_layer_norm(d, config.layernorm_eps, tp_group=tp_group, sequence_parallel=sp)
+        self.ln2 = ReplicatedLayerNorm(d, config.layernorm_eps, tp_group=tp_group, sequence_parallel=sp)
         self.fc1 = ColumnParallelLinear(
             d, ffn, tp_group=tp_group, init_std=config.init_std, seed=seed_of("ffn.fc1"), sequence_parallel=sp
         )
@@ -346,26 +359,60 @@ class NormFormerBlock(nn.Module):
         return h + f
 
 
-class NormFormerLM(nn.Module):
-    """Causal language model: embedding, ``num_layers`` :class:`NormFormerBlock`, final LN, output.
+class FinalNorm(nn.Module):
+    """The LayerNorm after the last block (Pre-LN needs it: GPT-2, Radford et al. 2019, Sec. 2.3),
+    replicated across TP ranks.
 
-    Args:
-        config: the model configuration.
-        tp_group: tensor-parallel group, or None for a single process.
-        seed: base seed; every parameter's full tensor is drawn from a generator seeded by this and
-            the parameter's name, so the same seed gives the same model at any TP degree.
-        sequence_parallel: Megatron sequence parallelism for the LayerNorm / dropout / residual
-            regions (no effect with one TP rank); sequences must then divide by the TP size.
-        dropout_rng: dropout generator states (the trainer builds one from the seed and this
-            process's TP / DP / PP ranks); None builds one from ``seed`` and the TP rank.
+    A module around the norm rather than the norm itself, so its parameters keep the checkpoint
+    names ``<index>.norm.weight`` / ``<index>.norm.bias``.
 
-    The output projection is the token embedding (``tie_embeddings``) or a separate column-parallel
-    layer without bias; either way the logits stay vocabulary-sharded.
+    Shapes: ``float[B, T, d]`` -> same (``[B, T / tp, d]`` with ``sequence_parallel``).
+    """
+
+    def __init__(
+        self, config: ModelConfig, *, tp_group: ProcessGroup | None = None, sequence_parallel: bool = False
+    ) -> None:
+        super().__init__()
+        sp = sequence_parallel and tp_world_size(tp_group) > 1
+        self.norm = ReplicatedLayerNorm(
+            config.hidden_size, config.layernorm_eps, tp_group=tp_group, sequence_parallel=sp
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden)
+
+
+def tied_output_logits(embedding: NormFormerEmbedding, hidden: torch.Tensor) -> torch.Tensor:
+    """Tied output projection (``logits = h · E^T``, Press & Wolf 2017): ``float[B, T, d]``
+    (``[B, T / tp, d]`` with sequence parallelism) -> this TP rank's raw logits
+    ``float[B, T, V_pad / tp]`` (the padded columns are not masked).
+
+    ``copy_to_tp_region`` makes the backward all-reduce the hidden-state gradient across the TP
+    group (each rank saw only its vocabulary slice); under sequence parallelism the all-gather of
+    the sequence slices does that job (its backward is a reduce-scatter).
+    """
+    weight = embedding.token.weight  # (V_pad / tp, d)
+    if embedding.sequence_parallel:
+        hidden = gather_from_sequence_region(hidden, embedding.tp_group)  # (B, T, d)
+    else:
+        hidden = copy_to_tp_region(hidden, embedding.tp_group)
+    return F.linear(hidden, weight)
+
+
+class OutputProjection(nn.Module):
+    """Untied output projection: column-parallel over the padded vocabulary, no bias, weight drawn
+    from ``N(0, init_std²)`` under the seed name ``output``.
+
+    Shapes: ``float[B, T, d]`` (``[B, T / tp, d]`` with ``sequence_parallel``) -> this TP rank's raw
+    logits ``float[B, T, V_pad / tp]`` (padded columns not masked). The weight is ``proj.weight``
+    (checkpoint name ``<index>.proj.weight``).
 
     Raises:
-        ConfigError: for an unknown ``position_embedding`` / ``activation`` or heads not dividing d.
-        ValueError: when heads, FFN width or padded vocabulary do not divide by the TP size.
+        ValueError: the padded vocabulary does not divide by the TP size.
     """
+
+    # Parameters (relative names) whose dim 0 is the padded vocabulary.
+    VOCAB_PARAMS = ("proj.weight",)
 
     def __init__(
         self,
@@ -374,76 +421,44 @@ class NormFormerLM(nn.Module):
         tp_group: ProcessGroup | None = None,
         seed: int = 1234,
         sequence_parallel: bool = False,
-        dropout_rng: DropoutRNG | None = None,
-    ):
+    ) -> None:
         super().__init__()
-        _check_config(config)
-        self.config = config
+        self.proj = ColumnParallelLinear(
+            config.hidden_size,
+            config.padded_vocab_size(tp_world_size(tp_group)),
+            tp_group=tp_group,
+            bias=False,
+            init_std=config.init_std,
+            seed=derive_seed(seed, "output"),
+            num_valid_out_features=config.vocab_size,
+            sequence_parallel=sequence_parallel and tp_world_size(tp_group) > 1,
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.proj(hidden)
+
+
+class LMLoss:
+    """Mean next-token cross-entropy (nats) of vocabulary-sharded logits, padded columns ignored.
+
+    Called as ``loss_fn(logits_local float[B, T, V_pad/tp], labels LongTensor[B, T])`` -> ``float32``
+    scalar, the mean over all ``B·T`` tokens, the same on every TP rank (Megatron's
+    vocabulary-parallel cross-entropy, :func:`~megaformer.parallel.vocab_parallel_cross_entropy`).
+    The logits' buffer is reused for the softmax (nothing else reads them).
+
+    Raises:
+        ValueError: ``labels`` does not have the shape of the logits' first two dimensions.
+    """
+
+    def __init__(self, config: ModelConfig, tp_group: ProcessGroup | None) -> None:
+        self.vocab_size = config.vocab_size
         self.tp_group = tp_group
-        self.tp_size = tp_world_size(tp_group)
-        sp = self.sequence_parallel = sequence_parallel and self.tp_size > 1
-        self.dropout_rng = dropout_rng or DropoutRNG(seed, tp_rank=tp_rank(tp_group))
-        self.padded_vocab_size = config.padded_vocab_size(self.tp_size)
-        self.embedding = NormFormerEmbedding(config, tp_group=tp_group, seed=seed, sequence_parallel=sp)
-        self.layers = nn.ModuleList(
-            NormFormerBlock(
-                config, i, tp_group=tp_group, seed=seed, sequence_parallel=sp, dropout_rng=self.dropout_rng
-            )
-            for i in range(config.num_layers)
-        )
-        self.final_ln = replicated_layer_norm(
-            config.hidden_size, config.layernorm_eps, tp_group=tp_group, sequence_parallel=sp
-        )
-        if config.tie_embeddings:
-            self.output = None
-        else:
-            self.output = ColumnParallelLinear(
-                config.hidden_size,
-                self.padded_vocab_size,
-                tp_group=tp_group,
-                bias=False,
-                init_std=config.init_std,
-                seed=derive_seed(seed, "output"),
-                num_valid_out_features=config.vocab_size,
-                sequence_parallel=sp,
-            )
 
-    def logits_local(self, h: torch.Tensor) -> torch.Tensor:
-        """Final hidden state ``[B, T, d]`` (``[B, T/tp, d]`` with sequence parallelism) to this
-        rank's raw logits ``[B, T, padded_vocab/tp]`` (padded columns not yet masked)."""
-        if self.output is not None:
-            return self.output(h)
-        if self.sequence_parallel:
-            h = gather_from_sequence_region(h, self.tp_group)  # (B, T, d)
-        else:
-            h = copy_to_tp_region(h, self.tp_group)
-        return F.linear(h, self.embedding.token.weight)
-
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits or mean loss.
-
-        Args:
-            tokens: ``LongTensor[B, T]``, ``T <= seq_len``, values in ``[0, vocab_size)``.
-            labels: ``LongTensor[B, T]`` next-token targets, or None.
-
-        Returns:
-            without labels, ``float32[B, T, padded_vocab/tp]``: this rank's vocabulary slice of the
-            logits, padded columns set to ``-inf``; with labels, the ``float32`` scalar mean
-            cross-entropy in nats over all ``B·T`` tokens (the same on every TP rank).
-        """
-        h = self.embedding(tokens)  # (B, T, d), or (B, T/tp, d) with sequence parallelism
-        for layer in self.layers:
-            h = layer(h)
-        h = self.final_ln(h)
-        logits = self.logits_local(h)  # (B, T, V_pad/tp)
-        if labels is None:
-            return mask_padded_vocab(logits, self.tp_group, self.config.vocab_size)
-        if labels.shape != tokens.shape:
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if labels.shape != logits.shape[:-1]:
             raise ValueError(
-                f"labels {tuple(labels.shape)} must have the shape of tokens {tuple(tokens.shape)}"
+                f"labels {tuple(labels.shape)} must have the shape of tokens {tuple(logits.shape[:-1])}"
             )
-        # The fresh logits are read by nothing else, so the loss may reuse their buffer.
-        loss = vocab_parallel_cross_entropy(
-            logits, labels, self.tp_group, self.config.vocab_size, inplace=True
-        )  # (B, T)
-        return loss.mean()
+        return vocab_parallel_cross_entropy(
+            logits, labels, self.tp_group, self.vocab_size, inplace=True
+        ).mean()

@@ -1,29 +1,20 @@
-"""The model as a DeepSpeed pipeline: LayerSpecs for pp > 1, the same list run sequentially for pp = 1."""
+"""The model as a DeepSpeed ``PipelineModule`` (pp > 1), its stages cut from the one layer plan of
+:func:`megaformer.model.model_layers`; at pp = 1 the trainer uses :class:`megaformer.model.NormFormerLM`."""
 
 from megaformer.pipeline.module import (
     PARTITION_METHODS,
-    EmbeddingPipe,
-    FinalNormPipe,
-    LMLoss,
-    OutputPipe,
-    SequentialLM,
     build_pipeline_module,
     checkpointed,
+    layer_spec,
     layer_specs,
-    output_logits,
     vocab_param_names,
 )
 
 __all__ = [
     "PARTITION_METHODS",
-    "EmbeddingPipe",
-    "FinalNormPipe",
-    "LMLoss",
-    "OutputPipe",
-    "SequentialLM",
     "build_pipeline_module",
     "checkpointed",
+    "layer_spec",
     "layer_specs",
-    "output_logits",
     "vocab_param_names",
 ]

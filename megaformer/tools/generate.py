@@ -6,12 +6,13 @@
 
 The checkpoint may come from any (tp, pp, dp) layout: its module weights are consolidated
 (:func:`megaformer.tools.reshard.consolidate`) into one process at TP = 1, on CPU, in fp32. The
-model is the layer list of the run (:func:`megaformer.pipeline.layer_specs`, config from the
-checkpoint). Decoding is plain autoregressive sampling without a KV cache (each new token reruns the
-last ``seq_len`` tokens): fine for a look at a small model, not a serving path.
+model is the trainer's, :class:`megaformer.model.NormFormerLM` (config from the checkpoint).
+Decoding is plain autoregressive sampling without a KV cache (each new token reruns the last
+``seq_len`` tokens): fine for a look at a small model, not a serving path.
 
 The vocabulary padding (rows above ``model.vocab_size``, see ``model.make_vocab_size_divisible_by``)
-never gets probability mass: its logits are set to ``-inf`` before temperature and top-k.
+never gets probability mass: the model returns its logits as ``-inf`` (``NormFormerLM``'s contract
+for logits), so temperature, top-k and softmax leave it at 0.
 """
 
 from __future__ import annotations
@@ -25,33 +26,35 @@ from pathlib import Path
 import torch
 
 from megaformer.config.schema import ModelConfig
-from megaformer.parallel.layers import mask_padded_vocab
+from megaformer.model import NormFormerLM
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def load_for_generation(ckpt_dir: str, tag: str | None = None) -> tuple[torch.nn.Module, ModelConfig, int]:
-    """The checkpoint's model at TP = 1 in eval mode, its config, and the step it was saved at.
+def load_for_generation(ckpt_dir: str, tag: str | None = None) -> tuple[NormFormerLM, ModelConfig, int]:
+    """The checkpoint's model at TP = 1 in eval mode (fp32, CPU), its config, and the step it was
+    saved at.
 
     Raises:
         ReshardError: the directory holds no loadable megaformer checkpoint (names the file).
     """
-    from megaformer.pipeline import LMLoss, SequentialLM, layer_specs
     from megaformer.tools.reshard import consolidate, load_full, resolve_tag_dir
 
     full, run_config, extra = consolidate(resolve_tag_dir(ckpt_dir, tag))
     config = ModelConfig(**run_config["model"])
-    model = SequentialLM(layer_specs(config, tp_group=None, seed=0), LMLoss(config, None))
+    model = NormFormerLM(config, tp_group=None, seed=0)  # the seed's weights are all replaced
     load_full(model, {k: v.float() for k, v in full.items()}, config, tp_rank=0, tp=1)
     return model.eval(), config, int(extra.get("step") or 0)
 
 
 def next_token_probs(
-    model: torch.nn.Module, config: ModelConfig, tokens: torch.Tensor, temperature: float, top_k: int
+    model: NormFormerLM, config: ModelConfig, tokens: torch.Tensor, temperature: float, top_k: int
 ) -> torch.Tensor:
     """Distribution of the next token after each row of ``tokens``.
 
     Args:
+        model: a :class:`~megaformer.model.NormFormerLM` at TP = 1 (its logits come with the
+            vocabulary padding at ``-inf``).
         tokens: ``int64[B, T]`` with ``1 <= T``; only the last ``config.seq_len`` are read.
         temperature: > 0 divides the logits; 0 puts all mass on the argmax (greedy).
         top_k: keep the ``top_k`` most likely tokens (0: all).
@@ -60,8 +63,7 @@ def next_token_probs(
         ``float32[B, padded_vocab]``, rows summing to 1, exactly 0 on the vocabulary padding.
     """
     with torch.no_grad():
-        logits = model(tokens[:, -config.seq_len :])[:, -1, :].float()  # [B, V_pad]
-    logits = mask_padded_vocab(logits, None, config.vocab_size)
+        logits = model(tokens[:, -config.seq_len :])[:, -1, :].float()  # [B, V_pad], padding -inf
     if temperature == 0:
         probs = torch.zeros_like(logits)
         probs.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
@@ -74,7 +76,7 @@ def next_token_probs(
 
 
 def generate(
-    model: torch.nn.Module,
+    model: NormFormerLM,
     config: ModelConfig,
     prompt: Sequence[int],
     *,

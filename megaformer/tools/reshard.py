@@ -6,8 +6,9 @@
 ``--tag``) or one ``global_stepN`` directory. The module weights (of every ``mp_rank_XX_model_states.pt``
 at pp = 1: one file per TP rank, written by DeepSpeed with our ``mpu``; of every
 ``layer_LL-model_XX-model_states.pt`` at pp > 1: one file per layer and TP rank, written by the
-pipeline engine) are consolidated to full tensors named as in the layer list
-(:mod:`megaformer.pipeline.module`: ``tied_modules.embed.*``, ``<layer index>.*``), then
+pipeline engine) are consolidated to full tensors named as the parameters of
+:class:`~megaformer.model.NormFormerLM` (``tied_modules.embed.*``, ``<layer index>.*``: the index of
+the layer in :func:`~megaformer.model.model_layers`'s plan, which pipeline stages share), then
 split again for ``N`` ranks and written to ``OUT_DIR/<tag>/mp_rank_XX_model_states.pt`` with a
 ``latest`` file, in DeepSpeed's file layout; :func:`load_module` loads them into a model built at
 TP = ``N``. (The files carry the keys DeepSpeed's ``load_checkpoint(..., load_module_only=True)``
@@ -21,7 +22,7 @@ The vocabulary rows (token embedding, untied output layer) are padded to a multi
 receives a gradient) and re-added, as zeros, for the new degree.
 
 :func:`load_full` puts consolidated weights into a model built at any layout (a
-:class:`~megaformer.pipeline.SequentialLM` or one pipeline stage's ``PipelineModule``): the trainer's
+:class:`~megaformer.model.NormFormerLM` or one pipeline stage's ``PipelineModule``): the trainer's
 ``train.init_from`` uses it, so a checkpoint saved at one (tp, pp, dp) layout starts a run at another.
 
 Only module weights are carried: optimizer and scheduler states are not resharded (restart the
@@ -93,13 +94,15 @@ def _model_files(tag_dir: str) -> list[str]:
 
 
 def _layer_model(config: ModelConfig, tp_group=None):
-    from megaformer.pipeline import LMLoss, SequentialLM, layer_specs
+    """The model (:class:`~megaformer.model.NormFormerLM`), whose parameter names are the checkpoint's."""
+    from megaformer.model import NormFormerLM
 
-    return SequentialLM(layer_specs(config, tp_group=tp_group), LMLoss(config, tp_group))
+    return NormFormerLM(config, tp_group=tp_group)
 
 
 def partition_dims(config: ModelConfig) -> dict[str, int | None]:
-    """``{parameter name: partition_dim}`` (None for replicated) from the TP=1 model's tags."""
+    """``{parameter name: partition_dim}`` (None for replicated) from the TP=1 model's tags, for
+    every parameter of :class:`~megaformer.model.NormFormerLM` (built on ``meta``: no memory)."""
     with torch.device("meta"):
         model = _layer_model(config)
     return {
@@ -110,7 +113,7 @@ def partition_dims(config: ModelConfig) -> dict[str, int | None]:
 
 def _vocab_rows(name: str, config: ModelConfig) -> bool:
     """Parameters whose dim 0 is the padded vocabulary."""
-    from megaformer.pipeline import vocab_param_names
+    from megaformer.model import vocab_param_names
 
     return name in vocab_param_names(config)
 
@@ -133,19 +136,24 @@ def _load(path: str) -> Any:
 def _pipeline_modules(
     tag_dir: str, config: ModelConfig, tp: int, names: Collection[str] | None = None
 ) -> list[dict[str, torch.Tensor]]:
-    """Per-TP-rank module dicts, in layer-list naming, from a pipeline checkpoint's layer files
-    (only the layers holding one of ``names``, when given)."""
+    """Per-TP-rank module dicts, in the model's naming, from a pipeline checkpoint's layer files
+    (only the layers holding one of ``names``, when given). File ``layer_LL`` holds entry ``LL`` of
+    the plan; a repeated tied entry (the tied output projection) holds nothing of its own."""
+    from megaformer.model import layer_prefixes, model_layers
+
+    prefixes = layer_prefixes(model_layers(config))
     files: dict[tuple[int, int], str] = {}
     for path in glob.glob(os.path.join(tag_dir, "layer_*-model_*-model_states.pt")):
         m = _LAYER_FILE.search(path)
         files[(int(m.group(1)), int(m.group(2)))] = path
     layers = sorted({layer for layer, _ in files})
     modules: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
-    last = config.num_layers + 2
     for layer in layers:
-        if layer == last and config.tie_embeddings:
-            continue  # the tied output: the same weight as layer 0's embedding
-        prefix = "tied_modules.embed." if layer == 0 else f"{layer}."
+        if layer >= len(prefixes):
+            raise ReshardError(f"{tag_dir}: layer {layer} is not in a model of {len(prefixes)} layer entries")
+        prefix = prefixes[layer]
+        if prefix is None:
+            continue  # a repeated tied entry: the same weights as the entry it repeats
         if names is not None and not any(name.startswith(prefix) for name in names):
             continue
         for r in range(tp):
@@ -161,12 +169,12 @@ def consolidate(
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
     """Full, unpadded module weights of a checkpoint saved at any (tp, pp, dp) layout.
 
-    ``names`` (layer-list naming) limits the result to those parameters: a pipeline stage loading
-    its own layers reads and holds only them (files are memory-mapped, and layer files of other
-    stages are not opened), not the whole model.
+    ``names`` (the model's parameter names) limits the result to those parameters: a pipeline
+    stage loading its own layers reads and holds only them (files are memory-mapped, and layer
+    files of other stages are not opened), not the whole model.
 
     Returns:
-        ``(full_state, run_config, extra)``: the full tensors in layer-list naming (vocabulary rows
+        ``(full_state, run_config, extra)``: the full tensors in the model's naming (vocabulary rows
         cut to ``model.vocab_size``; dtype as saved), the run config dict stored by the trainer,
         and ``{"step": ...}`` from the client state.
 
@@ -219,8 +227,9 @@ def load_full(
 ) -> int:
     """Copy this TP rank's slice of the full weights into every parameter of ``model``.
 
-    ``model`` is named in layer-list naming: a :class:`~megaformer.pipeline.SequentialLM` or one
-    stage of the ``PipelineModule``. Returns the number of parameters set.
+    ``model`` is a :class:`~megaformer.model.NormFormerLM` or one stage of the ``PipelineModule``
+    (the same parameter names), built at TP degree ``tp``; ``full`` maps names to full, unpadded
+    tensors (:func:`consolidate`). Returns the number of parameters set.
 
     Raises:
         ReshardError: a parameter of the model is missing from ``full`` or has another shape.

@@ -1,6 +1,7 @@
 """Sharded equals unsharded: each tensor-parallel layer, the sequence-parallel mappings, and the whole
-NormFormerLM (with and without sequence parallelism) at TP = 2 and TP = 4 against the same layer built
-with ``tp_group=None`` from the same seed, forward and backward, in spawned gloo processes on CPU.
+NormFormerLM (the one model: what the trainer builds and checkpoints hold; with and without sequence
+parallelism) at TP = 2 and TP = 4 against the same layer built with ``tp_group=None`` from the same
+seed, forward and backward, in spawned gloo processes on CPU.
 Also: the dropout RNG regions and the process groups of :class:`ParallelState` on a 4-rank world."""
 
 from __future__ import annotations
@@ -274,7 +275,7 @@ def _check_dropout_rng(group) -> None:
     config = dataclasses.replace(TINY, hidden_dropout=0.2, attention_dropout=0.2)
     model = NormFormerLM(config, tp_group=group, seed=3, dropout_rng=DropoutRNG(5, tp_rank=r)).train()
     seen = []
-    model.final_ln.register_forward_hook(lambda mod, inp, out: seen.append(out.detach()))
+    model.final_norm.register_forward_hook(lambda mod, inp, out: seen.append(out.detach()))
     torch.manual_seed(r)  # would break the replicas if dropout used the default stream
     model(torch.randint(0, TINY.vocab_size, (2, 16), generator=_gen(15)))
     hs = _gather(seen[0].unsqueeze(0), 0, group)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megaformer.config.schema import ModelConfig
-from megaformer.pipeline import LMLoss, SequentialLM, layer_specs
+from megaformer.model import NormFormerLM
 from megaformer.tools.reshard import load_module, reshard
 from tests.distributed.conftest import REPO, free_port, read_scalars, run_pretrain
 
@@ -128,15 +128,13 @@ def _logits_worker(rank: int, world: int, port: int, dirs: dict[str, str], out: 
     dist.destroy_process_group()
 
 
-def _empty_model(ckpt: str, group) -> SequentialLM:
-    """The trainer's model (the layer list; its parameter names are the checkpoint's)."""
+def _empty_model(ckpt: str, group) -> NormFormerLM:
+    """The trainer's model (its parameter names are the checkpoint's); its seed-99 weights are replaced."""
     import glob
 
     state = torch.load(glob.glob(f"{ckpt}/*/mp_rank_00_model_states.pt")[0], weights_only=False)
     config = ModelConfig(**state["config"]["model"])
-    return SequentialLM(
-        layer_specs(config, tp_group=group, seed=99), LMLoss(config, group)
-    )  # weights replaced
+    return NormFormerLM(config, tp_group=group, seed=99)
 
 
 def test_reshard_tp2_to_tp1_to_tp4_gives_the_same_logits(runs, tmp_path):

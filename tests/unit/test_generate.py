@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from megaformer.config.schema import ModelConfig
-from megaformer.pipeline import LMLoss, SequentialLM, layer_specs
+from megaformer.model import NormFormerLM
 from megaformer.tools.generate import generate, next_token_probs
 
 # 300 real tokens padded to 384 embedding rows.
@@ -15,8 +16,8 @@ CONFIG = ModelConfig(vocab_size=300, hidden_size=32, num_layers=2, num_attention
 
 @pytest.fixture
 def model():
-    m = SequentialLM(layer_specs(CONFIG, seed=3), LMLoss(CONFIG, None)).eval()
-    emb = m.tied_modules["embed"].token.weight  # tied: the output projection reads these rows too
+    m = NormFormerLM(CONFIG, seed=3).eval()
+    emb = m.embedding.token.weight  # tied: the output projection reads these rows too
     assert emb.shape[0] == CONFIG.padded_vocab_size() == 384
     with torch.no_grad():
         # Padding rows made to dominate every logit: unmasked, they would take nearly all the mass.
@@ -26,9 +27,14 @@ def model():
 
 def test_padding_gets_no_mass_and_rows_sum_to_one(model):
     tokens = torch.randint(0, CONFIG.vocab_size, (3, 20))  # longer than seq_len: the tail is read
+    hidden = []
+    model.final_norm.register_forward_hook(lambda mod, inp, out: hidden.append(out))
     with torch.no_grad():
-        raw = model(tokens[:, -CONFIG.seq_len :])[:, -1, :]
+        logits = model(tokens[:, -CONFIG.seq_len :])[:, -1, :]
+    raw = F.linear(hidden[0][:, -1, :], model.embedding.token.weight)  # before the model's mask
     assert raw.argmax(-1).min() >= CONFIG.vocab_size  # the padding would win without the mask
+    assert torch.all(logits[:, CONFIG.vocab_size :] == float("-inf"))  # the model's contract
+    torch.testing.assert_close(logits[:, : CONFIG.vocab_size], raw[:, : CONFIG.vocab_size])
     for temperature, top_k in ((1.0, 0), (0.7, 40), (0.0, 0)):
         probs = next_token_probs(model, CONFIG, tokens, temperature, top_k)
         assert probs.shape == (3, 384)

@@ -1,5 +1,6 @@
-"""NormFormerLM / NormFormerBlock on one process: shapes, causality, parameter counts per switch,
-the block against an independent reference of the paper's equations, vocabulary padding."""
+"""NormFormerLM (the one model: the trainer's, the checkpoints') / NormFormerBlock on one process:
+shapes, causality, parameter counts per switch, the block against an independent reference of the
+paper's equations, vocabulary padding, checkpoint names."""
 
 from __future__ import annotations
 
@@ -82,6 +83,13 @@ def test_sequence_longer_than_seq_len_is_refused():
     model = NormFormerLM(TINY)
     with pytest.raises(ValueError, match="seq_len"):
         model(torch.zeros(1, TINY.seq_len + 1, dtype=torch.long))
+
+
+def test_labels_of_another_shape_are_refused():
+    model = NormFormerLM(TINY)
+    tokens, labels = batch(TINY, b=2, t=8)
+    with pytest.raises(ValueError, match="labels"):
+        model(tokens, labels[:, :-1])
 
 
 def test_unknown_activation_is_a_config_error():
@@ -233,11 +241,29 @@ def test_block_built_alone_equals_block_inside_the_model():
     # Pipeline stages build blocks one by one; they must get the same weights as the full model.
     model = NormFormerLM(TINY, seed=7)
     alone = NormFormerBlock(TINY, layer_index=1, seed=7)
-    for (name, a), b in zip(model.layers[1].state_dict().items(), alone.state_dict().values()):
+    for (name, a), b in zip(model.blocks[1].state_dict().items(), alone.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
     other = NormFormerLM(TINY, seed=8)
-    assert not torch.equal(other.layers[1].qkv.weight, model.layers[1].qkv.weight)
-    assert not torch.equal(model.layers[0].qkv.weight, model.layers[1].qkv.weight)
+    assert not torch.equal(other.blocks[1].qkv.weight, model.blocks[1].qkv.weight)
+    assert not torch.equal(model.blocks[0].qkv.weight, model.blocks[1].qkv.weight)
+
+
+def test_parameter_names_are_the_checkpoint_names():
+    """``tied_modules.embed.*``, ``<plan index>.*``: the names of every checkpoint, at every layout."""
+    config = cfg(**ALL_ON, position_embedding="learned", tie_embeddings=False)
+    model = NormFormerLM(config)
+    block = ["head_scale", "resid_scale", "ln1.weight", "ln1.bias", "qkv.weight", "qkv.bias",
+             "out_proj.weight", "out_proj.bias", "post_attn_ln.weight", "post_attn_ln.bias",
+             "ln2.weight", "ln2.bias", "fc1.weight", "fc1.bias", "ffn_ln.weight", "ffn_ln.bias",
+             "fc2.weight", "fc2.bias"]  # fmt: skip
+    expected = ["tied_modules.embed.position", "tied_modules.embed.token.weight"]
+    expected += [f"{i}.{name}" for i in (1, 2) for name in block]
+    expected += ["3.norm.weight", "3.norm.bias", "4.proj.weight"]
+    assert [n for n, _ in model.named_parameters()] == expected
+    assert list(model.state_dict()) == expected  # the sinusoidal table would be a non-saved buffer
+    assert model.blocks == [getattr(model, "1"), getattr(model, "2")]
+    assert model.final_norm is getattr(model, "3") and model.output is getattr(model, "4")
+    assert NormFormerLM(cfg()).output is None  # tied: the embedding projects
 
 
 # --- 4. vocabulary padding -------------------------------------------------------------------------
@@ -279,7 +305,7 @@ def test_parameters_carry_tensor_parallel_tags():
         assert hasattr(p, "tensor_model_parallel"), name
         if p.tensor_model_parallel:
             assert p.partition_dim in (0, 1), name
-    blk = model.layers[0]
+    blk = model.blocks[0]
     assert blk.qkv.weight.tensor_model_parallel and blk.qkv.weight.partition_dim == 0
     assert blk.out_proj.weight.partition_dim == 1 and not blk.out_proj.bias.tensor_model_parallel
     assert blk.ffn_ln.weight.tensor_model_parallel and blk.head_scale.tensor_model_parallel
