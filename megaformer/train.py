@@ -31,11 +31,11 @@ def main(argv: list[str] | None = None) -> None:
     # a user can act on and buries the step log.
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated", category=FutureWarning)
     from data_tools.errors import DataFormatError
+    from megaformer.tools.reshard import ReshardError
     from megaformer.training.distributed import finish
 
     try:
         cfg = load_config(args.config, args.overrides)
-        from megaformer.tools.reshard import ReshardError
         from megaformer.training.trainer import train
 
         train(cfg)

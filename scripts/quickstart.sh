@@ -12,15 +12,18 @@ bash scripts/install.sh
 PY="${VENV:-$ROOT/.venv}/bin/python"
 
 PREFIX=data/processed/gutenberg
+TOKENIZER=(--tokenizer-type GPT2BPETokenizer --vocab-file data/gpt2-bpe/encoder.json --merge-file data/gpt2-bpe/vocab.bpe)
 if [[ -f "${PREFIX}_text_document.idx" && -f "${PREFIX}_text_document.bin" ]]; then
   echo "[quickstart] ${PREFIX}_text_document.bin/.idx already built" >&2
+  if [[ ! -f "${PREFIX}_text_document.stats.json" ]]; then
+    # Built before datasets carried their statistics sidecar: add it (one scan), as the trainer asks.
+    "$PY" -m data_tools.stats --data-prefix "${PREFIX}_text_document" --eod-token 50256 "${TOKENIZER[@]}"
+  fi
 else
   "$PY" -m data_tools.preprocess \
     --input data/gutenberg-novels/*.txt.xz \
     --output-prefix "$PREFIX" \
-    --tokenizer-type GPT2BPETokenizer \
-    --vocab-file data/gpt2-bpe/encoder.json \
-    --merge-file data/gpt2-bpe/vocab.bpe \
+    "${TOKENIZER[@]}" \
     --append-eod --workers 2
 fi
 

@@ -98,9 +98,11 @@ class DataConfig:
     valid_fraction: float = 0.02
     """Fraction of documents held out for validation (whole documents, chosen by seed)."""
     eod_token: int = 50256
-    """End-of-document token id (GPT-2: <|endoftext|> = 50256)."""
+    """End-of-document token id (GPT-2: <|endoftext|> = 50256). The preflight refuses a dataset
+    whose statistics sidecar says its documents end in another token (or in none)."""
     num_workers: int = 0
-    """DataLoader worker processes per rank (0: load in the training process)."""
+    """DataLoader worker processes per rank that read and collate samples ahead of the step
+    (0: in the training process). The samples are the same for any value."""
     blend: str = ""
     """Several datasets with weights, as Megatron's --data-path: '0.7 data/a_text_document 0.3
     data/b_text_document' (weights >= 0, normalised); when set, prefix is ignored. Each dataset
@@ -174,7 +176,8 @@ class TrainConfig:
     eval_interval: int = 50
     """Validation every this many steps, and at the end."""
     eval_batches: int = 4
-    """Micro-batches per data-parallel rank in one validation."""
+    """Global batches per validation (Megatron's --eval-iters): the first eval_batches ×
+    global_batch_size held-out samples, the same at any data-parallel size."""
     save_interval: int = 100
     """Checkpoint every this many steps (and at the end); 0: only at the end."""
     resume: str = "none"

@@ -99,12 +99,15 @@ def data_prefixes(cfg: RunConfig) -> list[tuple[float, str]]:
     """``[(weight, prefix)]`` of the run: the parsed ``data.blend``, or ``[(1.0, data.prefix)]``.
 
     Raises:
-        DataFormatError: a malformed ``data.blend`` (names the item).
+        ConfigError: a malformed ``data.blend`` (names the item).
     """
     from data_tools.blend import parse_blend
 
     if cfg.data.blend:
-        return parse_blend(cfg.data.blend)
+        try:
+            return parse_blend(cfg.data.blend)
+        except DataFormatError as e:
+            raise ConfigError(f"{e}.") from None
     return [(1.0, cfg.data.prefix)]
 
 

@@ -54,7 +54,7 @@ COLLECTIVES = (
 )
 
 
-class WrongDevice(AssertionError):
+class WrongDeviceError(AssertionError):
     pass
 
 
@@ -81,7 +81,7 @@ def strict_collectives(seen: list[str]):
             expected = comm_device(group)
             for t in [*_tensors(args), *_tensors(list(kwargs.values()))]:
                 if t.device != expected:
-                    raise WrongDevice(
+                    raise WrongDeviceError(
                         f"dist.{name} got a tensor on {t.device}; its group's backend takes {expected} "
                         "tensors: build it on comm_device(group)"
                     )
@@ -197,5 +197,5 @@ def test_collectives_get_tensors_on_the_communication_device(check):
 def test_the_spy_catches_a_tensor_built_without_a_device():
     """The harness itself: ``torch.tensor(x)`` inside it is refused before it reaches the backend."""
     seen: list[str] = []
-    with pytest.raises(WrongDevice, match="got a tensor on meta"), strict_collectives(seen):
+    with pytest.raises(WrongDeviceError, match="got a tensor on meta"), strict_collectives(seen):
         dist.all_reduce(torch.tensor([1]))

@@ -16,7 +16,7 @@ from tests.distributed.test_train_launch import CONFIG, TINY, _check
 
 def _fails_fast(prefix: str, tmp_path, *needles: str) -> None:
     t0 = time.perf_counter()
-    proc = run_pretrain(CONFIG, [*TINY, f"data.prefix={prefix}", "train.steps=2", f"output.dir={tmp_path}"])
+    proc = run_pretrain(CONFIG, [*TINY, f"data.prefix={prefix}", "train.steps=10", f"output.dir={tmp_path}"])
     elapsed = time.perf_counter() - t0
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]

@@ -234,13 +234,15 @@ def test_blend_in_build_train_valid(single_run, tmp_path):
 
 
 def test_negative_weight_is_a_config_error():
+    """Refused by the preflight, before any process group starts (config loading reads only YAML)."""
     from megaformer.config import ConfigError
     from megaformer.config.load import load_config
+    from megaformer.training.preflight import data_prefixes
 
     with pytest.raises(ConfigError, match=r"data\.blend.*'b'.*-0\.3"):
-        load_config(None, ["data.blend=0.7 a -0.3 b"])
+        data_prefixes(load_config(None, ["data.blend=0.7 a -0.3 b"]))
     with pytest.raises(ConfigError, match="pairs of weight and prefix"):
-        load_config(None, ["data.blend=0.7 a 0.3"])
+        data_prefixes(load_config(None, ["data.blend=0.7 a 0.3"]))
     assert parse_blend("2 a 6 b") == [(0.25, "a"), (0.75, "b")]
 
 

@@ -81,29 +81,29 @@ def test_documents_not_ended_by_eod_are_refused(tmp_path):
     docs = _docs()
     docs[3] = docs[3][:-1]  # one document lost its EOD
     prefix = _dataset(tmp_path / "noeod", docs)
-    with pytest.raises(DataFormatError, match="not all ended by data.eod_token=50256"):
+    with pytest.raises(DataFormatError, match=r"not all ended by data.eod_token=50256"):
         run_preflight(_cfg(prefix), world_size=1)
     prefix = _dataset(tmp_path / "othereod", _docs(), eod=0)
-    with pytest.raises(DataFormatError, match="set data.eod_token=0"):
+    with pytest.raises(DataFormatError, match=r"set data.eod_token=0"):
         run_preflight(_cfg(prefix), world_size=1)
 
 
 def test_a_bad_blend_names_the_item(tmp_path):
     prefix = _dataset(tmp_path / "a", _docs())
-    with pytest.raises(DataFormatError, match="expected a number before prefix"):
+    with pytest.raises(ConfigError, match=r"expected a number before prefix"):
         run_preflight(_cfg(prefix, f"data.blend=x {prefix} 0.5 {prefix}"), world_size=1)
 
 
 def test_layout_and_engine_json_and_backend(tmp_path):
     prefix = _dataset(tmp_path / "a", _docs())
-    with pytest.raises(ConfigError, match="world size 3 is not divisible"):
+    with pytest.raises(ConfigError, match=r"world size 3 is not divisible"):
         run_preflight(_cfg(prefix, "parallel.tp_size=2"), world_size=3)
-    with pytest.raises(ConfigError, match="/nonexistent.json"):
+    with pytest.raises(ConfigError, match=r"/nonexistent.json"):
         run_preflight(_cfg(prefix, "train.deepspeed_config=/nonexistent.json"), world_size=1)
-    with pytest.raises(ConfigError, match="parallel.backend=nccl: this machine has no CUDA"):
+    with pytest.raises(ConfigError, match=r"parallel.backend=nccl: this machine has no CUDA"):
         run_preflight(_cfg(prefix, "parallel.backend=nccl"), world_size=1)
     # DeepSpeed has no fp16 on its CPU accelerator: refused here, not inside deepspeed.initialize.
-    with pytest.raises(ConfigError, match="train.precision=fp16"):
+    with pytest.raises(ConfigError, match=r"train.precision=fp16"):
         run_preflight(_cfg(prefix, "train.precision=fp16"), world_size=1)
 
 
@@ -128,10 +128,10 @@ def test_checkpoints_are_checked_before_the_run(tmp_path):
     ckpt, tag_dir = _checkpoint(tmp_path)
     assert check_checkpoint(str(ckpt), "train.init_from") == str(tag_dir)
     prefix = _dataset(tmp_path / "a", _docs())
-    with pytest.raises(ConfigError, match="train.init_from='/nonexistent/ckpt'"):
+    with pytest.raises(ConfigError, match=r"train.init_from='/nonexistent/ckpt'"):
         run_preflight(_cfg(prefix, "train.init_from=/nonexistent/ckpt"), world_size=1)
     (ckpt / "latest").write_text("global_step9")  # dangling
-    with pytest.raises(ConfigError, match="names 'global_step9', which is not a directory"):
+    with pytest.raises(ConfigError, match=r"names 'global_step9', which is not a directory"):
         check_checkpoint(str(ckpt), "train.resume")
     (ckpt / "latest").write_text("global_step5")
     state = tag_dir / "rng_state" / "rank00000.pt"
