@@ -38,7 +38,6 @@ import copy
 import glob
 import os
 import pickle
-import re
 import sys
 from collections.abc import Collection
 from typing import Any
@@ -47,9 +46,16 @@ import torch
 
 from data_tools.files import atomic_write_text
 from megaformer.config.schema import ModelConfig
+from megaformer.training.ds_adapter import (
+    LAYER_STATES_FILE,
+    LAYER_STATES_GLOB,
+    MODEL_STATES_FILE,
+    MODEL_STATES_GLOB,
+    model_states_name,
+)
 
-_MP_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt$")
-_LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
+# DeepSpeed's checkpoint file layout, named in one place (the adapter pins the DeepSpeed version).
+_MP_FILE, _LAYER_FILE = MODEL_STATES_FILE, LAYER_STATES_FILE
 
 
 class ReshardError(ValueError):
@@ -82,7 +88,7 @@ def resolve_tag_dir(ckpt_dir: str, tag: str | None = None) -> str:
 
 def _model_files(tag_dir: str) -> list[str]:
     files = {}
-    for path in glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")):
+    for path in glob.glob(os.path.join(tag_dir, MODEL_STATES_GLOB)):
         files[int(_MP_FILE.search(path).group(1))] = path
     if not files:
         raise ReshardError(f"{tag_dir}: no mp_rank_XX_model_states.pt files")
@@ -143,7 +149,7 @@ def _pipeline_modules(
 
     prefixes = layer_prefixes(model_layers(config))
     files: dict[tuple[int, int], str] = {}
-    for path in glob.glob(os.path.join(tag_dir, "layer_*-model_*-model_states.pt")):
+    for path in glob.glob(os.path.join(tag_dir, LAYER_STATES_GLOB)):
         m = _LAYER_FILE.search(path)
         files[(int(m.group(1)), int(m.group(2)))] = path
     layers = sorted({layer for layer, _ in files})
@@ -311,7 +317,7 @@ def reshard(input_dir: str, output_dir: str, tp: int, tag: str | None = None) ->
             "config": new_config,
             "resharded_from": os.path.abspath(tag_dir),
         }
-        path = os.path.join(out, f"mp_rank_{r:02d}_model_states.pt")
+        path = os.path.join(out, model_states_name(r))
         torch.save(state, path + ".tmp")
         os.replace(path + ".tmp", path)
     atomic_write_text(os.path.join(output_dir, "latest"), name)
@@ -328,7 +334,7 @@ def load_module(
     """
     tag_dir = resolve_tag_dir(ckpt_dir, tag)
     state = torch.load(
-        os.path.join(tag_dir, f"mp_rank_{tp_rank:02d}_model_states.pt"),
+        os.path.join(tag_dir, model_states_name(tp_rank)),
         map_location="cpu",
         weights_only=False,
     )

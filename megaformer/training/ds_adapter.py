@@ -41,6 +41,10 @@ LAYER_STATES_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
 """The pipeline engine's per-layer, per-TP-rank module file (groups: layer index, TP rank)."""
 
 
+MODEL_STATES_GLOB = "mp_rank_*_model_states.pt"
+LAYER_STATES_GLOB = "layer_*-model_*-model_states.pt"
+
+
 def model_states_name(tp_rank: int) -> str:
     """File name of TP rank ``tp_rank``'s module weights in a plain engine's checkpoint."""
     return f"mp_rank_{tp_rank:02d}_model_states.pt"

@@ -125,13 +125,14 @@ def check_dataset(prefix: str, cfg: RunConfig):
     from data_tools.stats import read_stats
 
     where = "data.blend" if cfg.data.blend else "data.prefix"
-    try:
-        IndexedDataset(prefix)
-    except FileNotFoundError as e:
+    missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
+    if missing:
         raise DataFormatError(
-            f"{where}='{prefix}': {e}; build the dataset with python -m data_tools.preprocess "
-            "--output-prefix ... (the prefix ends in _text_document) or fix the path"
-        ) from None
+            f"{where}='{prefix}': {', '.join(missing)} not found; build the dataset with "
+            "python -m data_tools.preprocess --output-prefix ... (the prefix ends in _text_document) "
+            "or fix the path"
+        )
+    IndexedDataset(prefix)  # header, index and .bin size checks (DataFormatError naming the file)
     stats = read_stats(prefix)
     vocab = cfg.model.vocab_size
     if stats.max_token_id >= vocab:
