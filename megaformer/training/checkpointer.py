@@ -61,22 +61,24 @@ class Checkpointer:
     def tag_dir(self, step: int) -> str:
         return os.path.join(self.ckpt_dir, f"global_step{step}")
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, extra: dict | None = None) -> None:
         """Write ``global_step{step}`` (every rank's generator states first, then DeepSpeed's files
-        and its ``latest`` tag)."""
+        and its ``latest`` tag). ``extra`` joins the client state (e.g. tokens and device-seconds
+        consumed, which a resumed run continues from)."""
         t = self.cfg.train
         client_state = {
             "step": step,
             "consumed_samples": step * t.global_batch_size,
             "config": to_dict(self.cfg),
+            **(extra or {}),
         }
         lay = self.layout
         save_rng_state(self.tag_dir(step), lay.rank, lay.rng_layout(), self.dropout_rng, lay.device)
         self.engine.save(self.ckpt_dir, f"global_step{step}", client_state)
         log(lay, f"saved checkpoint {self.tag_dir(step)}")
 
-    def resume(self, load_dir: str) -> int:
-        """Load the checkpoint ``load_dir/latest`` names (same layout); return its step.
+    def resume(self, load_dir: str) -> tuple[int, dict]:
+        """Load the checkpoint ``load_dir/latest`` names (same layout); return (step, client state).
 
         Raises:
             ConfigError: DeepSpeed could not load it.
@@ -100,7 +102,7 @@ class Checkpointer:
 
         count = all_reduce_ints([int(restored)])[0]
         log(lay, f"restored generator states on {count}/{lay.world_size} ranks")
-        return step
+        return step, client_state
 
 
 def init_weights_from(model: torch.nn.Module, cfg: RunConfig, layout: Layout) -> int:

@@ -122,6 +122,10 @@ def format_step_line(step: int, steps: int, values: dict[str, float | None]) -> 
         ("train/loss_scale", "loss_scale {:.0f}"),
         ("train/tokens_per_s", "tokens/s {:,.0f}"),
         ("train/step_time_s", "step {:.3f}s"),
+        ("train/tflops_per_device", "TFLOP/s/dev {:.3g}"),
+        ("train/mfu", "MFU {:.1%}"),
+        ("train/tokens", "tokens {:.4g}"),
+        ("train/device_hours", "device-h {:.3g}"),
     ):
         value = values.get(name)
         if value is not None:

@@ -81,13 +81,21 @@ class TrainLoop:
     """Steps ``start_step .. train.steps - 1``: train, log, evaluate, save."""
 
     def __init__(
-        self, engine: Any, cfg: RunConfig, layout: Layout, data: Data, checkpointer: Any, start_step: int
+        self,
+        engine: Any,
+        cfg: RunConfig,
+        layout: Layout,
+        data: Data,
+        checkpointer: Any,
+        start_step: int,
+        compute: Any,
     ) -> None:
         from megaformer.training.metrics import DeferredScalars, MetricsWriter
 
         self.engine, self.cfg, self.layout, self.data = engine, cfg, layout, data
         self.checkpointer = checkpointer
         self.start_step = start_step
+        self.compute = compute  # a flops.ComputeMeter: tokens, device-hours, TFLOP/s, MFU
         self.evaluate = Evaluator(engine, cfg, layout, data)
         self.tb_dir = os.path.join(cfg.output.dir, "tensorboard")
         # purge_step: on resume, TensorBoard hides the events a killed run wrote past the checkpoint.
@@ -139,17 +147,22 @@ class TrainLoop:
                     "train/loss_scale": self.engine.loss_scale(),
                     "train/tokens_per_s": self.tokens_per_step / step_time,
                     "train/step_time_s": step_time,
+                    **self.compute.step(self.tokens_per_step, step_time),
                 },
             )
             self._log_and_evaluate(done, start_step)
             if t.save_interval and done % t.save_interval == 0 and done != t.steps:
-                self.checkpointer.save(done)
+                self.checkpointer.save(done, self._consumed())
                 last_saved = done
             timer.lap()  # do not charge logging, evaluation and checkpoints to the next step
         if last_saved != t.steps:
-            self.checkpointer.save(t.steps)
+            self.checkpointer.save(t.steps, self._consumed())
         self.writer.close()
         return time.perf_counter() - started
+
+    def _consumed(self) -> dict[str, float]:
+        """What a resumed run continues counting from (saved in the checkpoint's client state)."""
+        return {"tokens": self.compute.tokens, "device_seconds": self.compute.device_seconds}
 
     def _log_and_evaluate(self, done: int, start_step: int) -> None:
         from megaformer.training.metrics import format_step_line
@@ -220,10 +233,28 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     _log_layout(cfg, layout, n_params, engine.gas)
 
     checkpointer = Checkpointer(engine, cfg, layout, dropout_rng)
-    start_step = checkpointer.resume(load_dir) if load_dir is not None else init_step
-    loop = TrainLoop(engine, cfg, layout, data, checkpointer, start_step)
+    start_step, client_state = checkpointer.resume(load_dir) if load_dir is not None else (init_step, {})
+    compute = _compute_meter(cfg, layout, start_step, client_state)
+    loop = TrainLoop(engine, cfg, layout, data, checkpointer, start_step, compute)
     elapsed = loop.run(resumed=load_dir is not None)
     return _summary(cfg, layout, loop, data, n_params, start_step, elapsed)
+
+
+def _compute_meter(cfg: RunConfig, layout: Layout, start_step: int, client_state: dict) -> Any:
+    """The run's :class:`~.flops.ComputeMeter`, continuing a resumed run's tokens and device-hours.
+
+    Every process measures its device's peak (on CPU a matmul benchmark; ranks share the cores, so
+    they measure together); rank 0 logs the model FLOPs and the peak.
+    """
+    from megaformer.training.flops import ComputeMeter, device_peak_flops, model_flops_per_token
+
+    flops = model_flops_per_token(cfg.model, cfg.model.padded_vocab_size(cfg.parallel.tp_size))
+    peak, where = device_peak_flops(layout.device)
+    tokens = int(client_state.get("tokens", start_step * cfg.train.global_batch_size * cfg.model.seq_len))
+    log(layout, f"compute: {flops / 1e9:.3f} GFLOP per token (model FLOPs, training) | peak {where}")
+    return ComputeMeter(
+        flops, layout.world_size, peak, tokens, float(client_state.get("device_seconds", 0.0))
+    )
 
 
 def _log_data(cfg: RunConfig, layout: Layout, data: Data) -> None:
@@ -250,6 +281,20 @@ def _log_layout(cfg: RunConfig, layout: Layout, n_params: int, gas: int) -> None
         f"global_batch_size {t.global_batch_size} | seq_len {cfg.model.seq_len} | {t.precision} | "
         f"ZeRO {t.zero_stage}",
     )
+
+
+def _compute_summary(loop: TrainLoop) -> dict[str, Any]:
+    """The summary's compute fields; throughput from the median step time, as ``tokens_per_s``."""
+    meter = loop.compute
+    median_step = float(np.median(loop.step_times)) if loop.step_times else math.nan
+    tflops = meter.tflops_per_device(loop.tokens_per_step / median_step) if loop.step_times else math.nan
+    return {
+        "model_flops_per_token": meter.flops_per_token,
+        "tflops_per_device": tflops,
+        "mfu": meter.mfu(tflops),
+        "tokens": meter.tokens,
+        "device_hours": meter.device_hours,
+    }
 
 
 def _summary(
@@ -279,12 +324,16 @@ def _summary(
         "tensorboard_dir": os.path.abspath(loop.tb_dir),
         "checkpoint_dir": ckpt,
         "unigram_entropy": data.unigram_entropy,
+        **_compute_summary(loop),
     }
     if layout.is_main:
         atomic_write_json(os.path.join(cfg.output.dir, "summary.json"), summary)
         log(
             layout,
             f"done: {t.steps} steps in {elapsed:.1f} s | {summary['tokens_per_s']:,.0f} tokens/s | "
+            f"{summary['tflops_per_device']:.3g} TFLOP/s per device"
+            + (f" (MFU {summary['mfu']:.1%})" if summary["mfu"] is not None else "")
+            + f" | {summary['tokens']:,} tokens, {summary['device_hours']:.3g} device-hours | "
             f"valid loss {valid_loss:.4f} (ppl {summary['final_valid_ppl']:.2f}) vs unigram entropy "
             f"{summary['unigram_entropy']:.4f} nats",
         )

@@ -73,6 +73,22 @@ def test_two_process_run_loss_falls_and_tensorboard_has_every_scalar(run30):
     assert summary["world_size"] == 2 and summary["steps"] == 30
     assert summary["final_valid_loss"] == pytest.approx(scalars["valid/loss"][30], rel=1e-5)
     assert "TensorBoard: tensorboard --logdir" in proc.stdout
+    # compute accounting: model FLOPs, TFLOP/s per device, MFU against the measured CPU peak,
+    # tokens and device-hours consumed, every step in TensorBoard and in the summary
+    for tag in ("train/tflops_per_device", "train/mfu", "train/tokens", "train/device_hours"):
+        assert sorted(scalars[tag]) == list(range(1, 31)), tag
+    assert scalars["train/tokens"][30] == 30 * 8 * 64  # steps × global batch × seq_len
+    from megaformer.config import load_config
+    from megaformer.training.flops import model_flops_per_token
+
+    cfg = load_config(CONFIG, TINY)
+    assert summary["model_flops_per_token"] == pytest.approx(model_flops_per_token(cfg.model))
+    assert summary["tokens"] == 30 * 8 * 64 and 0 < summary["mfu"] < 1
+    assert summary["tflops_per_device"] == pytest.approx(
+        summary["model_flops_per_token"] * summary["tokens_per_s"] / 2 / 1e12
+    )
+    assert 0 < summary["device_hours"] <= 2 * summary["train_seconds"] / 3600 * 1.05
+    assert "GFLOP per token" in proc.stdout and "MFU" in proc.stdout
     assert os.path.isdir(out / "checkpoints" / "global_step15")
     assert (out / "checkpoints" / "latest").read_text().strip() == "global_step30"
 
@@ -100,6 +116,10 @@ def test_resume_auto_continues_exactly(run30, gutenberg_prefix, tmp_path):
     assert sorted(again) == list(range(16, 31))
     for step in range(16, 31):
         assert again[step] == pytest.approx(full[step], rel=1e-5, abs=1e-6), step
+    # tokens and device-hours continue from the checkpoint's count, not from zero
+    first, second = read_scalars(str(out / "tensorboard")), read_scalars(str(resumed / "tensorboard"))
+    assert second["train/tokens"][16] == 16 * 8 * 64
+    assert second["train/device_hours"][16] > first["train/device_hours"][15]
 
 
 @pytest.mark.parametrize(("precision", "zero"), [("bf16", 3), ("fp32", 0), ("fp32", 2)])
