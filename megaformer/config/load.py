@@ -205,6 +205,22 @@ def check_model(cfg: RunConfig) -> None:
     for name in ("hidden_dropout", "attention_dropout"):
         p = getattr(m, name)
         _require(0.0 <= p < 1.0, f"model.{name}={p}: a probability in [0, 1).")
+    _require(
+        m.norm_scheme in ("pre_ln", "post_ln", "deepnorm"),
+        f"model.norm_scheme='{m.norm_scheme}': use 'pre_ln', 'post_ln' or 'deepnorm'.",
+    )
+    # NormFormer's operations and the '+ 3 More LN' ablation are defined on a Pre-LN layer (paper
+    # Sec. 2, Table 4); under Post-LN / DeepNorm no reference defines them (and LN on v would undo
+    # DeepNorm's beta-scaled W_V init): refuse rather than train an architecture nobody specified.
+    if m.norm_scheme != "pre_ln":
+        on = [k for k in ("post_attn_ln", "head_scale", "ffn_ln", "resid_scale", "qkv_ln") if getattr(m, k)]
+        _require(
+            not on,
+            f"model.norm_scheme='{m.norm_scheme}' with {', '.join(f'model.{k}=true' for k in on)}: "
+            "NormFormer's operations and qkv_ln are defined on Pre-LN only; set "
+            f"{', '.join(f'model.{k}=false' for k in on)} (the Post-LN / DeepNorm baselines) or use "
+            "model.norm_scheme='pre_ln'.",
+        )
 
 
 def check_parallel(cfg: RunConfig) -> None:

@@ -21,6 +21,8 @@ class ModelConfig:
 
     With ``post_attn_ln``, ``head_scale``, ``ffn_ln`` and ``resid_scale`` all False the model is the
     Pre-LN GPT baseline; with the first three True it is NormFormer as in the paper (Fig. 1).
+    ``norm_scheme`` selects the paper's other baselines (Post-LN) and DeepNorm; ``qkv_ln`` is the
+    Table 4 ablation '+ 3 More LN'.
     """
 
     vocab_size: int = 50257
@@ -50,6 +52,17 @@ class ModelConfig:
     """NormFormer: LayerNorm on the FFN intermediate, after the activation."""
     resid_scale: bool = False
     """NormFormer: learned vector λ_resid (init 1) scaling the FFN residual (paper: below 1.3B)."""
+    norm_scheme: str = "pre_ln"
+    """Where the LayerNorms sit. 'pre_ln' (default): x + F(LN(x)) per sublayer, a final LayerNorm
+    before the output projection (GPT-2); the NormFormer switches above apply to it. 'post_ln':
+    LN(x + F(x)) per sublayer (Vaswani et al. 2017; fairseq normalize_before=False), no final
+    LayerNorm. 'deepnorm': LN(α·x + F(x)) with α = (2N)^(1/4) and W_V, W_O, W1, W2 initialised with
+    std β·init_std, β = (8N)^(-1/4), N = num_layers (Wang et al. 2022, DeepNet, decoder-only), no
+    final LayerNorm. post_ln and deepnorm need the four NormFormer switches and qkv_ln off."""
+    qkv_ln: bool = False
+    """The paper's Table 4 ablation '+ 3 More LN': a LayerNorm on each of the query, key and value
+    projections, each over its full hidden_size features (all heads together, before the split into
+    heads), gain and shift of size hidden_size each; needs norm_scheme 'pre_ln'."""
     hidden_dropout: float = 0.0
     """Dropout on the attention and FFN outputs (probability)."""
     attention_dropout: float = 0.0

@@ -1,4 +1,4 @@
-"""The NormFormer / Pre-LN decoder LM, built from :mod:`megaformer.parallel` layers.
+"""The NormFormer / Pre-LN (or Post-LN, DeepNorm) decoder LM, built from :mod:`megaformer.parallel` layers.
 
 :func:`model_layers` is the model's one layer plan; :class:`NormFormerLM` builds it in one process
 (the trainer's model at pp = 1, and what tests, benchmarks, ``generate`` and ``reshard`` use);
@@ -7,18 +7,23 @@
 
 from megaformer.model.lm import LayerDef, NormFormerLM, layer_prefixes, model_layers, vocab_param_names
 from megaformer.model.normformer import (
+    NORM_SCHEMES,
     FinalNorm,
     LMLoss,
     NormFormerBlock,
     NormFormerEmbedding,
     OutputProjection,
+    QKVLayerNorm,
     ReplicatedLayerNorm,
+    deepnorm_alpha,
+    deepnorm_beta,
     sinusoidal_positions,
     tied_output_logits,
 )
 from megaformer.model.params import count_parameters, param_groups
 
 __all__ = [
+    "NORM_SCHEMES",
     "FinalNorm",
     "LMLoss",
     "LayerDef",
@@ -26,8 +31,11 @@ __all__ = [
     "NormFormerEmbedding",
     "NormFormerLM",
     "OutputProjection",
+    "QKVLayerNorm",
     "ReplicatedLayerNorm",
     "count_parameters",
+    "deepnorm_alpha",
+    "deepnorm_beta",
     "layer_prefixes",
     "model_layers",
     "param_groups",

@@ -7,6 +7,7 @@ ends::
     0            LayerDef(NormFormerEmbedding, tied_key="embed")     tokens [B, T] -> hidden [B, T, d]
     1 .. L       LayerDef(NormFormerBlock, i)   (i = 0 .. L-1)       hidden -> hidden
     L + 1        LayerDef(FinalNorm)                                 hidden -> normalised hidden
+                 (identity, no parameters, under norm_scheme post_ln / deepnorm)
     L + 2        LayerDef(NormFormerEmbedding, tied_key="embed", forward_fn=tied_output_logits)
                                                                      hidden -> logits [B, T, V_pad/tp]
                  (untied: LayerDef(OutputProjection))

@@ -8,9 +8,25 @@ One decoder layer (paper Fig. 1, Sec. 2), with NormFormer's additions in capital
     HeadScaleMHA = Concat(g_1 head_1, ..., g_n head_n) · W_O        (g_i learned, init 1)
 
 Each capital is a switch of :class:`~megaformer.config.schema.ModelConfig`; all off is the Pre-LN GPT
-baseline. Built from the tensor-parallel layers of :mod:`megaformer.parallel`, so the same code runs
-at any TP degree and computes the same function (heads and ``g`` split across ranks, FFN_LN reducing
-its statistics across ranks, POSTATTN_LN replicated after the row-parallel reduce).
+baseline. ``qkv_ln`` adds the paper's Table 4 ablation "+ 3 More LN" (:class:`QKVLayerNorm`), and
+``norm_scheme`` swaps the Pre-LN layer for the other schemes the paper compares against::
+
+    post_ln   (Vaswani et al. 2017; fairseq normalize_before=False; NormFormer paper Eq. 1):
+        h = LN1(x + MHA(x)),            y = LN2(h + W2 · act(W1 · h + b1) + b2)
+    deepnorm  (Wang et al. 2022, "DeepNet", arXiv:2203.00555, Sec. 2.2 / Fig. 2, decoder-only):
+        h = LN1(α·x + MHA(x)),          y = LN2(α·h + W2 · act(W1 · h + b1) + b2)
+        α = (2N)^(1/4); W_V, W_O, W1, W2 drawn with std β·init_std, β = (8N)^(-1/4); N = num_layers
+
+Under both, the last block's output is already a LayerNorm's, so there is no final LayerNorm (fairseq
+and torchscale build their decoder's final ``layer_norm`` only when ``normalize_before``):
+:class:`FinalNorm` is then an identity without parameters, kept in the layer plan so that the output
+projection keeps its index (and checkpoint name) for every scheme. The embedding is the same for every
+scheme (no embedding LayerNorm: fairseq's and torchscale's ``layernorm_embedding`` defaults to off).
+
+Built from the tensor-parallel layers of :mod:`megaformer.parallel`, so the same code runs at any TP
+degree and computes the same function (heads, ``g`` and the q/k/v LayerNorms' gains split across
+ranks, FFN_LN and the q/k/v LayerNorms reducing their statistics across ranks, POSTATTN_LN and the
+Post-LN / DeepNorm LayerNorms replicated after the row-parallel reduce).
 
 The pieces, in model order: :class:`NormFormerEmbedding` (tokens to the first hidden state),
 :class:`NormFormerBlock` (one decoder layer), :class:`FinalNorm` (the LayerNorm after the last block),
@@ -51,7 +67,7 @@ from megaformer.parallel import (
     vocab_parallel_cross_entropy,
 )
 from megaformer.parallel.layers import sequence_region_param
-from megaformer.parallel.mappings import gather_from_sequence_region
+from megaformer.parallel.mappings import gather_from_sequence_region, sum_across_tp_region
 from megaformer.parallel.rng import DropoutRNG
 from megaformer.parallel.utils import (
     derive_seed,
@@ -67,6 +83,21 @@ from megaformer.parallel.utils import (
 
 _POSITION_EMBEDDINGS = ("sinusoidal", "learned")
 _ACTIVATIONS = ("gelu", "relu2")
+NORM_SCHEMES = ("pre_ln", "post_ln", "deepnorm")
+# Switches defined on a Pre-LN layer only (paper Sec. 2 and Table 4); see _check_config.
+_PRE_LN_ONLY = ("post_attn_ln", "head_scale", "ffn_ln", "resid_scale", "qkv_ln")
+
+
+def deepnorm_alpha(num_layers: int) -> float:
+    """DeepNorm's residual weight for a decoder-only model, ``α = (2N)^(1/4)`` (Wang et al. 2022,
+    arXiv:2203.00555, Fig. 2 / Table 1, "decoder-only"; torchscale ``math.pow(2.0 * layers, 0.25)``)."""
+    return (2.0 * num_layers) ** 0.25
+
+
+def deepnorm_beta(num_layers: int) -> float:
+    """DeepNorm's init gain for W_V, W_O, W1, W2 in a decoder-only model, ``β = (8N)^(-1/4)`` (Wang et
+    al. 2022, Fig. 2 / Table 1; torchscale divides those weights by ``math.pow(8.0 * layers, 0.25)``)."""
+    return (8.0 * num_layers) ** -0.25
 
 
 def _check_config(config: ModelConfig) -> None:
@@ -81,6 +112,14 @@ def _check_config(config: ModelConfig) -> None:
         raise ConfigError(
             f"model.hidden_size={config.hidden_size} is not divisible by "
             f"model.num_attention_heads={config.num_attention_heads}"
+        )
+    if config.norm_scheme not in NORM_SCHEMES:
+        raise ConfigError(f"model.norm_scheme={config.norm_scheme!r}; use one of {NORM_SCHEMES}")
+    on = [k for k in _PRE_LN_ONLY if getattr(config, k)]
+    if config.norm_scheme != "pre_ln" and on:
+        raise ConfigError(
+            f"model.norm_scheme={config.norm_scheme!r} with {on} on: these are defined on Pre-LN only; "
+            f"turn them off or use model.norm_scheme='pre_ln'"
         )
 
 
@@ -111,6 +150,66 @@ class ReplicatedLayerNorm(nn.LayerNorm):
         weight = sequence_region_param(self.weight, self.tp_group, self.sequence_parallel)
         bias = sequence_region_param(self.bias, self.tp_group, self.sequence_parallel)
         return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+
+
+class QKVLayerNorm(nn.Module):
+    """The paper's "+ 3 More LN" (Table 4, Sec. 5): LayerNorm on the query, the key and the value
+    features, three independent LayerNorms, each over its full ``hidden_size`` features.
+
+    Why the full width, not per head: the paper says only "applying LN to the query, key and value
+    features" and no released fairseq / metaseq code has the option, so we follow the shape of the
+    paper's other additions in its fairseq code base: a LayerNorm over the whole output of a
+    projection (POSTATTN_LN over W_O's d outputs, FFN_LN over W1's whole intermediate), i.e. over
+    fairseq's ``q_proj(x)`` / ``k_proj(x)`` / ``v_proj(x)`` (``[T, B, d]``) before its split into
+    heads. (A per-head LayerNorm over ``head_dim``, the later QK-norm of Dehghani et al. 2023, is a
+    different function.)
+
+    Under tensor parallelism each rank holds the q, k, v features of its own heads, so, as for
+    FFN_LN (:func:`~megaformer.parallel.layers.sharded_layer_norm`), the per-token sum and sum of
+    squares of each of q, k and v (fp32) are summed across the TP group (one all-reduce for the
+    three, forward and backward): the function is the same at every TP degree. The statistics use
+    ``var = E[x²] − E[x]²`` (clamped at 0) at every TP degree, including 1.
+
+    Parameters: ``weight`` (init 1) and ``bias`` (init 0), ``float32[3·d / tp]``, laid out like the
+    fused ``qkv`` projection's rows and bias (``[heads, 3, head_dim]``: per head its q, k, v gains),
+    hence sharded along dim 0 with the heads (``partition_dim=0``, as ``qkv.bias``), no weight decay.
+
+    Shapes: ``qkv: float[B, T, 3·d / tp]`` (the fused projection's output, rows ordered
+    ``[local heads, 3, head_dim]``) -> same shape and dtype.
+
+    Raises:
+        ValueError: heads not dividing by the TP size.
+    """
+
+    def __init__(
+        self, num_heads: int, head_dim: int, eps: float, *, tp_group: ProcessGroup | None = None
+    ) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        self.num_heads_per_partition = divide(num_heads, tp_world_size(tp_group))
+        self.head_dim = head_dim
+        self.hidden_size = num_heads * head_dim  # each of q, k, v is normalised over this many features
+        self.eps = eps
+        local = self.num_heads_per_partition * 3 * head_dim
+        self.weight = nn.Parameter(torch.ones(local))
+        self.bias = nn.Parameter(torch.zeros(local))
+        for p in (self.weight, self.bias):
+            mark_no_weight_decay(mark_parallel(p, partition_dim=0))
+
+    def forward(self, qkv: torch.Tensor) -> torch.Tensor:
+        nh, hs = self.num_heads_per_partition, self.head_dim
+        x = qkv.float().unflatten(-1, (nh, 3, hs))  # (B, T, nh, 3, hs)
+        stats = torch.stack([x.sum(dim=(-3, -1)), (x * x).sum(dim=(-3, -1))], dim=-1)  # (B, T, 3, 2)
+        stats = sum_across_tp_region(stats, self.tp_group) / self.hidden_size  # all heads of q, k, v
+        mean, mean_sq = stats.unbind(-1)  # (B, T, 3) each
+        var = (mean_sq - mean * mean).clamp_min(0.0)
+        mean = mean.unsqueeze(-2).unsqueeze(-1)  # (B, T, 1, 3, 1)
+        inv = torch.rsqrt(var + self.eps).unsqueeze(-2).unsqueeze(-1)  # (B, T, 1, 3, 1)
+        y = (x - mean) * inv * self.weight.float().view(nh, 3, hs) + self.bias.float().view(nh, 3, hs)
+        return y.flatten(-3).to(qkv.dtype)  # (B, T, nh·3·hs)
+
+    def extra_repr(self) -> str:
+        return f"3 x {self.hidden_size}, heads_per_partition={self.num_heads_per_partition}, eps={self.eps}"
 
 
 def _dropout(x: torch.Tensor, p: float, training: bool, rng: DropoutRNG, region: str) -> torch.Tensor:
@@ -210,15 +309,34 @@ class NormFormerEmbedding(nn.Module):
 
 
 class NormFormerBlock(nn.Module):
-    """One decoder layer: NormFormer (paper Fig. 1 middle) or, with every switch off, Pre-LN.
+    """One decoder layer: NormFormer (paper Fig. 1 middle) or, with every switch off, Pre-LN; or a
+    Post-LN / DeepNorm layer (``norm_scheme``, formulas in the module docstring).
+
+    LayerNorms: ``ln1`` belongs to the attention sublayer and ``ln2`` to the FFN sublayer in every
+    scheme: before the sublayer under ``pre_ln``, after its residual sum under ``post_ln`` and
+    ``deepnorm`` (so the parameter names are the same for every scheme).
+
+    Init (every weight ``N(0, std²)``, drawn full from its seed name, biases 0):
+
+    - ``pre_ln``: ``init_std``; W_O and W2 ``init_std / sqrt(2N)`` (GPT-2, Radford et al. 2019,
+      Sec. 2.3: the Pre-LN residual stream sums 2N sublayer outputs).
+    - ``post_ln``: ``init_std`` for every matrix: the residual stream is re-normalised after every
+      sublayer, and fairseq's Post-LN Transformer has no depth-dependent init either.
+    - ``deepnorm``: W_Q, W_K ``init_std``; W_V, W_O, W1, W2 ``β · init_std``, ``β = (8N)^(-1/4)``.
+      β times this project's init, not the paper's pseudo-code ``xavier_normal_(w, gain=β)``: this
+      is what torchscale (the DeepNet authors' code) does — it divides its own init of ``v_proj``,
+      ``out_proj``, ``fc1``, ``fc2`` by ``(8N)^(1/4)`` — and it keeps ``init_std`` the one scale
+      knob of every scheme (for ``init_std`` near Xavier's ``sqrt(2 / (fan_in + fan_out))``, e.g. 0.02
+      at d = 1024 to 2048, the two agree). The V rows of the fused QKV weight are scaled after the
+      draw, elementwise, so the weights are the same at every TP degree.
 
     Args:
-        config: the model configuration (switches ``post_attn_ln``, ``head_scale``, ``ffn_ln``,
-            ``resid_scale``).
+        config: the model configuration (``norm_scheme``, ``qkv_ln`` and the switches
+            ``post_attn_ln``, ``head_scale``, ``ffn_ln``, ``resid_scale``).
         layer_index: position of this layer (0-based); names its parameters' seeds, so a layer built
             on its own (e.g. by a pipeline stage) equals the same layer built inside the full model.
-        tp_group: tensor-parallel group, or None. Heads, HeadScale ``g``, W1 and FFN_LN are split
-            across it; LN1, LN2, POSTATTN_LN and ResScale ``λ`` are replicated.
+        tp_group: tensor-parallel group, or None. Heads, HeadScale ``g``, the q/k/v LayerNorms, W1
+            and FFN_LN are split across it; LN1, LN2, POSTATTN_LN and ResScale ``λ`` are replicated.
         seed: the model's base seed.
         sequence_parallel: the block's input and output are sequence slices ``[B, T / tp, d]``.
         dropout_rng: generator states for dropout; None builds one from ``seed`` and the TP rank.
@@ -227,6 +345,8 @@ class NormFormerBlock(nn.Module):
     ``[B, T / tp, d]`` -> ``[B, T / tp, d]`` with ``sequence_parallel``).
 
     Raises:
+        ConfigError: an unknown ``norm_scheme`` / ``position_embedding`` / ``activation``, or a
+            NormFormer switch or ``qkv_ln`` on with ``norm_scheme`` other than ``pre_ln``.
         ValueError: when the heads or the FFN width do not divide by the TP size.
     """
 
@@ -251,10 +371,22 @@ class NormFormerBlock(nn.Module):
         self.dropout_rng = dropout_rng or DropoutRNG(seed, tp_rank=tp_rank(tp_group))
         self.num_heads_per_partition = divide(config.num_attention_heads, tp_size)
         self.head_dim = config.head_dim
-        # GPT-2 (Radford et al. 2019, Sec. 2.3): scale the init of the layers that write into the
-        # residual stream (W_O, W2) by 1/sqrt(2·num_layers), two per layer, so the residual variance
-        # does not grow with depth.
-        residual_std = config.init_std / math.sqrt(2 * config.num_layers)
+        self.norm_scheme = config.norm_scheme
+        n = config.num_layers
+        # DeepNorm's α weights the residual inside the post-sublayer LayerNorm; 1 otherwise.
+        self.alpha = deepnorm_alpha(n) if config.norm_scheme == "deepnorm" else 1.0
+        if config.norm_scheme == "pre_ln":
+            # GPT-2 (Radford et al. 2019, Sec. 2.3): scale the init of the layers that write into the
+            # residual stream (W_O, W2) by 1/sqrt(2·num_layers), two per layer, so the residual
+            # variance does not grow with depth.
+            v_scale, fc1_std = 1.0, config.init_std
+            residual_std = config.init_std / math.sqrt(2 * n)
+        elif config.norm_scheme == "deepnorm":
+            # DeepNet (Wang et al. 2022, Fig. 2): W_V, W_O, W1, W2 scaled by β; W_Q, W_K not.
+            beta = deepnorm_beta(n)
+            v_scale, fc1_std, residual_std = beta, beta * config.init_std, beta * config.init_std
+        else:  # post_ln: each sublayer's output is re-normalised; no depth-dependent init
+            v_scale, fc1_std, residual_std = 1.0, config.init_std, config.init_std
 
         def seed_of(name: str) -> int:
             return derive_seed(seed, f"layers.{layer_index}.{name}")
@@ -270,6 +402,14 @@ class NormFormerBlock(nn.Module):
             init_std=config.init_std,
             seed=seed_of("attention.qkv"),
             sequence_parallel=sp,
+        )
+        if v_scale != 1.0:
+            with torch.no_grad():  # the V rows of every local head: [heads, 3, head_dim] rows, v = 2
+                self.qkv.weight.view(self.num_heads_per_partition, 3, self.head_dim, d)[:, 2].mul_(v_scale)
+        self.qkv_ln = (
+            QKVLayerNorm(config.num_attention_heads, self.head_dim, config.layernorm_eps, tp_group=tp_group)
+            if config.qkv_ln
+            else None
         )
         if config.head_scale:
             g = torch.ones(config.num_attention_heads)  # paper Sec. 2: γ_i initialised to 1
@@ -294,7 +434,7 @@ class NormFormerBlock(nn.Module):
         # --- feed-forward ----------------------------------------------------------------------
         self.ln2 = ReplicatedLayerNorm(d, config.layernorm_eps, tp_group=tp_group, sequence_parallel=sp)
         self.fc1 = ColumnParallelLinear(
-            d, ffn, tp_group=tp_group, init_std=config.init_std, seed=seed_of("ffn.fc1"), sequence_parallel=sp
+            d, ffn, tp_group=tp_group, init_std=fc1_std, seed=seed_of("ffn.fc1"), sequence_parallel=sp
         )
         self.ffn_ln = (
             ShardedLayerNorm(ffn, tp_group=tp_group, eps=config.layernorm_eps) if config.ffn_ln else None
@@ -309,13 +449,19 @@ class NormFormerBlock(nn.Module):
             self.register_parameter("resid_scale", None)
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
-        """``HeadScaleMHA(LN1(x))`` before POSTATTN_LN: ``[B, T, d]`` -> ``[B, T, d]`` (causal).
+        """``HeadScaleMHA(LN1(x))`` before POSTATTN_LN (with ``qkv_ln``, LayerNorms on q, k, v) under
+        Pre-LN; ``MHA(x)`` under Post-LN / DeepNorm (whose LN1 comes after the residual sum):
+        ``[B, T, d]`` -> ``[B, T, d]`` (causal).
 
         With sequence parallelism ``[B, T/tp, d]`` -> ``[B, T/tp, d]``; attention itself always
         sees the whole sequence (gathered by ``qkv``).
         """
         nh, hs = self.num_heads_per_partition, self.head_dim  # local heads, head size
-        qkv = self.qkv(self.ln1(x))  # (B, T, nh·3·hs), the whole sequence
+        if self.norm_scheme == "pre_ln":
+            x = self.ln1(x)
+        qkv = self.qkv(x)  # (B, T, nh·3·hs), the whole sequence
+        if self.qkv_ln is not None:
+            qkv = self.qkv_ln(qkv)  # statistics over all heads' q (k, v), reduced across TP ranks
         B, T, _ = qkv.shape  # noqa: N806  (batch size, sequence length)
         q, k, v = qkv.view(B, T, nh, 3, hs).permute(3, 0, 2, 1, 4).unbind(0)  # 3 × (B, nh, T, hs)
         dropout_p = self.config.attention_dropout if self.training else 0.0
@@ -344,6 +490,14 @@ class NormFormerBlock(nn.Module):
         # The residual stream is replicated across TP ranks (same mask everywhere), or split along
         # the sequence under sequence parallelism (each rank its own tokens, its own mask).
         region = "sharded" if self.sequence_parallel else "replicated"
+        if self.norm_scheme != "pre_ln":
+            # Post-LN (alpha = 1) / DeepNorm: LN(alpha·x + F(x)) after each sublayer. The LayerNorms
+            # are replicated (sequence-sliced under sequence parallelism), like the residual stream.
+            a = _dropout(self.attention(x), p, self.training, self.dropout_rng, region)  # (B, T, d)
+            h = self.ln1(self.alpha * x + a if self.alpha != 1.0 else x + a)
+            f = self.fc2(self.activation(self.fc1(h)))  # (B, T, d)
+            f = _dropout(f, p, self.training, self.dropout_rng, region)
+            return self.ln2(self.alpha * h + f if self.alpha != 1.0 else h + f)
         a = self.attention(x)  # (B, T, d)  [(B, T/tp, d) with sequence parallelism, throughout]
         if self.post_attn_ln is not None:
             a = self.post_attn_ln(a)
@@ -361,7 +515,10 @@ class NormFormerBlock(nn.Module):
 
 class FinalNorm(nn.Module):
     """The LayerNorm after the last block (Pre-LN needs it: GPT-2, Radford et al. 2019, Sec. 2.3),
-    replicated across TP ranks.
+    replicated across TP ranks; under ``norm_scheme`` ``post_ln`` / ``deepnorm`` an identity without
+    parameters (the last block already ends in a LayerNorm; fairseq's and torchscale's decoders
+    build their final ``layer_norm`` only with ``normalize_before``), so that every scheme has the
+    same layer plan.
 
     A module around the norm rather than the norm itself, so its parameters keep the checkpoint
     names ``<index>.norm.weight`` / ``<index>.norm.bias``.
@@ -374,12 +531,16 @@ class FinalNorm(nn.Module):
     ) -> None:
         super().__init__()
         sp = sequence_parallel and tp_world_size(tp_group) > 1
-        self.norm = ReplicatedLayerNorm(
-            config.hidden_size, config.layernorm_eps, tp_group=tp_group, sequence_parallel=sp
+        self.norm = (
+            ReplicatedLayerNorm(
+                config.hidden_size, config.layernorm_eps, tp_group=tp_group, sequence_parallel=sp
+            )
+            if config.norm_scheme == "pre_ln"
+            else None
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.norm(hidden)
+        return hidden if self.norm is None else self.norm(hidden)
 
 
 def tied_output_logits(embedding: NormFormerEmbedding, hidden: torch.Tensor) -> torch.Tensor:
