@@ -1,8 +1,9 @@
 """Sharded equals unsharded: each tensor-parallel layer, the sequence-parallel mappings, and the whole
 NormFormerLM (the one model: what the trainer builds and checkpoints hold; with and without sequence
-parallelism) at TP = 2 and TP = 4 against the same layer built with ``tp_group=None`` from the same
-seed, forward and backward, in spawned gloo processes on CPU.
-Also: the dropout RNG regions and the process groups of :class:`ParallelState` on a 4-rank world."""
+parallelism; every model.norm_scheme and model.qkv_ln) at TP = 2 and TP = 4 against the same layer
+built with ``tp_group=None`` from the same seed, forward and backward, in spawned gloo processes on
+CPU. Also: the dropout RNG regions and the process groups of :class:`ParallelState` on a 4-rank
+world."""
 
 from __future__ import annotations
 
@@ -181,6 +182,13 @@ MODEL_VARIANTS = [
     dataclasses.replace(
         TINY, resid_scale=True, tie_embeddings=False, position_embedding="learned", activation="relu2"
     ),
+    # model.norm_scheme / model.qkv_ln: Post-LN, DeepNorm (alpha in the forward, beta-scaled init),
+    # and NormFormer + LN on each of q, k, v (the paper's "+ 3 More LN", statistics across TP ranks).
+    dataclasses.replace(TINY, norm_scheme="post_ln", post_attn_ln=False, head_scale=False, ffn_ln=False),
+    dataclasses.replace(
+        TINY, norm_scheme="deepnorm", post_attn_ln=False, head_scale=False, ffn_ln=False, tie_embeddings=False
+    ),
+    dataclasses.replace(TINY, qkv_ln=True, resid_scale=True),
 ]
 
 
@@ -190,7 +198,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _check_model(group, sequence_parallel: bool = False) -> None:
     """The issue's tolerances: logits max |Δ| <= 1e-5, loss relative <= 1e-6, every gathered gradient
-    relative (in norm) <= 1e-5; fp32, dropout off, same weights, every NormFormer switch on."""
+    relative (in norm) <= 1e-5; fp32, dropout off, same weights, every NormFormer switch on, and every
+    norm_scheme (pre_ln, post_ln, deepnorm) and qkv_ln."""
     tokens = torch.randint(0, TINY.vocab_size, (2, 16), generator=_gen(13))
     labels = torch.randint(0, TINY.vocab_size, (2, 16), generator=_gen(14))
     for config in MODEL_VARIANTS:
