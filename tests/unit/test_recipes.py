@@ -1,0 +1,274 @@
+"""The NormFormer paper's recipes (configs/paper/*.yaml) and the 3D-layout recipes built on them.
+
+Checked against the paper (Shleifer, Weston & Ott 2021, arXiv:2110.09456: Table 1, Sec. 2.2,
+Table 2) and the authors' fairseq commands (examples/normformer/train_lm.sh and README.md):
+parameter counts equal Table 2's |θ| (the model built on the meta device), the hyperparameters,
+and both hardware layouts each recipe states in its header (A100 = the file, V100 = the
+``# V100 overrides:`` line) load and build their DeepSpeed config at the stated world size. The
+memory estimate in each header is recomputed here from its stated formula, and the per-block
+activation coefficient it uses is measured.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from megaformer.config import load_config, validate_layout
+from megaformer.config.schema import ModelConfig
+from megaformer.model import NormFormerLM, count_parameters
+from megaformer.training.deepspeed_config import build_deepspeed_config
+
+REPO = Path(__file__).resolve().parents[2]
+GIB = 2**30
+SEQ = 2048
+ROWS = 51200  # embedding rows of the paper's models (pinned by Table 2, see the test below)
+
+# file -> what the paper (P) and fairseq's commands (F) say. |θ| in millions, P Table 2.
+PAPER = {
+    "125m-baseline": dict(
+        theta=124.4, lr=3e-3, d=768, L=12, heads=12, drop=0.1, act="gelu", nf=False, resid=False
+    ),
+    "125m-normformer": dict(
+        theta=124.5, lr=3e-3, d=768, L=12, heads=12, drop=0.1, act="gelu", nf=True, resid=True
+    ),
+    "355m-baseline": dict(
+        theta=354.7, lr=1e-3, d=1024, L=24, heads=16, drop=0.0, act="gelu", nf=False, resid=False
+    ),
+    "355m-normformer": dict(
+        theta=355.0, lr=1e-3, d=1024, L=24, heads=16, drop=0.0, act="gelu", nf=True, resid=True
+    ),
+    "1.3b-baseline": dict(
+        theta=1313.5, lr=6e-4, d=2048, L=24, heads=32, drop=0.1, act="gelu", nf=False, resid=False
+    ),
+    "1.3b-normformer": dict(
+        theta=1314.0, lr=6e-4, d=2048, L=24, heads=32, drop=0.1, act="gelu", nf=True, resid=False
+    ),
+    "2.7b-baseline": dict(
+        theta=2648.7, lr=1.6e-4, d=2560, L=32, heads=32, drop=0.1, act="relu2", nf=False, resid=False
+    ),
+    "2.7b-normformer": dict(
+        theta=2649.5, lr=6e-4, d=2560, L=32, heads=32, drop=0.1, act="relu2", nf=True, resid=False
+    ),
+}
+RECIPES = sorted(PAPER)
+
+# The 3D / ZeRO-2 layouts of the paper's NormFormer models: (file, paper recipe, world, layout).
+LAYOUT_RECIPES = [
+    (
+        "configs/normformer-1.3b-3d-v100.yaml",
+        "1.3b-normformer",
+        16,
+        {"pp": 2, "tp": 2, "zero": 1, "fp16": True},
+    ),
+    (
+        "configs/normformer-2.7b-3d-a100.yaml",
+        "2.7b-normformer",
+        32,
+        {"pp": 4, "tp": 2, "zero": 1, "bf16": True},
+    ),
+    ("configs/normformer-350m-zero2.yaml", "355m-normformer", 8, {"pp": 1, "tp": 1, "zero": 2, "bf16": True}),
+]
+
+
+def _path(name: str) -> str:
+    return f"configs/paper/{name}.yaml"
+
+
+def _header(name: str) -> str:
+    return (REPO / _path(name)).read_text(encoding="utf-8")
+
+
+def _closed_form(m: ModelConfig, rows: int = ROWS) -> int:
+    """Pre-LN decoder with tied embeddings, sinusoidal positions (no parameters) and biases everywhere:
+    embedding rows·d; per layer LN 2d + QKV 3d²+3d + W_O d²+d + LN 2d + W1 4d²+4d + W2 4d²+d; final LN 2d.
+    NormFormer adds per layer post-attn LN 2d, FFN LN 2·4d and one HeadScale gain per head; ResScale d.
+    """
+    d, n_layers = m.hidden_size, m.num_layers
+    n = rows * d + n_layers * (12 * d * d + 13 * d) + 2 * d
+    n += n_layers * ((2 * d if m.post_attn_ln else 0) + (8 * d if m.ffn_ln else 0))
+    n += n_layers * (m.num_attention_heads if m.head_scale else 0) + n_layers * (d if m.resid_scale else 0)
+    return n
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_parameter_count_equals_the_papers(name):
+    cfg = load_config(_path(name))
+    with torch.device("meta"):
+        model = NormFormerLM(cfg.model)
+    n = count_parameters(model)
+    assert model.padded_vocab_size == ROWS
+    assert n == _closed_form(cfg.model)
+    assert round(n / 1e6, 1) == PAPER[name]["theta"], f"{name}: {n / 1e6:.3f}M, paper {PAPER[name]['theta']}M"
+
+
+def test_embedding_rows_are_pinned_by_the_papers_counts():
+    """Table 2's four baseline |θ| (rounded to 0.1M) allow only 51,196..51,209 embedding rows; 51,200
+    is the one Megatron-style padding gives, with make_vocab_size_divisible_by 1280 at tp 1, 2, 4, 8."""
+    lo, hi = 0, 10**9
+    for name in ("125m-baseline", "355m-baseline", "1.3b-baseline", "2.7b-baseline"):
+        m = load_config(_path(name)).model
+        rest = _closed_form(m, rows=0)
+        theta = round(PAPER[name]["theta"] * 10) * 100_000  # exact integer parameters
+        lo = max(lo, -(-(theta - 50_000 - rest) // m.hidden_size))  # |θ| rounds to the stated 0.1M
+        hi = min(hi, (theta + 50_000 - rest) // m.hidden_size)
+    assert (lo, hi) == (51196, 51209)
+    m = load_config(_path("125m-baseline")).model
+    assert [m.padded_vocab_size(tp) for tp in (1, 2, 4, 8)] == [ROWS] * 4
+    assert (
+        ModelConfig(make_vocab_size_divisible_by=128).padded_vocab_size(1) == 50304
+    )  # default: not the paper's
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_hyperparameters_are_the_papers(name):
+    p = PAPER[name]
+    cfg = load_config(_path(name))
+    m, t = cfg.model, cfg.train
+    assert (m.hidden_size, m.num_layers, m.num_attention_heads, m.ffn_size) == (
+        p["d"],
+        p["L"],
+        p["heads"],
+        4 * p["d"],
+    )
+    assert (m.seq_len, m.position_embedding, m.activation, m.tie_embeddings) == (
+        SEQ,
+        "sinusoidal",
+        p["act"],
+        True,
+    )
+    assert (m.post_attn_ln, m.head_scale, m.ffn_ln, m.resid_scale) == (p["nf"], p["nf"], p["nf"], p["resid"])
+    assert (m.hidden_dropout, m.attention_dropout) == (p["drop"], p["drop"])
+    assert t.lr == p["lr"]
+    big = name.startswith(("1.3b", "2.7b"))
+    assert t.global_batch_size * SEQ == (2**20 if big else 2**19)  # 1M / 0.5M tokens
+    assert t.steps == (286102 if big else 572204)
+    assert t.steps * t.global_batch_size * SEQ == pytest.approx(300e9, rel=1e-4)  # P Sec. 2.2: 300B tokens
+    assert (t.adam_beta1, t.adam_beta2, t.adam_eps, t.weight_decay, t.grad_clip) == (
+        0.9,
+        0.98,
+        1e-8,
+        0.01,
+        0.0,
+    )
+    assert (t.warmup_steps, t.lr_decay, t.min_lr) == (750, "linear", 0.0)
+
+
+def _layouts(name: str) -> dict[str, tuple[int, list[str], int, bool]]:
+    """The header's layouts: hardware -> (world size, overrides, micro-batch, checkpointing)."""
+    text = _header(name)
+    out = {}
+    for hw, pattern in (
+        ("A100", r"# A100 layout \(this file\): world (\d+) = .*\n#   micro-batch (\d+), (no )?activation"),
+        ("V100", r"# V100 layout: world (\d+) = .*\n#   micro-batch (\d+), (no )?activation"),
+    ):
+        match = re.search(pattern, text)
+        assert match, f"{name}: no {hw} layout line"
+        out[hw] = [int(match[1]), [], int(match[2]), match[3] is None]
+    overrides = re.search(r"^# V100 overrides: (.*)$", text, re.MULTILINE)
+    assert overrides, f"{name}: no '# V100 overrides:' line"
+    out["V100"][1] = overrides[1].split()
+    return {k: tuple(v) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("hw", ["A100", "V100"])
+@pytest.mark.parametrize("name", RECIPES)
+def test_both_layouts_load_and_build_their_deepspeed_config(name, hw):
+    world, overrides, micro, ckpt = _layouts(name)[hw]
+    cfg = load_config(_path(name), overrides)
+    t = cfg.train
+    assert (t.micro_batch_size, t.activation_checkpointing) == (micro, ckpt)
+    assert (cfg.parallel.tp_size, cfg.parallel.pp_size, t.zero_stage) == (1, 1, 1)
+    dp = validate_layout(cfg, world)
+    assert world % 8 == 0 and dp == world
+    ds = build_deepspeed_config(cfg, dp)
+    assert ds["gradient_accumulation_steps"] * micro * dp == t.global_batch_size
+    assert ds["gradient_clipping"] == 0.0 and ds["zero_optimization"]["stage"] == 1
+    if hw == "A100":
+        assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
+        # ZeRO-1 + bf16 + fp32 accumulation: DeepSpeed's BF16 optimizer, the states the estimate counts
+        assert ds["data_types"]["grad_accum_dtype"] == "fp32"
+    else:
+        assert ds["fp16"]["enabled"] and not ds["bf16"]["enabled"]
+        assert ds["fp16"]["loss_scale"] == 0  # dynamic loss scaling
+    # the other hyperparameters are untouched by the V100 overrides
+    assert load_config(_path(name)).model == cfg.model and cfg.train.lr == PAPER[name]["lr"]
+
+
+def _estimate_gib(name: str, hw: str) -> float:
+    """The header's memory formula, from the meta-device parameter count."""
+    world, overrides, micro, ckpt = _layouts(name)[hw]
+    cfg = load_config(_path(name), overrides)
+    with torch.device("meta"):
+        n = count_parameters(NormFormerLM(cfg.model))
+    d, layers = cfg.model.hidden_size, cfg.model.num_layers
+    states = 6 * n + 12 * n / world if hw == "A100" else 4 * n + 16 * n / world
+    block = (48 if PAPER[name]["nf"] else 36) * SEQ * d
+    acts = 2 * SEQ * d * layers + block if ckpt else block * layers
+    logits = 8 * SEQ * ROWS
+    return (states + micro * (acts + logits)) / GIB + 2
+
+
+@pytest.mark.parametrize("hw", ["A100", "V100"])
+@pytest.mark.parametrize("name", RECIPES)
+def test_stated_memory_estimate_is_the_formula_and_fits(name, hw):
+    match = re.search(rf"^#   {hw}: .* = ([\d.]+) GiB of (\d+)", _header(name), re.MULTILINE)
+    assert match, f"{name}: no {hw} memory line"
+    stated, capacity = float(match[1]), int(match[2])
+    assert stated == pytest.approx(_estimate_gib(name, hw), abs=0.05)
+    assert capacity == (40 if hw == "A100" else 32)
+    assert stated < 0.8 * capacity  # headroom for fragmentation
+
+
+def _saved_bytes_per_token_and_width(nf: bool, hidden_dropout: float) -> float:
+    d, seq, batch = 256, 128, 2
+    cfg = ModelConfig(
+        vocab_size=1000, make_vocab_size_divisible_by=8, hidden_size=d, num_layers=1,
+        num_attention_heads=4, seq_len=seq, post_attn_ln=nf, head_scale=nf, ffn_ln=nf, resid_scale=nf,
+        hidden_dropout=hidden_dropout, attention_dropout=0.0,
+    )  # fmt: skip
+    block = NormFormerLM(cfg).to(torch.bfloat16).train().blocks[0]
+    x = torch.randn(batch, seq, d, dtype=torch.bfloat16, requires_grad=True)
+    weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in weights:  # activations only; the weights are the model states
+            storages[s.data_ptr()] = max(storages.get(s.data_ptr(), 0), s.nbytes())
+        return t
+
+    # the fused kernel the GPUs run (flash / memory-efficient): no s×s attention scores are kept
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    return sum(storages.values()) / (batch * seq * d)
+
+
+@pytest.mark.parametrize(("nf", "bound"), [(False, 36), (True, 48)])
+def test_activation_bytes_per_block_used_by_the_estimates(nf, bound):
+    """What one block keeps for backward in bf16 (input included), per token and unit of width: the
+    coefficient the headers use (SDPA's fused attention: no s×s scores; hidden dropout masks)."""
+    coefficient = _saved_bytes_per_token_and_width(nf, hidden_dropout=0.1)
+    print(f"{'NormFormer' if nf else 'Pre-LN'} block: {coefficient:.2f} bytes per token per unit of width")
+    assert bound - 2 < coefficient <= bound + 0.25
+
+
+@pytest.mark.parametrize(("path", "paper", "world", "expect"), LAYOUT_RECIPES)
+def test_layout_recipes_train_the_papers_models_with_its_hyperparameters(path, paper, world, expect):
+    cfg, ref = load_config(path), load_config(_path(paper))
+    assert cfg.model.padded_vocab_size(cfg.parallel.tp_size) == ROWS
+    assert cfg.model == ref.model
+    keys = ("steps", "global_batch_size", "lr", "min_lr", "warmup_steps", "lr_decay")
+    keys += ("adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "grad_clip")
+    assert {k: getattr(cfg.train, k) for k in keys} == {k: getattr(ref.train, k) for k in keys}
+    assert (cfg.parallel.pp_size, cfg.parallel.tp_size, cfg.train.zero_stage) == (
+        expect["pp"], expect["tp"], expect["zero"],
+    )  # fmt: skip
+    dp = validate_layout(cfg, world)
+    ds = build_deepspeed_config(cfg, dp)
+    assert ds["fp16"]["enabled"] == expect.get("fp16", False)
+    assert ds["bf16"]["enabled"] == expect.get("bf16", False)
