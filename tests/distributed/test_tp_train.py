@@ -1,5 +1,6 @@
 """Tensor parallelism end to end: launch/pretrain.sh on real text at tp_size = 2 repeats the tp_size = 1
-run step for step, and a TP=2 checkpoint resharded to TP=1 and on to TP=4 gives the same logits."""
+run step for step (also for model.norm_scheme post_ln / deepnorm and model.qkv_ln), and a TP=2
+checkpoint resharded to TP=1 and on to TP=4 gives the same logits."""
 
 from __future__ import annotations
 
@@ -184,3 +185,45 @@ def test_generate_samples_text_from_a_tp2_checkpoint(runs, tmp_path):
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert bad.returncode == 2 and f"{truncated}: not a readable checkpoint file" in bad.stderr, bad.stderr
+
+
+# model.norm_scheme / model.qkv_ln through the launcher: each at TP = 2 repeats its TP = 1 run.
+NORMFORMER_OFF = ["model.post_attn_ln=false", "model.head_scale=false", "model.ffn_ln=false"]
+SCHEMES = {
+    "post_ln": ["model.norm_scheme=post_ln", *NORMFORMER_OFF, "model.resid_scale=false"],
+    "deepnorm": ["model.norm_scheme=deepnorm", *NORMFORMER_OFF, "model.resid_scale=false"],
+    "qkv_ln": ["model.qkv_ln=true"],  # on top of every NormFormer switch (TINY): the paper's ablation
+}
+SHORT = ["train.steps=10", "train.warmup_steps=3", "train.log_interval=10", "train.eval_interval=10"]
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_every_norm_scheme_trains_the_same_at_tp2_as_at_tp1(scheme, gutenberg_prefix, tmp_path):
+    """10 steps of the tiny model per run; train/loss and train/grad_norm within 1e-4 relative."""
+    scalars = {}
+    for tp in (1, 2):
+        run_dir = tmp_path / f"tp{tp}"
+        overrides = [*TINY, *SCHEMES[scheme], *SHORT, f"parallel.tp_size={tp}", "train.zero_stage=0"]
+        proc = run_pretrain(CONFIG, [*overrides, f"data.prefix={gutenberg_prefix}", f"output.dir={run_dir}"])
+        assert proc.returncode == 0, (
+            f"tp{tp}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
+        assert f"| tp {tp}" in proc.stdout, proc.stdout[-3000:]
+        scalars[tp] = read_scalars(str(run_dir / "tensorboard"))
+        state = torch.load(
+            run_dir / "checkpoints" / "global_step10" / "mp_rank_00_model_states.pt", weights_only=False
+        )
+        model_cfg = state["config"]["model"]
+        assert (model_cfg["norm_scheme"], model_cfg["qkv_ln"]) == (
+            "pre_ln" if scheme == "qkv_ln" else scheme,
+            scheme == "qkv_ln",
+        )
+        names = set(state["module"])
+        assert ("3.norm.weight" in names) == (scheme == "qkv_ln")  # no final LayerNorm after Post-LN
+        assert ("1.qkv_ln.weight" in names) == (scheme == "qkv_ln")
+    ref, got = scalars[1], scalars[2]
+    assert sorted(got["train/loss"]) == list(range(1, 11))
+    for step in range(1, 11):
+        for tag in ("train/loss", "train/grad_norm"):
+            assert got[tag][step] == pytest.approx(ref[tag][step], rel=1e-4), (scheme, tag, step)
+    assert ref["train/loss"][10] < ref["train/loss"][1] - 0.5  # it trains
