@@ -82,6 +82,26 @@ def _two_stages(config: ModelConfig, seed: int, partition_method: str) -> list[t
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_pipeline_stages_hold_the_model_s_parameters_and_compute_its_loss(tied, partition_method):
     config = dataclasses.replace(TINY, tie_embeddings=tied, position_embedding="learned")
+    _check_stages_against_the_model(config, partition_method)
+
+
+NF_OFF = dict(post_attn_ln=False, head_scale=False, ffn_ln=False, resid_scale=False)
+
+
+@pytest.mark.parametrize(
+    "scheme",
+    [dict(norm_scheme="post_ln", **NF_OFF), dict(norm_scheme="deepnorm", **NF_OFF), dict(qkv_ln=True)],
+    ids=["post_ln", "deepnorm", "qkv_ln"],
+)
+def test_pipeline_stages_of_every_norm_scheme_compute_the_model_s_loss(scheme):
+    """Post-LN / DeepNorm have a FinalNorm without parameters; qkv_ln adds parameters to each block.
+    (The default partition method, the one that weighs layers by their parameter counts.)"""
+    config = dataclasses.replace(TINY, position_embedding="learned", **scheme)
+    _check_stages_against_the_model(config, "parameters")
+
+
+def _check_stages_against_the_model(config: ModelConfig, partition_method: str) -> None:
+    tied = config.tie_embeddings
     model = NormFormerLM(config, seed=11)
     reference = dict(model.named_parameters())
     stages = _two_stages(config, 11, partition_method)
