@@ -288,6 +288,16 @@ def check_train(cfg: RunConfig) -> None:
         f"{t.micro_batch_size}.",
     )
     _require(t.resume != "", "train.resume='': use none, auto or a checkpoint directory.")
+    _require(t.budget_device_hours >= 0, f"train.budget_device_hours={t.budget_device_hours}: must be >= 0.")
+    if t.budget_device_hours > 0:
+        _positive("train", t, "budget_measure_steps")
+        first = 2 + t.budget_measure_steps
+        _require(
+            t.lr_decay == "constant" or t.warmup_steps >= first,
+            f"train.budget_device_hours={t.budget_device_hours} fixes the run length after step {first} "
+            f"(2 + train.budget_measure_steps), but the decay starts at train.warmup_steps="
+            f"{t.warmup_steps}; raise train.warmup_steps to >= {first} or lower train.budget_measure_steps.",
+        )
     # Whether train.init_from / train.resume / train.deepspeed_config name readable files is checked
     # by the trainer's preflight (megaformer.training.preflight), before any process group starts:
     # loading a config reads the YAML and nothing else.

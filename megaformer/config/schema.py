@@ -199,6 +199,15 @@ class TrainConfig:
     """A checkpoint directory (a run's checkpoints/ or one global_stepN) saved at ANY (tp, pp, dp)
     layout: its module weights and step are loaded, resharded to this run's layout; optimizer
     moments restart from zero (logged). Ignored when train.resume finds a checkpoint. Empty: off."""
+    budget_device_hours: float = 0.0
+    """Compute-matched run length, in device-hours summed over all ranks (0: off, the run takes
+    train.steps steps). The run measures its step time over train.budget_measure_steps steps (after
+    2 warm-up steps) and one evaluation, fixes once the number of steps that fills the budget (at
+    most train.steps, which sizes the data), logs it, and ends the learning-rate decay exactly
+    there; the decision is saved in checkpoints, so a resumed run keeps it. It must be taken during
+    warmup: train.warmup_steps >= 2 + budget_measure_steps."""
+    budget_measure_steps: int = 20
+    """Steps whose mean wall-clock time (the slowest rank's) fixes the budget's step count."""
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in the backward pass instead of storing them
     (never the embedding); under tensor parallelism without sequence parallelism the saved block

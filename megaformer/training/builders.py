@@ -143,9 +143,12 @@ def count_parameters_global(model: torch.nn.Module, layout: Layout) -> int:
     return all_reduce_ints([count], group=state.pp_group)[0]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: RunConfig, start_step: int) -> tuple[Any, Any]:
-    """AdamW (no weight decay on biases, norms and scales) and the warmup + decay schedule,
-    advanced to ``start_step`` (for ``train.init_from``; a resume restores DeepSpeed's state)."""
+def build_optimizer(
+    model: torch.nn.Module, cfg: RunConfig, start_step: int, schedule: Any = None
+) -> tuple[Any, Any]:
+    """AdamW (no weight decay on biases, norms and scales) and a LambdaLR following ``schedule``
+    (:class:`~megaformer.training.schedule.Schedule`, default over ``train.steps``), advanced to
+    ``start_step`` (for ``train.init_from``; a resume restores DeepSpeed's state)."""
     from megaformer.model import param_groups
     from megaformer.training.schedule import build_scheduler
 
@@ -153,7 +156,7 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig, start_step: int) -> 
     optimizer = torch.optim.AdamW(
         param_groups(model, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps
     )
-    scheduler = build_scheduler(optimizer, t)
+    scheduler = build_scheduler(optimizer, t, schedule)
     with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": intended
         warnings.simplefilter("ignore", UserWarning)
         for _ in range(start_step):

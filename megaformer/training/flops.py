@@ -16,6 +16,7 @@ operations", eq. (3): ``72·B·s·l·h²·(1 + s/(6h) + V/(12·h·l))`` per batc
     norms      3 · 8 · (elements normalised per token)  every LayerNorm: mean, centre, square, mean,
                                                        scale, gain, shift ≈ 8 flops per element
     scales     3 · (d [HeadScale] + d [ResScale])      NormFormer's elementwise products
+               3 · 2d [DeepNorm's α·x]                 per layer, where switched on
 
 The token embedding is a lookup (no FLOPs); softmax, activations, dropout and residual additions
 are not counted (as in Megatron and PaLM). The norms and scales are NormFormer's extra operations:
@@ -51,7 +52,9 @@ def normalised_elements_per_token(config: ModelConfig) -> int:
         per_layer += f
     if getattr(config, "qkv_ln", False):
         per_layer += 3 * d  # "+3 More LN": q, k and v
-    return config.num_layers * per_layer + d  # + the final LayerNorm
+    # Pre-LN ends with a final LayerNorm; Post-LN and DeepNorm, whose blocks end normalised, have none.
+    final = d if getattr(config, "norm_scheme", "pre_ln") == "pre_ln" else 0
+    return config.num_layers * per_layer + final
 
 
 def model_flops_per_token(config: ModelConfig, padded_vocab_size: int | None = None) -> float:
@@ -71,6 +74,8 @@ def model_flops_per_token(config: ModelConfig, padded_vocab_size: int | None = N
     forward += 2 * L * 2 * T * d  # attention scores and weighted values
     forward += LAYER_NORM_FLOPS_PER_ELEMENT * normalised_elements_per_token(config)
     forward += L * d * (int(config.head_scale) + int(config.resid_scale))
+    if getattr(config, "norm_scheme", "pre_ln") == "deepnorm":
+        forward += L * 2 * d  # α·x on both residual branches of every block
     return 3.0 * forward
 
 

@@ -1,4 +1,9 @@
-"""Learning-rate schedule: linear warmup, then cosine or linear decay to min_lr (Megatron-LM's shape)."""
+"""Learning-rate schedule: linear warmup, then cosine or linear decay to min_lr (Megatron-LM's shape).
+
+The decay ends at the run's last step. That is ``train.steps``, or, under a compute budget
+(``train.budget_device_hours``), the step count the run fixes once it has measured its step time
+(:mod:`megaformer.training.budget`): the schedule's length can be set once, before the decay starts.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +14,20 @@ import torch
 from megaformer.config import TrainConfig
 
 
-def lr_at(step: int, t: TrainConfig) -> float:
+def lr_at(step: int, t: TrainConfig, total_steps: int | None = None) -> float:
     """Learning rate of the optimizer update number ``step`` (0-based).
 
     Warmup: ``lr · (step + 1) / warmup_steps`` for the first ``warmup_steps`` updates, so the first
-    update is not wasted at lr 0. Decay over the remaining updates, reaching ``min_lr`` at the last:
-    cosine ``min_lr + (lr - min_lr) · ½(1 + cos(π·progress))`` or linear.
+    update is not wasted at lr 0. Decay over the remaining updates, reaching ``min_lr`` at the last
+    (update ``total_steps - 1``; default ``t.steps``): cosine
+    ``min_lr + (lr - min_lr) · ½(1 + cos(π·progress))`` or linear.
     """
+    total = t.steps if total_steps is None else total_steps
     if step < t.warmup_steps:
         return t.lr * (step + 1) / t.warmup_steps
     if t.lr_decay == "constant":
         return t.lr
-    span = max(1, t.steps - 1 - t.warmup_steps)
+    span = max(1, total - 1 - t.warmup_steps)
     progress = min(1.0, (step - t.warmup_steps) / span)
     if t.lr_decay == "cosine":
         factor = 0.5 * (1.0 + math.cos(math.pi * progress))
@@ -29,9 +36,46 @@ def lr_at(step: int, t: TrainConfig) -> float:
     return t.min_lr + (t.lr - t.min_lr) * factor
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, t: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR following :func:`lr_at`; DeepSpeed steps it once per optimizer update.
+class Schedule:
+    """:func:`lr_at` with a run length that may be fixed after the start (see the module docstring).
 
-    Every param group is created with ``lr = t.lr`` so the lambda's factor is ``lr_at / t.lr``.
+    Args:
+        t: the training config.
+        total_steps: the run's length (default ``t.steps``).
     """
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, t) / t.lr)
+
+    def __init__(self, t: TrainConfig, total_steps: int | None = None) -> None:
+        self.t = t
+        self.total_steps = t.steps if total_steps is None else total_steps
+
+    def lr(self, step: int) -> float:
+        """The learning rate of update ``step`` (0-based)."""
+        return lr_at(step, self.t, self.total_steps)
+
+    def set_total_steps(self, total_steps: int, step: int) -> None:
+        """Fix the run's length at ``total_steps``, at update ``step``.
+
+        Raises:
+            ValueError: after warmup (the decay has begun toward another end), or a length not
+                greater than ``step``.
+        """
+        if step > self.t.warmup_steps and self.t.lr_decay != "constant":
+            raise ValueError(
+                f"the run length is fixed at step {step}, after train.warmup_steps="
+                f"{self.t.warmup_steps}: the decay already started toward step {self.total_steps}"
+            )
+        if total_steps <= step:
+            raise ValueError(f"total_steps={total_steps} must exceed the current step {step}")
+        self.total_steps = total_steps
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, t: TrainConfig, schedule: Schedule | None = None
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR following ``schedule`` (default: :func:`lr_at` over ``t.steps``); DeepSpeed steps
+    it once per optimizer update.
+
+    Every param group is created with ``lr = t.lr`` so the lambda's factor is ``lr / t.lr``.
+    """
+    schedule = schedule or Schedule(t)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule.lr(step) / t.lr)

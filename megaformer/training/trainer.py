@@ -78,7 +78,9 @@ class Evaluator:
 
 
 class TrainLoop:
-    """Steps ``start_step .. train.steps - 1``: train, log, evaluate, save."""
+    """Steps ``start_step .. total - 1``: train, log, evaluate, save; ``total`` is ``train.steps``
+    or, under a compute budget, the length the run fixes after measuring itself
+    (:mod:`.budget`)."""
 
     def __init__(
         self,
@@ -89,13 +91,23 @@ class TrainLoop:
         checkpointer: Any,
         start_step: int,
         compute: Any,
+        schedule: Any,
+        client_state: dict,
     ) -> None:
+        from megaformer.training.budget import BudgetKeeper
         from megaformer.training.metrics import DeferredScalars, MetricsWriter
 
         self.engine, self.cfg, self.layout, self.data = engine, cfg, layout, data
         self.checkpointer = checkpointer
         self.start_step = start_step
         self.compute = compute  # a flops.ComputeMeter: tokens, device-hours, TFLOP/s, MFU
+        self.schedule = schedule  # the learning-rate schedule; its end is the run's last step
+        self.budget = None
+        if "budget_steps" in client_state:  # decided before a resume: kept
+            schedule.total_steps = int(client_state["budget_steps"])
+            log(layout, f"budget: run length {schedule.total_steps} steps, as decided before the resume")
+        elif cfg.train.budget_device_hours > 0:
+            self.budget = BudgetKeeper(cfg, layout.world_size, start_step)
         self.evaluate = Evaluator(engine, cfg, layout, data)
         self.tb_dir = os.path.join(cfg.output.dir, "tensorboard")
         # purge_step: on resume, TensorBoard hides the events a killed run wrote past the checkpoint.
@@ -106,6 +118,12 @@ class TrainLoop:
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
         self.step_times: list[float] = []
         self.valid_loss = math.nan
+        self.paused = 0.0  # seconds spent in evaluations and checkpoints
+
+    @property
+    def total(self) -> int:
+        """The run's last step (``train.steps``, or the budget's decision)."""
+        return self.schedule.total_steps
 
     def _batches(self, start_step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         from megaformer.data.loader import train_loader
@@ -118,31 +136,31 @@ class TrainLoop:
             dp_rank=lay.dp_rank,
             dp_size=lay.dp_size,
             start_step=start_step,
-            end_step=t.steps,
+            end_step=t.steps,  # the most a budget may choose: the loader is lazy, the rest unread
             num_workers=self.cfg.data.num_workers,
             pin_memory=lay.device.type == "cuda",
         )
         return to_device(loader, lay.device)
 
     def run(self, resumed: bool) -> float:
-        """Train from ``start_step`` to ``train.steps``; return the wall-clock seconds it took."""
+        """Train from ``start_step`` to :attr:`total`; return the wall-clock seconds it took."""
         from megaformer.training.metrics import StepTimer
-        from megaformer.training.schedule import lr_at
 
         t, start_step = self.cfg.train, self.start_step
         batches = self._batches(start_step)
         timer, started = StepTimer(), time.perf_counter()
         last_saved = start_step if resumed else -1
-        for step in range(start_step, t.steps):
+        step = start_step
+        while step < self.total:
             loss = self.engine.train_step(batches)
             step_time = timer.lap()
             self.step_times.append(step_time)
-            done = step + 1
+            done = step = step + 1
             self.metrics.add(
                 done,
                 {
                     "train/loss": loss,
-                    "train/lr": lr_at(step, t),  # the lr of the update just taken
+                    "train/lr": self.schedule.lr(done - 1),  # the lr of the update just taken
                     "train/grad_norm": self.engine.grad_norm(),
                     "train/loss_scale": self.engine.loss_scale(),
                     "train/tokens_per_s": self.tokens_per_step / step_time,
@@ -150,36 +168,64 @@ class TrainLoop:
                     **self.compute.step(self.tokens_per_step, step_time),
                 },
             )
+            if self.budget is not None and self.budget.after_step(done, loss.item, self.paused):
+                self._decide_budget(done)
             self._log_and_evaluate(done, start_step)
-            if t.save_interval and done % t.save_interval == 0 and done != t.steps:
-                self.checkpointer.save(done, self._consumed())
+            if t.save_interval and done % t.save_interval == 0 and done < self.total:
+                self._paused(self.checkpointer.save, done, self._client_extra())
                 last_saved = done
             timer.lap()  # do not charge logging, evaluation and checkpoints to the next step
-        if last_saved != t.steps:
-            self.checkpointer.save(t.steps, self._consumed())
+        if last_saved != self.total:
+            self.checkpointer.save(self.total, self._client_extra())
         self.writer.close()
         return time.perf_counter() - started
 
-    def _consumed(self) -> dict[str, float]:
-        """What a resumed run continues counting from (saved in the checkpoint's client state)."""
-        return {"tokens": self.compute.tokens, "device_seconds": self.compute.device_seconds}
+    def _paused(self, fn: Any, *args: Any) -> Any:
+        """Run an evaluation or a save, adding its time to :attr:`paused`."""
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.paused += time.perf_counter() - t0
+
+    def _decide_budget(self, done: int) -> None:
+        """Time one evaluation, fix the run's length, end the schedule there (see :mod:`.budget`)."""
+        t0 = time.perf_counter()
+        self.valid_loss = float(self._paused(self.evaluate))
+        eval_seconds = time.perf_counter() - t0
+        self.writer.scalars(done, {"valid/loss": self.valid_loss, "valid/ppl": safe_exp(self.valid_loss)})
+        spent = self.compute.device_seconds / self.layout.world_size
+        total = self.budget.decide(done, spent, eval_seconds)
+        if total > done:
+            self.schedule.set_total_steps(total, done)
+        else:
+            self.schedule.total_steps = done  # not one more step fits: the run ends here
+        log(self.layout, self.budget.describe(done, self.layout.world_size))
+
+    def _client_extra(self) -> dict[str, float]:
+        """What a resumed run continues from (saved in the checkpoint's client state): tokens,
+        device-seconds, and the budget's decision once taken."""
+        extra = {"tokens": self.compute.tokens, "device_seconds": self.compute.device_seconds}
+        if self.cfg.train.budget_device_hours > 0 and (
+            self.budget is None or self.budget.decided is not None
+        ):
+            extra["budget_steps"] = self.total
+        return extra
 
     def _log_and_evaluate(self, done: int, start_step: int) -> None:
         from megaformer.training.metrics import format_step_line
 
-        t = self.cfg.train
-        evaluate = done % t.eval_interval == 0 or done == t.steps
-        if done % t.log_interval == 0 or done == t.steps or done == start_step + 1 or evaluate:
+        t, total = self.cfg.train, self.total
+        evaluate = done % t.eval_interval == 0 or done == total
+        if done % t.log_interval == 0 or done == total or done == start_step + 1 or evaluate:
             values = self.metrics.flush()  # the one read of the device per log interval
-            if done % t.log_interval == 0 or done == t.steps or done == start_step + 1:
-                log(self.layout, format_step_line(done, t.steps, values))
+            if done % t.log_interval == 0 or done == total or done == start_step + 1:
+                log(self.layout, format_step_line(done, total, values))
         if evaluate:
-            self.valid_loss = float(self.evaluate())
+            self.valid_loss = float(self._paused(self.evaluate))
             ppl = safe_exp(self.valid_loss)
             self.writer.scalars(done, {"valid/loss": self.valid_loss, "valid/ppl": ppl})
-            log(
-                self.layout, f"step {done}/{t.steps} | valid loss {self.valid_loss:.4f} | valid ppl {ppl:.2f}"
-            )
+            log(self.layout, f"step {done}/{total} | valid loss {self.valid_loss:.4f} | valid ppl {ppl:.2f}")
             self.writer.flush()
 
 
@@ -207,6 +253,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     from megaformer.training.deepspeed_config import build_deepspeed_config
     from megaformer.training.ds_adapter import initialize
     from megaformer.training.preflight import run_preflight
+    from megaformer.training.schedule import Schedule
 
     t = cfg.train
     preflight = run_preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # no process group yet
@@ -227,7 +274,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     model = build_model(cfg, layout, dropout_rng)
     n_params = count_parameters_global(model, layout)
     init_step = init_weights_from(model, cfg, layout) if load_dir is None and t.init_from else 0
-    optimizer, scheduler = build_optimizer(model, cfg, init_step)
+    schedule = Schedule(t)
+    optimizer, scheduler = build_optimizer(model, cfg, init_step, schedule)
     ds_config = build_deepspeed_config(cfg, preflight.dp_size)
     engine = initialize(model, optimizer, scheduler, ds_config, s, pipelined=cfg.parallel.pp_size > 1)
     _log_layout(cfg, layout, n_params, engine.gas)
@@ -235,7 +283,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     checkpointer = Checkpointer(engine, cfg, layout, dropout_rng)
     start_step, client_state = checkpointer.resume(load_dir) if load_dir is not None else (init_step, {})
     compute = _compute_meter(cfg, layout, start_step, client_state)
-    loop = TrainLoop(engine, cfg, layout, data, checkpointer, start_step, compute)
+    loop = TrainLoop(engine, cfg, layout, data, checkpointer, start_step, compute, schedule, client_state)
     elapsed = loop.run(resumed=load_dir is not None)
     return _summary(cfg, layout, loop, data, n_params, start_step, elapsed)
 
@@ -311,9 +359,9 @@ def _summary(
     # Median step time: robust to the first steps' warm-up and to evaluation pauses.
     median_step = float(np.median(loop.step_times)) if loop.step_times else math.nan
     valid_loss = loop.valid_loss
-    ckpt = os.path.abspath(os.path.join(cfg.output.dir, "checkpoints", f"global_step{t.steps}"))
+    ckpt = os.path.abspath(os.path.join(cfg.output.dir, "checkpoints", f"global_step{loop.total}"))
     summary = {
-        "steps": t.steps,
+        "steps": loop.total,
         "resumed_from_step": start_step,
         "parameters": n_params,
         "world_size": layout.world_size,
@@ -326,11 +374,14 @@ def _summary(
         "unigram_entropy": data.unigram_entropy,
         **_compute_summary(loop),
     }
+    if t.budget_device_hours > 0:
+        summary["budget_device_hours"] = t.budget_device_hours
+        summary["budget_steps"] = loop.total
     if layout.is_main:
         atomic_write_json(os.path.join(cfg.output.dir, "summary.json"), summary)
         log(
             layout,
-            f"done: {t.steps} steps in {elapsed:.1f} s | {summary['tokens_per_s']:,.0f} tokens/s | "
+            f"done: {loop.total} steps in {elapsed:.1f} s | {summary['tokens_per_s']:,.0f} tokens/s | "
             f"{summary['tflops_per_device']:.3g} TFLOP/s per device"
             + (f" (MFU {summary['mfu']:.1%})" if summary["mfu"] is not None else "")
             + f" | {summary['tokens']:,} tokens, {summary['device_hours']:.3g} device-hours | "

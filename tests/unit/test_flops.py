@@ -63,3 +63,15 @@ def test_meter_accumulates_tokens_device_hours_and_mfu():
 def test_cpu_peak_is_measured():
     peak = measure_cpu_peak_flops(seconds=0.05, size=128)
     assert 1e8 < peak < 1e13
+
+
+def test_schemes_without_a_final_norm_and_deepnorm_alpha():
+    post = dataclasses.replace(BASE, norm_scheme="post_ln")
+    deep = dataclasses.replace(BASE, norm_scheme="deepnorm")
+    final_ln = 3 * LAYER_NORM_FLOPS_PER_ELEMENT * 768
+    assert model_flops_per_token(BASE) - model_flops_per_token(post) == pytest.approx(final_ln)
+    assert model_flops_per_token(deep) - model_flops_per_token(post) == pytest.approx(3 * 12 * 2 * 768)
+    qkv = dataclasses.replace(BASE, qkv_ln=True)
+    assert model_flops_per_token(qkv) - model_flops_per_token(BASE) == pytest.approx(
+        3 * LAYER_NORM_FLOPS_PER_ELEMENT * 12 * 3 * 768
+    )

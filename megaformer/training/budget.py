@@ -1,0 +1,166 @@
+"""Compute-matched run length: the number of steps that fills ``train.budget_device_hours``.
+
+NormFormer is slower per step than its baselines, so at equal compute (equal GPU-hours, the
+paper's comparison, Shleifer et al. 2021, Sec. 3 and Fig. 2) it takes fewer steps and sees fewer
+tokens. A budget run therefore decides its own length, once:
+
+1. it runs ``SKIP_STEPS`` warm-up steps (allocator, kernel selection and loader start-up are paid
+   once and would inflate the estimate), then ``train.budget_measure_steps`` steps, timed between
+   two device synchronisations, evaluations and checkpoints excluded; the slowest rank's time
+   counts (all ranks wait for it at every step anyway);
+2. it runs one evaluation, timed, since evaluations spend the budget too;
+3. it takes the largest step count ``S <= train.steps`` whose remaining steps and evaluations fit in
+   the wall-clock time left (``budget · 3600 / world_size`` minus the time already spent, a resumed
+   run's earlier parts included), fixes the learning-rate schedule's end at ``S``, logs the
+   decision and saves it in every later checkpoint, so a resumed run keeps it.
+
+Checkpoint writes are not forecast (their cost depends on the filesystem); they are counted in the
+device-hours spent, so a run that saves often ends slightly over its budget, and says so.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megaformer.config import RunConfig
+
+SKIP_STEPS = 2
+"""Steps run before the timing starts (one-time costs of the first steps)."""
+
+
+def evaluations_between(done: int, total: int, eval_interval: int) -> int:
+    """Evaluations after step ``done`` up to step ``total``: every ``eval_interval``, and at the end."""
+    regular = total // eval_interval - done // eval_interval
+    return regular + (0 if total % eval_interval == 0 else 1)
+
+
+def steps_for_budget(
+    *,
+    seconds_left: float,
+    done: int,
+    step_seconds: float,
+    eval_seconds: float,
+    eval_interval: int,
+    max_steps: int,
+) -> int:
+    """The largest ``S`` in ``[done, max_steps]`` whose steps ``done+1 .. S`` and their evaluations
+    fit in ``seconds_left`` of wall-clock (``done`` itself when not even one step fits).
+
+    Cost of ``S``: ``(S - done) · step_seconds + evaluations_between(done, S) · eval_seconds``,
+    non-decreasing in ``S``, so a binary search finds it.
+    """
+
+    def cost(total: int) -> float:
+        return (total - done) * step_seconds + evaluations_between(done, total, eval_interval) * eval_seconds
+
+    lo, hi = done, max_steps
+    if cost(hi) <= seconds_left:
+        return hi
+    while lo < hi:  # invariant: cost(lo) fits (or lo == done), cost(hi) does not
+        mid = (lo + hi + 1) // 2
+        if cost(mid) <= seconds_left:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _max_over_ranks(*values: float) -> list[float]:
+    from megaformer.parallel.comm import comm_device
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _from_rank0(value: int) -> int:
+    """Rank 0's ``value`` on every rank: one decision for all, whatever each rank computed."""
+    from megaformer.parallel.comm import comm_device
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=comm_device())
+    dist.broadcast(t, src=0)
+    return int(t.item())
+
+
+class BudgetKeeper:
+    """Times the measurement steps and fixes the run's length (see the module docstring).
+
+    Args:
+        cfg: the run config (``train.budget_device_hours`` > 0).
+        world_size: devices in the job.
+        start_step: the step this process starts at (timing starts ``SKIP_STEPS`` later).
+    """
+
+    def __init__(self, cfg: RunConfig, world_size: int, start_step: int) -> None:
+        t = cfg.train
+        self.cfg = cfg
+        self.budget_seconds = t.budget_device_hours * 3600.0 / world_size  # wall-clock of the job
+        self.first = start_step + SKIP_STEPS
+        self.last = self.first + t.budget_measure_steps
+        self.decided: int | None = None
+        self._t0 = 0.0
+        self._paused0 = 0.0
+
+    def after_step(self, done: int, sync: Callable[[], Any], paused_seconds: float) -> bool:
+        """Call after every step; True when step ``done`` ends the measurement (decide now).
+
+        ``sync`` waits for the device (e.g. reads the loss); ``paused_seconds`` is the loop's total
+        time in evaluations and checkpoints so far, taken out of the measurement.
+        """
+        if self.decided is not None or done not in (self.first, self.last):
+            return False
+        sync()
+        if done == self.first:
+            self._t0, self._paused0 = time.perf_counter(), paused_seconds
+            return False
+        elapsed = time.perf_counter() - self._t0 - (paused_seconds - self._paused0)
+        self.step_seconds = elapsed / (self.last - self.first)  # this rank's; decide() takes the max
+        return True
+
+    def decide(self, done: int, spent_seconds: float, eval_seconds: float) -> int:
+        """Fix the run's length after step ``done``; return it.
+
+        A collective: every rank's clock differs a little, so the slowest rank's step, evaluation
+        and spent time are used, and rank 0's result is broadcast (every rank must stop at the same
+        step, or the next collective would pair different operations).
+
+        Args:
+            spent_seconds: job wall-clock spent so far (resumed parts included), this rank's clock.
+            eval_seconds: one evaluation's wall-clock, this rank's.
+        """
+        t = self.cfg.train
+        self.step_seconds, self.eval_seconds, spent_seconds = _max_over_ranks(
+            self.step_seconds, eval_seconds, spent_seconds
+        )
+        decided = steps_for_budget(
+            seconds_left=self.budget_seconds - spent_seconds,
+            done=done,
+            step_seconds=self.step_seconds,
+            eval_seconds=self.eval_seconds,
+            eval_interval=t.eval_interval,
+            max_steps=t.steps,
+        )
+        self.decided = _from_rank0(decided)
+        return self.decided
+
+    def describe(self, done: int, world_size: int) -> str:
+        """The decision, for the log."""
+        t = self.cfg.train
+        capped = (
+            " (capped by train.steps: the data is built for that many)" if self.decided == t.steps else ""
+        )
+        return (
+            f"budget: {t.budget_device_hours:g} device-hours = {self.budget_seconds:,.1f} s on {world_size} "
+            f"devices | step {self.step_seconds:.4f} s (steps {self.first + 1}..{self.last}, slowest rank), "
+            f"evaluation {self.eval_seconds:.3f} s | run length fixed at {self.decided} steps{capped}; "
+            f"the learning rate decays to step {self.decided}"
+        )

@@ -1,0 +1,69 @@
+"""Compute-matched runs through launch/pretrain.sh: equal device-hours, different step counts, and a
+budget decision that survives a kill and resume."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tests.distributed.conftest import read_scalars, run_pretrain
+from tests.distributed.test_train_launch import CONFIG, TINY, _check
+
+BUDGET = 0.02  # device-hours: 36 s of wall-clock on 2 processes
+PRE_LN = ["model.post_attn_ln=false", "model.head_scale=false", "model.ffn_ln=false"]
+NORMFORMER = ["model.post_attn_ln=true", "model.head_scale=true", "model.ffn_ln=true"]
+
+
+def _budget_run(prefix: str, out, scheme: list[str]):
+    proc = run_pretrain(
+        CONFIG,
+        [*TINY, *scheme, f"data.prefix={prefix}", "train.steps=5000", "train.warmup_steps=22",
+         f"train.budget_device_hours={BUDGET}", "train.eval_interval=25", "train.save_interval=25",
+         "train.log_interval=25", f"output.dir={out}"],
+    )  # fmt: skip
+    _check(proc)
+    return proc, json.loads((out / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def budget_runs(gutenberg_prefix, tmp_path_factory):
+    root = tmp_path_factory.mktemp("budget")
+    return {
+        name: (root / name, *_budget_run(gutenberg_prefix, root / name, scheme))
+        for name, scheme in (("pre_ln", PRE_LN), ("normformer", NORMFORMER))
+    }
+
+
+def test_equal_budgets_spend_equal_device_hours_in_different_step_counts(budget_runs):
+    spent = {name: summary["device_hours"] for name, (_, _, summary) in budget_runs.items()}
+    steps = {name: summary["steps"] for name, (_, _, summary) in budget_runs.items()}
+    for name, (_, proc, summary) in budget_runs.items():
+        assert "run length fixed at" in proc.stdout, name
+        assert summary["budget_device_hours"] == BUDGET and summary["budget_steps"] == summary["steps"]
+        assert summary["steps"] < 5000  # the budget, not train.steps, ended the run
+        assert summary["tokens"] == summary["steps"] * 8 * 64
+    assert spent["pre_ln"] == pytest.approx(spent["normformer"], rel=0.02), spent
+    assert steps["pre_ln"] != steps["normformer"], steps  # NormFormer's extra work costs steps
+
+
+def test_the_learning_rate_decays_to_the_chosen_step(budget_runs):
+    out, _, summary = budget_runs["pre_ln"]
+    lr = read_scalars(str(out / "tensorboard"))["train/lr"]
+    last = summary["steps"]
+    assert sorted(lr)[-1] == last
+    assert lr[last] == pytest.approx(3e-4, rel=1e-4)  # min_lr of the quickstart config, at the end
+
+
+def test_a_killed_budget_run_resumes_to_the_same_step(budget_runs, gutenberg_prefix, tmp_path):
+    out, _, summary = budget_runs["pre_ln"]
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out / "checkpoints", resumed / "checkpoints")
+    for tag in (resumed / "checkpoints").glob("global_step*"):
+        if tag.name != "global_step25":
+            shutil.rmtree(tag)  # killed after the checkpoint of step 25 (the decision was at 22)
+    (resumed / "checkpoints" / "latest").write_text("global_step25")
+    proc, again = _budget_run(gutenberg_prefix, resumed, [*PRE_LN, "train.resume=auto"])
+    assert "as decided before the resume" in proc.stdout
+    assert again["steps"] == summary["steps"] and again["resumed_from_step"] == 25
