@@ -24,6 +24,7 @@ from typing import Any, get_type_hints
 import yaml
 
 from megaformer.config.schema import (
+    BUDGET_SKIP_STEPS,
     ConfigError,
     DataConfig,
     ModelConfig,
@@ -291,11 +292,11 @@ def check_train(cfg: RunConfig) -> None:
     _require(t.budget_device_hours >= 0, f"train.budget_device_hours={t.budget_device_hours}: must be >= 0.")
     if t.budget_device_hours > 0:
         _positive("train", t, "budget_measure_steps")
-        first = 2 + t.budget_measure_steps
+        first = BUDGET_SKIP_STEPS + t.budget_measure_steps
         _require(
             t.lr_decay == "constant" or t.warmup_steps >= first,
             f"train.budget_device_hours={t.budget_device_hours} fixes the run length after step {first} "
-            f"(2 + train.budget_measure_steps), but the decay starts at train.warmup_steps="
+            f"({BUDGET_SKIP_STEPS} + train.budget_measure_steps), but the decay starts at train.warmup_steps="
             f"{t.warmup_steps}; raise train.warmup_steps to >= {first} or lower train.budget_measure_steps.",
         )
     # Whether train.init_from / train.resume / train.deepspeed_config name readable files is checked

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+BUDGET_SKIP_STEPS = 5
+"""Steps a compute-budget run takes before timing itself (one-time costs of the first steps:
+allocator, kernel selection, loader and cache warm-up; measured on CPU to run up to 20 % slow)."""
+
 
 class ConfigError(ValueError):
     """A configuration key or value that cannot work; the message names the key and the fix."""
@@ -201,11 +205,11 @@ class TrainConfig:
     moments restart from zero (logged). Ignored when train.resume finds a checkpoint. Empty: off."""
     budget_device_hours: float = 0.0
     """Compute-matched run length, in device-hours summed over all ranks (0: off, the run takes
-    train.steps steps). The run measures its step time over train.budget_measure_steps steps (after
-    2 warm-up steps) and one evaluation, fixes once the number of steps that fills the budget (at
-    most train.steps, which sizes the data), logs it, and ends the learning-rate decay exactly
-    there; the decision is saved in checkpoints, so a resumed run keeps it. It must be taken during
-    warmup: train.warmup_steps >= 2 + budget_measure_steps."""
+    train.steps steps). The run measures its step time over train.budget_measure_steps steps
+    (after BUDGET_SKIP_STEPS = 5 warm-up steps) and one evaluation, fixes once the number of steps
+    that fills the budget (at most train.steps, which sizes the data), logs it, and ends the
+    learning-rate decay exactly there; the decision is saved in checkpoints, so a resumed run
+    keeps it. It must be taken during warmup: train.warmup_steps >= 5 + budget_measure_steps."""
     budget_measure_steps: int = 20
     """Steps whose mean wall-clock time (the slowest rank's) fixes the budget's step count."""
     activation_checkpointing: bool = False

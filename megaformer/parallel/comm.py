@@ -38,10 +38,11 @@ def all_reduce_ints(values: list[int], group: ProcessGroup | None = None) -> lis
 def mean_over_group(value: torch.Tensor, group: ProcessGroup | None, size: int) -> torch.Tensor:
     """The mean of a 0-dim tensor over the ``size`` ranks of ``group``, without a host sync.
 
-    Reduced in fp64 on the group's communication device; returned as float32 on that device.
+    Reduced and returned in fp64 on the group's communication device (a loss averaged over many
+    micro-batches keeps its digits).
     """
     if size == 1:
-        return value.detach().float()
+        return value.detach().double()
     out = value.detach().double().to(comm_device(group)).clone()
     dist.all_reduce(out, group=group)
-    return (out / size).float()
+    return out / size

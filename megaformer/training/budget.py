@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 
 from megaformer.config import RunConfig
+from megaformer.config.schema import BUDGET_SKIP_STEPS
 
-SKIP_STEPS = 2
+SKIP_STEPS = BUDGET_SKIP_STEPS
 """Steps run before the timing starts (one-time costs of the first steps)."""
 
 

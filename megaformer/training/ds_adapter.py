@@ -192,7 +192,7 @@ class Engine:
 
         Returns:
             The step's mean training loss (nats/token) over its micro-batches and the data-parallel
-            ranks: a float32 0-dim tensor on the device (read it only when logging).
+            ranks: a float64 0-dim tensor on the device (read it only when logging).
         """
         if self.pipelined:
             # Every stage gets the iterator; the first stage reads the tokens, the last the labels.
@@ -200,7 +200,7 @@ class Engine:
             # broadcast to every stage by DeepSpeed.
             loss = self.engine.train_batch(micro_batches)
             self._grad_norm = self.engine.get_global_grad_norm()
-            return loss.detach().float()
+            return loss.detach().double()
         total = None
         self._grad_norm = None
         for _ in range(self.gas):
@@ -226,11 +226,11 @@ class Engine:
         """Mean loss over ``count`` micro-batches of this rank and over the data-parallel ranks.
 
         Returns:
-            A float32 0-dim device tensor; the same on every rank.
+            A float64 0-dim device tensor; the same on every rank.
         """
         if self.pipelined:
             loss = self.engine.eval_batch(micro_batches, num_micro_batches=count)
-            return loss.detach().float()
+            return loss.detach().double()
         self.engine.eval()
         total = None
         with torch.no_grad():

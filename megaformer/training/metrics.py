@@ -81,7 +81,7 @@ class DeferredScalars:
         if tensors:
             # Stacked where they live, then one copy to the host: one synchronisation in all.
             device = tensors[0].device
-            values = torch.stack([t.detach().float().reshape(()).to(device) for t in tensors]).tolist()
+            values = torch.stack([t.detach().double().reshape(()).to(device) for t in tensors]).tolist()
         host = iter(values)
         last: dict[str, float | None] = {}
         for step, vals in self._pending:

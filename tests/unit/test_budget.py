@@ -42,6 +42,6 @@ def test_schedule_end_can_be_fixed_during_warmup_only():
 def test_budget_must_be_decided_during_warmup():
     from megaformer.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"raise train.warmup_steps to >= 22"):
+    with pytest.raises(ConfigError, match=r"raise train.warmup_steps to >= 25"):
         load_config(None, ["train.budget_device_hours=1", "train.warmup_steps=5"])
-    load_config(None, ["train.budget_device_hours=1", "train.warmup_steps=22"])
+    load_config(None, ["train.budget_device_hours=1", "train.warmup_steps=25"])
