@@ -1,0 +1,1 @@
+"""Experiments built on the trainer: comparisons of normalisation schemes at equal compute."""

@@ -1,0 +1,40 @@
+"""``python -m megaformer.experiments.compare`` on the bundled corpus: two schemes at one budget,
+a table and a PNG."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.distributed.conftest import REPO
+
+TINY = [
+    "model.hidden_size=64", "model.num_layers=2", "model.num_attention_heads=2", "model.seq_len=64",
+    "train.micro_batch_size=4", "train.global_batch_size=8", "train.eval_interval=10",
+    "train.eval_batches=2", "data.valid_fraction=0.02", "train.save_interval=0",
+]  # fmt: skip
+
+
+def test_compare_writes_its_table_and_plot(gutenberg_prefix, tmp_path):
+    out = tmp_path / "cmp"
+    sets = [arg for item in [*TINY, f"data.prefix={gutenberg_prefix}"] for arg in ("--set", item)]
+    cmd = [
+        sys.executable, "-m", "megaformer.experiments.compare",
+        "configs/cpu-compare/pre_ln.yaml", "configs/cpu-compare/normformer.yaml",
+        "--budget-device-hours", "0.006", "--output-dir", str(out), *sets,
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((out / "comparison.json").read_text())
+    assert [r["run"] for r in data["rows"]] == ["pre_ln", "normformer"]
+    for row in data["rows"]:
+        assert row["steps"] > 25 and row["device_hours"] > 0 and row["final_valid_ppl"] > 1
+    assert data["rows"][0]["hours_to_baseline_best_ppl"] is not None  # the baseline reaches its own best
+    table = (out / "comparison.md").read_text()
+    assert "| pre_ln |" in table and "| normformer |" in table
+    png = (out / "valid_ppl_vs_device_hours.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    # a second call reuses the finished runs instead of training again
+    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "done before" in again.stdout

@@ -1,0 +1,39 @@
+"""The comparison table's arithmetic: the compute at which each run reaches the baseline's best."""
+
+from __future__ import annotations
+
+import math
+
+from megaformer.experiments.compare import comparison_rows, hours_to_reach, markdown_table
+
+
+def _summary(loss: float, hours: float) -> dict:
+    return {
+        "final_valid_loss": loss,
+        "final_valid_ppl": math.exp(loss),
+        "steps": 100,
+        "tokens": 1000,
+        "device_hours": hours,
+    }
+
+
+def test_hours_to_reach_is_the_first_evaluation_at_or_below_the_target():
+    curve = [(10, 0.1, 6.0), (20, 0.2, 5.5), (30, 0.3, 5.0), (40, 0.4, 5.2)]
+    assert hours_to_reach(curve, 5.5) == 0.2
+    assert hours_to_reach(curve, 5.1) == 0.3
+    assert hours_to_reach(curve, 4.0) is None
+
+
+def test_rows_compare_every_run_with_the_baseline_best():
+    runs = {
+        "baseline": {"summary": _summary(5.0, 1.0), "curve": [(1, 0.5, 5.5), (2, 1.0, 5.0)]},
+        "better": {"summary": _summary(4.8, 1.0), "curve": [(1, 0.5, 5.2), (2, 0.8, 4.9), (3, 1.0, 4.8)]},
+        "worse": {"summary": _summary(5.3, 1.0), "curve": [(1, 1.0, 5.3)]},
+    }
+    rows = {r["run"]: r for r in comparison_rows(runs)}
+    assert rows["baseline"]["hours_to_baseline_best_ppl"] == 1.0
+    assert rows["better"]["hours_to_baseline_best_ppl"] == 0.8
+    assert rows["better"]["share_of_baseline_compute"] == 0.8
+    assert rows["worse"]["hours_to_baseline_best_ppl"] is None
+    table = markdown_table(list(rows.values()), math.exp(5.0))
+    assert "| better | 4.8000 |" in table and "80% of the baseline's" in table and "| never |" in table
