@@ -167,8 +167,10 @@ class QKVLayerNorm(nn.Module):
     Under tensor parallelism each rank holds the q, k, v features of its own heads, so, as for
     FFN_LN (:func:`~megaformer.parallel.layers.sharded_layer_norm`), the per-token sum and sum of
     squares of each of q, k and v (fp32) are summed across the TP group (one all-reduce for the
-    three, forward and backward): the function is the same at every TP degree. The statistics use
-    ``var = E[x²] − E[x]²`` (clamped at 0) at every TP degree, including 1.
+    three, forward and backward): the function is the same at every TP degree. The variance is
+    computed in two passes (the mean first, then the mean of squared deviations, each summed across
+    the group), never as ``E[x²] − E[x]²``, which loses every digit in fp32 when the mean is large
+    against the spread. Without a TP group ``F.layer_norm`` does it in one fused kernel.
 
     Parameters: ``weight`` (init 1) and ``bias`` (init 0), ``float32[3·d / tp]``, laid out like the
     fused ``qkv`` projection's rows and bias (``[heads, 3, head_dim]``: per head its q, k, v gains),
@@ -198,15 +200,20 @@ class QKVLayerNorm(nn.Module):
 
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
         nh, hs = self.num_heads_per_partition, self.head_dim
+        weight, bias = self.weight.float().view(nh, 3, hs), self.bias.float().view(nh, 3, hs)
         x = qkv.float().unflatten(-1, (nh, 3, hs))  # (B, T, nh, 3, hs)
-        stats = torch.stack([x.sum(dim=(-3, -1)), (x * x).sum(dim=(-3, -1))], dim=-1)  # (B, T, 3, 2)
-        stats = sum_across_tp_region(stats, self.tp_group) / self.hidden_size  # all heads of q, k, v
-        mean, mean_sq = stats.unbind(-1)  # (B, T, 3) each
-        var = (mean_sq - mean * mean).clamp_min(0.0)
-        mean = mean.unsqueeze(-2).unsqueeze(-1)  # (B, T, 1, 3, 1)
+        if tp_world_size(self.tp_group) == 1:
+            # One fused kernel over each of q, k, v: (B, T, 3, nh·hs), normalised, back to the layout.
+            by_feature = x.transpose(-3, -2).flatten(-2)  # (B, T, 3, d)
+            normed = F.layer_norm(by_feature, (self.hidden_size,), eps=self.eps)
+            y = normed.unflatten(-1, (nh, hs)).transpose(-3, -2) * weight + bias  # (B, T, nh, 3, hs)
+            return y.flatten(-3).to(qkv.dtype)
+        # Two passes, each summed over the TP group (all heads of q, k and v): mean, then variance.
+        mean = sum_across_tp_region(x.sum(dim=(-3, -1)), self.tp_group) / self.hidden_size  # (B, T, 3)
+        centred = x - mean.unsqueeze(-2).unsqueeze(-1)  # (B, T, nh, 3, hs)
+        var = sum_across_tp_region((centred * centred).sum(dim=(-3, -1)), self.tp_group) / self.hidden_size
         inv = torch.rsqrt(var + self.eps).unsqueeze(-2).unsqueeze(-1)  # (B, T, 1, 3, 1)
-        y = (x - mean) * inv * self.weight.float().view(nh, 3, hs) + self.bias.float().view(nh, 3, hs)
-        return y.flatten(-3).to(qkv.dtype)  # (B, T, nh·3·hs)
+        return (centred * inv * weight + bias).flatten(-3).to(qkv.dtype)  # (B, T, nh·3·hs)
 
     def extra_repr(self) -> str:
         return f"3 x {self.hidden_size}, heads_per_partition={self.num_heads_per_partition}, eps={self.eps}"
