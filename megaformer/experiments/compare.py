@@ -160,7 +160,12 @@ def train_one(config: str, out: Path, budget: float, overrides: Sequence[str], n
             stderr=subprocess.STDOUT,
         )
     if proc.returncode != 0 or not summary_path.is_file():
-        raise RuntimeError(f"{config}: training failed (exit {proc.returncode}); see {out / 'train.log'}")
+        # The run's own error line (a bad key, a missing dataset) is the useful part: show it.
+        errors = [ln for ln in (out / "train.log").read_text(errors="replace").splitlines() if "error" in ln]
+        why = f": {errors[-1].strip()}" if errors else ""
+        raise RuntimeError(
+            f"{config}: training failed (exit {proc.returncode}){why}; log: {out / 'train.log'}"
+        )
     summary = json.loads(summary_path.read_text())
     print(
         f"[compare] {out.name}: {summary['steps']} steps, valid loss {summary['final_valid_loss']:.4f}",

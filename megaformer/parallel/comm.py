@@ -35,6 +35,24 @@ def all_reduce_ints(values: list[int], group: ProcessGroup | None = None) -> lis
     return [int(v) for v in t.tolist()]
 
 
+def all_reduce_max(values: list[float], group: ProcessGroup | None = None) -> list[float]:
+    """The element-wise maximum of a few floats over ``group`` (one fp64 tensor on the
+    communication device; a host round trip, for decisions every rank must share)."""
+    t = torch.tensor(values, dtype=torch.float64, device=comm_device(group))
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def broadcast_int(value: int, src: int = 0, group: ProcessGroup | None = None) -> int:
+    """Rank ``src``'s ``value`` on every rank of ``group`` (an int64 tensor on the communication
+    device), so that all ranks act on one decision whatever each computed."""
+    t = torch.tensor([value], dtype=torch.int64, device=comm_device(group))
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast(t, src=src, group=group)
+    return int(t.item())
+
+
 def mean_over_group(value: torch.Tensor, group: ProcessGroup | None, size: int) -> torch.Tensor:
     """The mean of a 0-dim tensor over the ``size`` ranks of ``group``, without a host sync.
 

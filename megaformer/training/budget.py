@@ -24,11 +24,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from megaformer.config import RunConfig
 from megaformer.config.schema import BUDGET_SKIP_STEPS
+from megaformer.parallel.comm import all_reduce_max, broadcast_int
 
 SKIP_STEPS = BUDGET_SKIP_STEPS
 """Steps run before the timing starts (one-time costs of the first steps)."""
@@ -69,27 +67,6 @@ def steps_for_budget(
         else:
             hi = mid - 1
     return lo
-
-
-def _max_over_ranks(*values: float) -> list[float]:
-    from megaformer.parallel.comm import comm_device
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def _from_rank0(value: int) -> int:
-    """Rank 0's ``value`` on every rank: one decision for all, whatever each rank computed."""
-    from megaformer.parallel.comm import comm_device
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=comm_device())
-    dist.broadcast(t, src=0)
-    return int(t.item())
 
 
 class BudgetKeeper:
@@ -139,8 +116,8 @@ class BudgetKeeper:
             eval_seconds: one evaluation's wall-clock, this rank's.
         """
         t = self.cfg.train
-        self.step_seconds, self.eval_seconds, spent_seconds = _max_over_ranks(
-            self.step_seconds, eval_seconds, spent_seconds
+        self.step_seconds, self.eval_seconds, spent_seconds = all_reduce_max(
+            [self.step_seconds, eval_seconds, spent_seconds]
         )
         decided = steps_for_budget(
             seconds_left=self.budget_seconds - spent_seconds,
@@ -150,7 +127,7 @@ class BudgetKeeper:
             eval_interval=t.eval_interval,
             max_steps=t.steps,
         )
-        self.decided = _from_rank0(decided)
+        self.decided = broadcast_int(decided, src=0)
         return self.decided
 
     def describe(self, done: int, world_size: int) -> str:

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 
 from megaformer.config import ConfigError
+from megaformer.parallel.comm import comm_device, mean_over_group
+from megaformer.parallel.utils import grad_norm_squared
 
 TESTED_DEEPSPEED = "0.19"
 """The DeepSpeed minor version this module is written and tested against (requirements.txt pins it)."""
@@ -126,9 +128,6 @@ def pipeline_grad_norm(params: Iterable[torch.nn.Parameter], state: Any) -> torc
     tied embedding's copy on the last stage, marked ``ds_pipe_replicated`` by DeepSpeed, skipped)
     summed over the pipeline group, in fp32 on the group's communication device.
     """
-    from megaformer.parallel.comm import comm_device
-    from megaformer.parallel.utils import grad_norm_squared
-
     owned = [p for p in params if not getattr(p, "ds_pipe_replicated", False)]
     tp_group = state.tp_group if state.tp_size > 1 else None
     square = grad_norm_squared(owned, tp_group, device=comm_device(state.pp_group))
@@ -211,8 +210,6 @@ class Engine:
             total = loss.detach().double() if total is None else total + loss.detach().double()
             if self._fp32_plain and self.engine.is_gradient_accumulation_boundary():
                 # DeepSpeed clips fp32 gradients without reporting the norm: ours, TP-aware.
-                from megaformer.parallel.utils import grad_norm_squared
-
                 tp_group = self.state.tp_group if self.state.tp_size > 1 else None
                 self._grad_norm = grad_norm_squared(self.engine.module.parameters(), tp_group).sqrt()
             self.engine.step()
@@ -242,8 +239,6 @@ class Engine:
         return self._mean_over_dp(total / count)
 
     def _mean_over_dp(self, value: torch.Tensor) -> torch.Tensor:
-        from megaformer.parallel.comm import mean_over_group
-
         # Over the data-parallel group only: the TP ranks of one replica hold the same value.
         return mean_over_group(value, self.state.dp_group, self.state.dp_size)
 

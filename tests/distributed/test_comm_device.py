@@ -198,4 +198,5 @@ def test_the_spy_catches_a_tensor_built_without_a_device():
     """The harness itself: ``torch.tensor(x)`` inside it is refused before it reaches the backend."""
     seen: list[str] = []
     with pytest.raises(WrongDeviceError, match="got a tensor on meta"), strict_collectives(seen):
+        # Deliberately built without a device: the mistake the harness exists to catch.
         dist.all_reduce(torch.tensor([1]))
