@@ -22,3 +22,8 @@ class TokenizerError(DataToolsError):
 
 class PreprocessError(DataToolsError):
     """An input file or record cannot be turned into tokens (and ``--skip-bad-records`` is off)."""
+
+
+class OutputError(DataToolsError):
+    """An output cannot be written (no space left, a quota, a read-only directory); the partial
+    output has been removed."""

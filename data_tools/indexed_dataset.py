@@ -23,6 +23,7 @@ accepts any number of sequences per document.
 from __future__ import annotations
 
 import array
+import contextlib
 import os
 import struct
 from collections.abc import Callable, Sequence
@@ -204,6 +205,7 @@ class IndexedDatasetWriter:
         """
         if self._closed:
             raise RuntimeError(f"{self.bin_path}: finalize() after finalize() or abort()")
+        bin_moved = False
         try:
             self._bin.close()
             lengths = np.frombuffer(self._lengths, dtype=np.int32) if self._lengths else np.zeros(0, np.int32)
@@ -224,10 +226,13 @@ class IndexedDatasetWriter:
             # sit next to the new .bin in between.
             self.idx_path.unlink(missing_ok=True)
             os.replace(self._bin_tmp, self.bin_path)
+            bin_moved = True
             if before_index is not None:
                 before_index()
             os.replace(self._idx_tmp, self.idx_path)
         except BaseException:
+            if bin_moved:  # this run's .bin, without its .idx: not left under the final name
+                self.bin_path.unlink(missing_ok=True)
             self.abort()
             raise
         self._closed = True
@@ -235,7 +240,9 @@ class IndexedDatasetWriter:
     def abort(self) -> None:
         """Closes and deletes the temporaries; finished outputs of an earlier run are left alone."""
         if not self._bin.closed:
-            self._bin.close()
+            # On a full disk, close() fails flushing its buffer (and still closes the file).
+            with contextlib.suppress(OSError):
+                self._bin.close()
         self._bin_tmp.unlink(missing_ok=True)
         self._idx_tmp.unlink(missing_ok=True)
         self._closed = True

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from data_tools.atomic import sigterm_as_interrupt, write_error
 from data_tools.errors import DataFormatError, DataToolsError
 from data_tools.indexed_dataset import DTYPE_CODES, HEADER_SIZE, MAGIC, VERSION, IndexedDataset
 from data_tools.stats import DatasetStats, compute_stats, merge_stats, read_stats, stats_path, write_stats
@@ -125,6 +126,7 @@ def merge(prefixes: Sequence[str], output_prefix: str, eod_token: int | None = N
     bin_tmp, idx_tmp = Path(f"{bin_path}.tmp"), Path(f"{idx_path}.tmp")
     bin_path.parent.mkdir(parents=True, exist_ok=True)
     total_bytes = sum(d.bin_path.stat().st_size for d in datasets)
+    bin_moved = False
     try:
         with (
             open(bin_tmp, "wb") as out,
@@ -155,11 +157,16 @@ def merge(prefixes: Sequence[str], output_prefix: str, eod_token: int | None = N
         assert idx_tmp.stat().st_size == HEADER_SIZE + 12 * n_seq + 8 * (n_docs + 1)
         idx_path.unlink(missing_ok=True)  # no old .idx next to the new .bin in between
         os.replace(bin_tmp, bin_path)
+        bin_moved = True
         write_stats(output_prefix, stats)  # before the .idx: a finished-looking dataset has its sidecar
         os.replace(idx_tmp, idx_path)
-    except BaseException:
+    except BaseException as e:
         bin_tmp.unlink(missing_ok=True)
         idx_tmp.unlink(missing_ok=True)
+        if bin_moved:  # a .bin without its .idx is not left under the final name
+            bin_path.unlink(missing_ok=True)
+        if isinstance(e, OSError) and (err := write_error(e, output_prefix)) is not None:
+            raise err from None
         raise
     return n_docs, sum(d.num_tokens for d in datasets)
 
@@ -181,6 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sidecars name)",
     )
     args = p.parse_args(argv)
+    sigterm_as_interrupt()  # a scheduler's kill removes the .tmp files like Ctrl-C does
     try:
         prefixes = expand_prefixes(args.input)
         docs, tokens = merge(prefixes, args.output_prefix, args.eod_token)

@@ -31,14 +31,10 @@ encoded chunks as they are written (no second read), and put in place before the
 from __future__ import annotations
 
 import argparse
-import bz2
 import contextlib
 import functools
 import glob
-import gzip
-import io
 import json
-import lzma
 import multiprocessing
 import multiprocessing.pool
 import os
@@ -53,9 +49,11 @@ from typing import BinaryIO
 
 import numpy as np
 
+from data_tools.atomic import sigterm_as_interrupt, write_error
 from data_tools.errors import DataFormatError, DataToolsError, PreprocessError
 from data_tools.files import atomic_write_json
 from data_tools.indexed_dataset import IndexedDataset, IndexedDatasetWriter, optimal_dtype
+from data_tools.readers import open_input
 from data_tools.stats import (
     StatsAccumulator,
     compute_stats,
@@ -184,19 +182,8 @@ def expand_inputs(inputs: Sequence[str]) -> list[Path]:
 
 
 def _open_binary(path: Path, compression: str | None) -> BinaryIO:
-    if compression is None:
-        return open(path, "rb", buffering=1 << 20)
-    if compression == "gzip":
-        return gzip.open(path, "rb")
-    if compression == "xz":
-        return lzma.open(path, "rb")
-    if compression == "bz2":
-        return bz2.open(path, "rb")
-    import zstandard
-
-    raw = open(path, "rb")  # noqa: SIM115 (owned by the reader below)
-    reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=True)
-    return io.BufferedReader(reader, buffer_size=1 << 20)
+    # A damaged or truncated compressed file is a PreprocessError naming it (data_tools.readers).
+    return open_input(path, compression)
 
 
 def _document(where: str, texts: Sequence[str]) -> Record:
@@ -237,6 +224,9 @@ def _parse_jsonl_line(path: Path | str, lineno: int, raw: bytes, keys: Sequence[
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         detail = f"{e.msg} at column {e.colno} (expected one JSON object per line)"
+        return BadRecord(where, MALFORMED_JSON, detail)
+    except RecursionError:  # json's decoder recurses once per nesting level
+        detail = f"nested more than ~{sys.getrecursionlimit()} levels deep, too deep to decode"
         return BadRecord(where, MALFORMED_JSON, detail)
     if not isinstance(obj, dict):
         return BadRecord(where, MALFORMED_JSON, f"expected a JSON object, found {type(obj).__name__}")
@@ -302,7 +292,17 @@ def _iter_parquet(path: Path, keys: Sequence[str]) -> Iterator[Record]:
             raise PreprocessError(f"{path}: expected column {key!r} to hold strings, found type {kind}")
     row = 0
     # iter_batches streams: only one batch of rows is in memory, whatever the row-group sizes.
-    for batch in pf.iter_batches(batch_size=1024, columns=list(keys)):
+    batches = pf.iter_batches(batch_size=1024, columns=list(keys))
+    while True:
+        try:
+            batch = next(batches, None)
+        except (pa.ArrowException, OSError) as e:  # a damaged page: "Corrupt snappy compressed data"
+            raise PreprocessError(
+                f"{path}: damaged Parquet data after row {row} ({e}); nothing was written: re-copy "
+                "the file or leave it out of --input"
+            ) from None
+        if batch is None:
+            break
         columns = [batch.column(k).to_pylist() for k in keys]
         for values in zip(*columns):
             where = f"{path}:row {row}"
@@ -698,8 +698,11 @@ def preprocess(args: argparse.Namespace) -> PreprocessSummary:
                 bar.update(encoded.records)
                 bar.set_postfix_str(f"{summary.text_bytes / 1e6:.1f} MB", refresh=False)
         if summary.documents == 0:
+            named = ", ".join(str(p) for p in paths[:3])
+            named += f" and {len(paths) - 3} more" if len(paths) > 3 else ""
             raise PreprocessError(
-                f"no documents to write from {len(paths)} input file(s)"
+                f"no documents to write from {len(paths)} input file(s) ({named}): they are empty or "
+                "hold only blank lines; check --input"
                 + (f" (skipped {sum(summary.skipped.values())} bad records)" if summary.skipped else "")
             )
         if manifest is not None:  # a redone shard's old manifest must not vouch for new outputs
@@ -712,14 +715,24 @@ def preprocess(args: argparse.Namespace) -> PreprocessSummary:
             writer.finalize(before_index=functools.partial(write_stats, prefix, stats))
         if manifest is not None:  # last: a run killed before this point looks unfinished
             atomic_write_json(_manifest_path(output_prefix), manifest, indent=1)
-    except BaseException:
+    except BaseException as e:
         for writer in writers:
             writer.abort()
+        if isinstance(e, OSError) and _is_output(e, output_prefix) and (err := write_error(e, output_prefix)):
+            raise err from None
         raise
     finally:
         bar.close()
     summary.seconds = time.perf_counter() - start
     return summary
+
+
+def _is_output(e: OSError, output_prefix: str) -> bool:
+    """Whether ``e`` happened on an output (a failed write() has no file name; an open() has)."""
+    if e.filename is None:
+        return True
+    out_dir = os.path.abspath(os.path.dirname(output_prefix) or ".")
+    return os.path.abspath(os.fspath(e.filename)).startswith(out_dir)
 
 
 def shard_inputs(
@@ -896,15 +909,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit status (0 ok, 2 bad input, 130 interrupted)."""
     args = build_parser().parse_args(argv)
     # SIGTERM (a scheduler's kill) unwinds like Ctrl-C, so the temporaries are removed.
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    sigterm_as_interrupt()
     try:
         summary = preprocess(args)
     except DataToolsError as e:

@@ -218,7 +218,32 @@ def load_gpt2_bpe(vocab_file: str | os.PathLike[str], merge_file: str | os.PathL
     # Everything else (GPT-2: only <|endoftext|>) is a special token: never produced by BPE.
     mergeable_ids = set(ranks.values())
     special = {t: i for t, i in vocab.items() if i not in mergeable_ids}
+    _check_merges_complete(special, merges, vocab_path, merges_path)
     return ranks, special
+
+
+def _check_merges_complete(
+    special: dict[str, int], merges: list, vocab_path: Path, merges_path: Path
+) -> None:
+    """Refuse vocabulary tokens that no merge produces, unless they look like special tokens.
+
+    A merges file cut short still parses, and its merges still match the vocabulary; without this
+    check every token whose merge was cut off would silently become an unreachable "special" token
+    and the text would be tokenized into shorter pieces (GPT-2: 256 bytes + 50,000 merges +
+    ``<|endoftext|>`` = 50,257 entries).
+
+    Raises:
+        TokenizerError: naming both files, the counts and the fix.
+    """
+    orphans = sorted((i, t) for t, i in special.items() if not (t.startswith("<") and t.endswith(">")))
+    if orphans:
+        last = merges[-1][2] if merges else 1
+        raise TokenizerError(
+            f"{merges_path}: {len(merges)} merges (last at line {last}), but {vocab_path} has "
+            f"{len(orphans)} more tokens that no merge produces (ids {orphans[0][0]}..{orphans[-1][0]}, "
+            f"e.g. {orphans[0][1]!r}); the merges file is truncated (GPT-2's vocab.bpe has 50,000 "
+            "merges after its #version line) or belongs to another vocabulary: re-copy it"
+        )
 
 
 class GPT2BPETokenizer:
