@@ -59,6 +59,9 @@ def _coerce(where: str, value: Any, typ: Any) -> Any:
     elif typ is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str) and _looks_like_float(value):
+            # PyYAML follows YAML 1.1, where `lr: 3e-3` (no dot in the mantissa) is a string.
+            return float(value)
     elif typ is str:
         if isinstance(value, str):
             return value
@@ -93,6 +96,31 @@ def _looks_like_float(raw: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _blend_from_list(where: str, items: list) -> str:
+    """``data.blend`` written as a YAML list, as Megatron's ``--data-path`` string.
+
+    Accepted: one ``"weight prefix"`` string per item, ``[weight, prefix]`` pairs, or the flat
+    ``[weight, prefix, weight, prefix, ...]``; the weights and prefixes themselves are checked by
+    the preflight (``data_tools.blend.parse_blend``).
+
+    Raises:
+        ConfigError: an item that is a mapping or a nested list that is not a pair.
+    """
+    words: list[str] = []
+    for i, item in enumerate(items):
+        if isinstance(item, list) and len(item) == 2 and all(not isinstance(x, (list, dict)) for x in item):
+            words += [str(x) for x in item]
+        elif isinstance(item, (str, int, float)) and not isinstance(item, bool):
+            words.append(str(item))
+        else:
+            raise ConfigError(
+                f"{where}[{i}]: expected 'weight prefix', [weight, prefix] or a flat list of weights and "
+                f"prefixes, got {item!r}; e.g. blend: ['0.7 data/a_text_document', "
+                "'0.3 data/b_text_document']"
+            )
+    return " ".join(words)
 
 
 def _read_yaml(path: str) -> dict[str, Any]:
@@ -140,7 +168,10 @@ def load_config(path: str | None, overrides: Iterable[str] = ()) -> RunConfig:
             if not isinstance(body, dict):
                 raise ConfigError(f"{path}: section '{section}' must be a mapping of key: value.")
             for key, value in body.items():
-                raw[section][str(key)] = (value, f"{path}: {section}.{key}")
+                where = f"{path}: {section}.{key}"
+                if (section, key) == ("data", "blend") and isinstance(value, list):
+                    value = _blend_from_list(where, value)
+                raw[section][str(key)] = (value, where)
     for item in overrides:
         section, name, value = _parse_override(item)
         if section not in SECTIONS:

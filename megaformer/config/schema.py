@@ -123,7 +123,8 @@ class DataConfig:
     blend: str = ""
     """Several datasets with weights, as Megatron's --data-path: '0.7 data/a_text_document 0.3
     data/b_text_document' (weights >= 0, normalised); when set, prefix is ignored. Each dataset
-    gets its weight's share of the samples, within one sample."""
+    gets its weight's share of the samples, within one sample. In the YAML file it may also be a
+    list: one 'weight prefix' string per item, [weight, prefix] pairs, or a flat list."""
     index_cache_dir: str = ""
     """Directory of the cached sample indices (.npy, built when missing; one per node is fine,
     see python -m data_tools.build_index); empty means <output.dir>/index_cache."""
