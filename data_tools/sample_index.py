@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -328,9 +329,19 @@ def load_or_build(
     ids = np.arange(doc_lengths.size, dtype=_index_dtype(doc_lengths.size)) if doc_ids is None else doc_ids
     arrays = build_sample_index(ids, doc_lengths, seq_len, num_samples, seed, shuffle)
     if paths is not None:
-        paths[0].parent.mkdir(parents=True, exist_ok=True)
-        # The shuffle index is renamed into place last; readers check all three, and a file that
-        # another builder replaces meanwhile has the same content (the build is deterministic).
-        for p, a in zip(paths, arrays):
-            _save_atomic(p, a)
+        try:
+            paths[0].parent.mkdir(parents=True, exist_ok=True)
+            # The shuffle index is renamed into place last; readers check all three, and a file that
+            # another builder replaces meanwhile has the same content (the build is deterministic).
+            for p, a in zip(paths, arrays):
+                _save_atomic(p, a)
+        except OSError as e:  # a read-only or full cache directory: the run needs no cache
+            print(
+                f"warning: cannot save the sample index in the cache directory {cache_dir} "
+                f"({e.strerror or e}); using it from memory (it is rebuilt by the next run): point "
+                "data.index_cache_dir at a writable directory, or prebuild it there with "
+                "python -m data_tools.build_index",
+                file=sys.stderr,
+            )
+            paths = None
     return SampleIndex(*arrays, paths=paths, cache_hit=False)

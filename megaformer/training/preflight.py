@@ -13,7 +13,9 @@ What is checked (each failure a :class:`~megaformer.config.ConfigError` or
   engine JSON (``train.deepspeed_config``): readable, no key the YAML owns;
 * every dataset of ``data.prefix`` / ``data.blend``: a valid ``.bin/.idx`` pair (header, index,
   ``.bin`` size) with its statistics sidecar (``PREFIX.stats.json``, written at preprocessing); its
-  largest token id below ``model.vocab_size``; its documents ending in ``data.eod_token``;
+  largest token id below ``model.vocab_size`` (scanned when the ``.bin`` is newer than the sidecar,
+  see :mod:`.data_checks`); its documents ending in ``data.eod_token``; a held-out split that holds
+  one evaluation;
 * ``train.resume`` / ``train.init_from``: a checkpoint directory whose ``latest`` tag names a
   directory of complete (readable zip) DeepSpeed files.
 """
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 
 from data_tools.errors import DataFormatError
 from megaformer.config import ConfigError, RunConfig, validate_layout
+from megaformer.training.data_checks import check_heldout, check_token_ids
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ def run_preflight(cfg: RunConfig, world_size: int) -> Preflight:
         read_engine_json(cfg.train.deepspeed_config)
     datasets = data_prefixes(cfg)
     stats = [check_dataset(prefix, cfg) for _, prefix in datasets]
+    check_heldout(cfg, datasets)
     if cfg.train.resume not in ("none", "auto"):
         check_checkpoint(cfg.train.resume, "train.resume")
     elif cfg.train.resume == "auto":
@@ -134,14 +138,7 @@ def check_dataset(prefix: str, cfg: RunConfig):
         )
     IndexedDataset(prefix)  # header, index and .bin size checks (DataFormatError naming the file)
     stats = read_stats(prefix)
-    vocab = cfg.model.vocab_size
-    if stats.max_token_id >= vocab:
-        raise DataFormatError(
-            f"{prefix}.bin holds token id {stats.max_token_id} (from {prefix}.stats.json), but "
-            f"model.vocab_size={vocab}: the dataset was tokenized with another vocabulary "
-            f"({stats.tokenizer.get('type', 'unknown')}, {stats.tokenizer.get('vocab_size', '?')} "
-            f"entries); set model.vocab_size >= {stats.max_token_id + 1} or retokenize the corpus"
-        )
+    check_token_ids(prefix, stats, cfg)  # the sidecar's largest id, or a scan if it is older
     eod = cfg.data.eod_token
     if stats.eod_token is not None and stats.eod_token != eod:
         raise DataFormatError(

@@ -237,3 +237,28 @@ def test_merge_removes_its_temporaries_on_sigterm(tmp_path, gpt2_flags):
     _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 130, stderr
     assert _leftovers(tmp_path) == []
+
+
+def test_unwritable_index_cache_dir_warns_and_builds_in_memory(tmp_path, gpt2_flags, capsys):
+    """A cache directory that cannot be written (read-only for a non-root user; for root, which
+    ignores permissions, a path below a regular file) costs the cache, not the run."""
+    import numpy as np
+
+    from data_tools.indexed_dataset import IndexedDataset
+    from data_tools.sample_index import build_sample_index, load_or_build
+
+    doc = tmp_path / "in.jsonl"
+    doc.write_text("".join(DOCS))
+    _preprocess([doc], tmp_path / "a", gpt2_flags)
+    ds = IndexedDataset(tmp_path / "a_text_document")
+    if os.geteuid() != 0:
+        cache = tmp_path / "ro"
+        cache.mkdir(mode=0o555)
+    else:
+        (tmp_path / "file").write_text("")
+        cache = tmp_path / "file" / "cache"
+    index = load_or_build(ds, seq_len=16, num_samples=50, seed=1, cache_dir=cache)
+    assert not index.cache_hit and index.paths is None
+    assert f"cannot save the sample index in the cache directory {cache}" in capsys.readouterr().err
+    expected = build_sample_index(np.arange(ds.num_documents), ds.document_lengths(), 16, 50, 1)
+    np.testing.assert_array_equal(expected[2], index.shuffle_idx)

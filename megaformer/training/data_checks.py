@@ -1,0 +1,121 @@
+"""Dataset checks of the preflight that go beyond the sidecar's word: token ids against the model's
+vocabulary (and its padding), and the held-out split against one evaluation.
+
+Why the sidecar's ``max_token_id`` alone is not enough: it is checked against the ``.idx`` by
+token and document counts only, so a ``.bin`` rewritten in place (same size) after its sidecar
+keeps a stale, smaller ``max_token_id``. Such ids are not caught later either: at
+``parallel.tp_size > 1`` the vocabulary-parallel embedding masks ids outside each rank's rows
+(an id past the embedding trains on a zero vector, exit 0), and an id in the embedding's padding
+rows (``model.vocab_size`` .. padded size - 1, e.g. 50257..50303 for GPT-2 at TP = 1) has a
+logit of -inf, so its loss is inf. Hence: a ``.bin`` modified after its sidecar is scanned here
+(once per run, in chunks), and the refusal names the file, the largest id and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from data_tools.errors import DataFormatError
+from megaformer.config import RunConfig
+
+__all__ = ["check_heldout", "check_token_ids", "scan_max_token_id"]
+
+_SCAN_TOKENS = 1 << 24  # tokens per chunk of the scan (32 MiB of uint16)
+
+
+def scan_max_token_id(prefix: str) -> int:
+    """Largest token id in ``prefix.bin`` (-1 when empty), read in chunks through a memory map
+    (memory stays at one chunk whatever the dataset size)."""
+    from data_tools.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(prefix)
+    if ds.num_tokens == 0:
+        return -1
+    tokens = np.memmap(ds.bin_path, dtype=ds.dtype, mode="r")
+    return max(int(tokens[i : i + _SCAN_TOKENS].max()) for i in range(0, tokens.size, _SCAN_TOKENS))
+
+
+def _sidecar_older_than_bin(prefix: str) -> bool:
+    from data_tools.stats import stats_path
+
+    return os.stat(prefix + ".bin").st_mtime_ns > os.stat(stats_path(prefix)).st_mtime_ns
+
+
+def check_token_ids(prefix: str, stats, cfg: RunConfig) -> int:
+    """Refuse a dataset with a token id the model cannot train on; return the largest id.
+
+    The largest id comes from the sidecar, or from a scan of ``.bin`` when the ``.bin`` was
+    modified after its sidecar (a copy can do that too; the scan then only costs time).
+
+    Raises:
+        DataFormatError: an id ``>= model.vocab_size`` (naming the file, the id, whether it falls
+            in the embedding's padding rows or past them, and the fix), or a sidecar whose
+            tokenizer has more entries than ``model.vocab_size``.
+    """
+    from data_tools.stats import stats_path
+
+    vocab = cfg.model.vocab_size
+    tok_size = stats.tokenizer.get("vocab_size")
+    if isinstance(tok_size, int) and tok_size > vocab:
+        raise DataFormatError(
+            f"{prefix}: tokenized with {stats.tokenizer.get('type')} of {tok_size} entries "
+            f"({stats_path(prefix)}), but model.vocab_size={vocab}; set model.vocab_size={tok_size} "
+            "or retokenize the corpus with the model's tokenizer"
+        )
+    max_id, source = stats.max_token_id, stats_path(prefix)
+    if _sidecar_older_than_bin(prefix):
+        max_id, source = scan_max_token_id(prefix), f"a scan of {prefix}.bin, newer than its sidecar"
+    if max_id < vocab:
+        return max_id
+    padded = cfg.model.padded_vocab_size(cfg.parallel.tp_size)
+    where = (
+        f"inside the embedding's padding rows {vocab}..{padded - 1}, whose logits are -inf: the loss "
+        "would be inf"
+        if max_id < padded
+        else f"past the embedding's {padded} rows (at parallel.tp_size > 1 such ids are masked, "
+        "not refused: the run would train on garbage)"
+    )
+    raise DataFormatError(
+        f"{prefix}.bin holds token id {max_id} (from {source}), but model.vocab_size={vocab}: {where}; "
+        f"the dataset was tokenized with another vocabulary or damaged: retokenize it (and recompute "
+        f"its sidecar with python -m data_tools.stats --data-prefix {prefix}), or set "
+        f"model.vocab_size >= {max_id + 1} if that vocabulary is the model's"
+    )
+
+
+def check_heldout(cfg: RunConfig, datasets: list[tuple[float, str]]) -> None:
+    """Refuse a held-out split smaller than one evaluation, before any process group starts.
+
+    The same arithmetic as the sample index (:mod:`megaformer.data.gpt_dataset`): each dataset
+    gets its share (``data_tools.blend.apportion``) of ``train.eval_batches ×
+    train.global_batch_size`` validation samples of ``seq_len + 1`` tokens, packed from the held-out
+    documents (``data_tools.sample_index.split_documents`` by ``data.valid_fraction`` and
+    ``train.seed``), which hold ``(tokens - 1) // seq_len`` samples.
+
+    Raises:
+        DataFormatError: naming the dataset, its held-out documents and tokens, the samples they
+            make and the samples one evaluation needs, and the keys that fix it.
+    """
+    from data_tools.blend import apportion
+    from data_tools.indexed_dataset import IndexedDataset
+    from data_tools.sample_index import split_documents
+
+    t, seq_len = cfg.train, cfg.model.seq_len
+    needed = t.eval_batches * t.global_batch_size
+    shares = apportion([w for w, _ in datasets], needed).tolist()
+    for (_, prefix), n_valid in zip(datasets, shares):
+        lengths = IndexedDataset(prefix).document_lengths(np.int64)
+        _, valid_ids = split_documents(len(lengths), cfg.data.valid_fraction, t.seed)
+        tokens = int(lengths[valid_ids].sum())
+        have = max(tokens - 1, 0) // seq_len
+        if have < n_valid:
+            raise DataFormatError(
+                f"{prefix}: the held-out split (data.valid_fraction={cfg.data.valid_fraction}: "
+                f"{len(valid_ids)} of {len(lengths)} documents, {tokens:,} tokens) makes {have} samples "
+                f"of {seq_len + 1} tokens, but one evaluation reads {n_valid} (train.eval_batches="
+                f"{t.eval_batches} × train.global_batch_size={t.global_batch_size}"
+                + (", this dataset's share of the blend" if len(datasets) > 1 else "")
+                + "); raise data.valid_fraction or lower train.eval_batches"
+            )
