@@ -4,16 +4,20 @@
         --vocab-file gpt2-bpe/encoder.json --merge-file gpt2-bpe/vocab.bpe
 
 prints the dtype, sequence/document/token counts, a histogram of document lengths (tokens, log2
-buckets) and, with ``--doc``, the decoded text of that document. Decoding needs the tokenizer the
-data was made with; no default is assumed, since decoding with the wrong one prints plausible garbage.
+buckets) and, with ``--doc``, the decoded text of that document: its first ``--max-tokens`` tokens
+(default 512; ``--full`` prints all of it). Without tokenizer flags it decodes with GPT-2 BPE from
+``data/gpt2-bpe`` (as ``megaformer.tools.generate`` does), unless the dataset's statistics sidecar
+says it was made with another tokenizer type: then it asks for that tokenizer's files.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -24,6 +28,9 @@ from data_tools.tokenizer import build_tokenizer
 __all__ = ["length_histogram", "main"]
 
 _BAR_WIDTH = 50
+_REPO = Path(__file__).resolve().parents[1]
+DEFAULT_VOCAB = str(_REPO / "data" / "gpt2-bpe" / "encoder.json")
+DEFAULT_MERGES = str(_REPO / "data" / "gpt2-bpe" / "vocab.bpe")
 
 
 def length_histogram(lengths: np.ndarray) -> list[tuple[int, int, int]]:
@@ -67,23 +74,41 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("prefix", help="dataset path without .bin/.idx (a .bin or .idx path also works)")
     p.add_argument("--doc", type=int, help="print the decoded text of this document (0-based)")
-    p.add_argument("--vocab-file", help="GPT-2 encoder.json / vocab.json (to decode)")
-    p.add_argument("--merge-file", help="GPT-2 vocab.bpe / merges.txt (to decode)")
+    p.add_argument("--vocab-file", help=f"GPT-2 encoder.json / vocab.json (default: {DEFAULT_VOCAB})")
+    p.add_argument("--merge-file", help=f"GPT-2 vocab.bpe / merges.txt (default: {DEFAULT_MERGES})")
     p.add_argument("--tokenizer-model", help="SentencePiece .model (to decode)")
+    p.add_argument(
+        "--max-tokens", type=int, default=512, help="decode at most this many tokens of --doc (default 512)"
+    )
+    p.add_argument("--full", action="store_true", help="decode the whole document")
     return p.parse_args(argv)
 
 
-def _tokenizer_for(args: argparse.Namespace):
+def _tokenizer_for(args: argparse.Namespace, prefix: str):
     if args.tokenizer_model and (args.vocab_file or args.merge_file):
         raise TokenizerError("give either --tokenizer-model or --vocab-file/--merge-file, not both")
     if args.tokenizer_model:
         return build_tokenizer("SentencePieceTokenizer", tokenizer_model=args.tokenizer_model)
-    if args.vocab_file or args.merge_file:
-        return build_tokenizer("GPT2BPETokenizer", vocab_file=args.vocab_file, merge_file=args.merge_file)
-    raise TokenizerError(
-        f"decoding document {args.doc} needs the tokenizer the data was made with: --vocab-file and "
-        "--merge-file (GPT-2 BPE) or --tokenizer-model (SentencePiece)"
-    )
+    if not (args.vocab_file or args.merge_file):
+        made_with = _sidecar_tokenizer_type(prefix)
+        if made_with not in (None, "unknown", "GPT2BPETokenizer"):
+            raise TokenizerError(
+                f"{prefix}: made with {made_with} ({prefix}.stats.json), so the default GPT-2 files "
+                "would decode garbage: pass --tokenizer-model (SentencePiece) or --vocab-file and "
+                "--merge-file"
+            )
+    vocab = args.vocab_file or DEFAULT_VOCAB
+    merges = args.merge_file or DEFAULT_MERGES
+    return build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
+
+
+def _sidecar_tokenizer_type(prefix: str) -> str | None:
+    """The tokenizer type the statistics sidecar records, or None without a readable sidecar."""
+    try:
+        with open(f"{prefix}.stats.json", encoding="utf-8") as f:
+            return json.load(f).get("tokenizer", {}).get("type")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def inspect(args: argparse.Namespace) -> None:
@@ -98,7 +123,7 @@ def inspect(args: argparse.Namespace) -> None:
     if prefix.endswith((".bin", ".idx")):
         prefix = prefix[:-4]
     # The tokenizer first: a missing flag should not wait for a large index to be checked.
-    tokenizer = _tokenizer_for(args) if args.doc is not None else None
+    tokenizer = _tokenizer_for(args, prefix) if args.doc is not None else None
     ds = IndexedDataset(prefix)
     doc_lengths = ds.document_lengths()
     print(f"dataset:   {prefix}")
@@ -123,8 +148,13 @@ def inspect(args: argparse.Namespace) -> None:
             )
         print(f"document {args.doc}: sequences {seqs.start}..{seqs.stop - 1}, {tokens.size:,} tokens")
         print("-" * 72)
-        print(tokenizer.decode(tokens.tolist()))
+        shown = tokens if args.full else tokens[: max(args.max_tokens, 0)]
+        print(tokenizer.decode(shown.tolist()))
         print("-" * 72)
+        if shown.size < tokens.size:
+            print(
+                f"[truncated: the first {shown.size:,} of {tokens.size:,} tokens; --full prints all of them]"
+            )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -36,10 +36,9 @@ def test_inspect_prints_counts_histogram_and_document(tmp_path, gpt2_files, gpt2
     assert "#" * 50 in out  # the fullest bucket's bar
     assert "The second document.\nWith two lines.<|endoftext|>" in out
 
-    # the .idx path works as well; decoding without tokenizer flags is refused
+    # the .idx path works as well; without tokenizer flags it decodes with data/gpt2-bpe (issue 13)
     result = run_cli("data_tools.inspect", f"{tmp_path / 'ds'}.idx", "--doc", "0")
-    assert result.returncode == 2
-    assert "needs the tokenizer the data was made with: --vocab-file and --merge-file" in result.stderr
+    assert result.returncode == 0 and "Hello world<|endoftext|>" in result.stdout, result.stderr
     result = run_cli("data_tools.inspect", tmp_path / "missing")
     assert result.returncode == 2 and "no such file" in result.stderr
 
@@ -116,3 +115,22 @@ def test_model_without_eos_is_refused(tmp_path):
     (tmp_path / "junk.model").write_bytes(b"not a model")
     with pytest.raises(TokenizerError, match=r"expected a SentencePiece \.model file"):
         build_tokenizer("SentencePieceTokenizer", tokenizer_model=tmp_path / "junk.model")
+
+
+def test_inspect_truncates_long_documents_and_refuses_the_wrong_default(tmp_path, gpt2_tokenizer, run_cli):
+    from data_tools.stats import compute_stats, write_stats
+
+    text = " ".join(f"word{i}" for i in range(3000))
+    ids = [*gpt2_tokenizer.encode(text), gpt2_tokenizer.eod]
+    with IndexedDatasetWriter(tmp_path / "ds", np.uint16) as w:
+        w.add_document(ids)
+    result = run_cli("data_tools.inspect", tmp_path / "ds", "--doc", "0", "--max-tokens", "100")
+    assert result.returncode == 0, result.stderr
+    assert gpt2_tokenizer.decode(ids[:100]) in result.stdout and "word2999" not in result.stdout
+    assert f"[truncated: the first 100 of {len(ids):,} tokens; --full prints all of them]" in result.stdout
+    result = run_cli("data_tools.inspect", tmp_path / "ds", "--doc", "0", "--full")
+    assert "word2999<|endoftext|>" in result.stdout and "truncated" not in result.stdout
+    # a dataset whose sidecar names another tokenizer is not decoded with GPT-2's files by default
+    write_stats(tmp_path / "ds", compute_stats(tmp_path / "ds", tokenizer={"type": "SentencePieceTokenizer"}))
+    result = run_cli("data_tools.inspect", tmp_path / "ds", "--doc", "0")
+    assert result.returncode == 2 and "made with SentencePieceTokenizer" in result.stderr
