@@ -119,13 +119,16 @@ class IndexedDatasetWriter:
         # would be a system call per document.
         self._bin = open(self._bin_tmp, "wb", buffering=8 << 20)  # noqa: SIM115 (closed in finalize/abort)
         self._lengths = array.array("i")  # int32, as on disk; compact for 100M+ documents
+        # End (exclusive sequence index) of each document once a document has several sequences;
+        # None while every document is one sequence (the index is then 0..N, not stored).
+        self._doc_ends: array.array | None = None
         self._num_tokens = 0
         self._closed = False
 
     @property
     def num_documents(self) -> int:
         """Documents added so far."""
-        return len(self._lengths)
+        return len(self._lengths) if self._doc_ends is None else len(self._doc_ends)
 
     @property
     def num_tokens(self) -> int:
@@ -161,9 +164,13 @@ class IndexedDatasetWriter:
             raise ValueError(f"a document of {arr.size} tokens does not fit the int32 sequence length")
         self._bin.write(np.ascontiguousarray(arr).tobytes())
         self._lengths.append(arr.size)
+        if self._doc_ends is not None:
+            self._doc_ends.append(len(self._lengths))
         self._num_tokens += arr.size
 
-    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+    def add_documents(
+        self, tokens: np.ndarray, lengths: np.ndarray, sequences_per_document: np.ndarray | None = None
+    ) -> None:
         """Appends many documents at once: ``tokens`` is their ids back to back, ``lengths`` their sizes.
 
         The fast path of preprocessing and of ``merge``/``split``: one ``write()`` per call instead of
@@ -172,10 +179,14 @@ class IndexedDatasetWriter:
         Args:
             tokens: 1-D array already of the writer's dtype (no range check is made here: the
                 caller produced it in that dtype), ``sum(lengths)`` entries.
-            lengths: 1-D integer array, tokens per document, each in ``[0, 2**31)``.
+            lengths: 1-D integer array, tokens per sequence, each in ``[0, 2**31)``; a sequence
+                is a document unless ``sequences_per_document`` is given.
+            sequences_per_document: 1-D integer array, how many of the sequences make each
+                document (sentence-level data, ``--split-sentences``); sums to ``lengths.size``.
 
         Raises:
-            ValueError: dtype mismatch, or ``lengths`` not summing to ``tokens.size``.
+            ValueError: dtype mismatch, ``lengths`` not summing to ``tokens.size``, or
+                ``sequences_per_document`` not summing to ``lengths.size``.
         """
         if self._closed:
             raise RuntimeError(f"{self.bin_path}: add_documents() after finalize() or abort()")
@@ -190,6 +201,17 @@ class IndexedDatasetWriter:
             raise ValueError(
                 f"{self.bin_path}: lengths sum to {int(lengths.sum())}, but {tokens.size} tokens were given"
             )
+        if sequences_per_document is not None:
+            per_doc = np.asarray(sequences_per_document, dtype=np.int64)
+            if int(per_doc.sum()) != lengths.size:
+                raise ValueError(f"{self.bin_path}: sequences_per_document do not sum to {lengths.size}")
+            if self._doc_ends is None:  # until now one sequence per document
+                self._doc_ends = array.array("q", range(1, len(self._lengths) + 1))
+            ends = len(self._lengths) + np.cumsum(per_doc)
+            self._doc_ends.frombytes(ends.astype(np.int64).tobytes())
+        elif self._doc_ends is not None:
+            ends = len(self._lengths) + np.arange(1, lengths.size + 1, dtype=np.int64)
+            self._doc_ends.frombytes(ends.tobytes())
         self._bin.write(memoryview(np.ascontiguousarray(tokens)).cast("B"))
         self._lengths.frombytes(lengths.astype(np.int32).tobytes())
         self._num_tokens += tokens.size
@@ -215,8 +237,11 @@ class IndexedDatasetWriter:
             if num_sequences > 1:
                 np.cumsum(lengths[:-1], dtype=np.int64, out=pointers[1:])
             pointers *= self.dtype.itemsize
-            # One sequence per document: document i is sequence i, so the indices are 0..N.
-            document_indices = np.arange(num_sequences + 1, dtype=np.int64)
+            if self._doc_ends is None:  # one sequence per document: the indices are 0..N
+                document_indices = np.arange(num_sequences + 1, dtype=np.int64)
+            else:
+                ends = np.frombuffer(self._doc_ends, dtype=np.int64)
+                document_indices = np.concatenate([np.zeros(1, np.int64), ends])
             with open(self._idx_tmp, "wb") as f:
                 f.write(_HEADER.pack(MAGIC, VERSION, self._code, num_sequences, document_indices.size))
                 f.write(lengths.astype("<i4", copy=False).tobytes())

@@ -53,7 +53,10 @@ from data_tools.atomic import sigterm_as_interrupt, write_error
 from data_tools.errors import DataFormatError, DataToolsError, PreprocessError
 from data_tools.files import atomic_write_json
 from data_tools.indexed_dataset import IndexedDataset, IndexedDatasetWriter, optimal_dtype
+from data_tools.megatron_flags import add_megatron_flags, check_megatron_flags, level, strip_suffix
+from data_tools.partitions import RoundRobinWriter
 from data_tools.readers import open_input
+from data_tools.sentences import split_sentences
 from data_tools.stats import (
     StatsAccumulator,
     compute_stats,
@@ -91,6 +94,7 @@ _BOM = b"\xef\xbb\xbf"
 # tokenizing, small enough that a handful of whole-book text files still spread over the workers.
 _CHUNK_DOCS = 256
 _CHUNK_BYTES = 1 << 20
+_DEFAULT_LOG_INTERVAL = 10_000  # documents between progress lines in logs
 _MAX_REPORTED_SKIPS = 10  # skipped records named one by one on stderr; the rest are only counted
 
 
@@ -409,7 +413,12 @@ _WORKER: dict = {}
 
 
 def _init_worker(
-    tokenizer_kwargs: dict, append_eod: bool, dtype: np.dtype, keys: Sequence[str], tokenizer=None
+    tokenizer_kwargs: dict,
+    append_eod: bool,
+    dtype: np.dtype,
+    keys: Sequence[str],
+    split: bool | None = None,
+    tokenizer=None,
 ) -> None:
     if tokenizer is None:  # in a pool worker
         # Ctrl-C and SIGTERM are for the parent, which then terminates the pool and cleans up.
@@ -424,6 +433,7 @@ def _init_worker(
     _WORKER["append_eod"] = append_eod
     _WORKER["dtype"] = dtype
     _WORKER["keys"] = tuple(keys)
+    _WORKER["split"] = split  # None: whole documents; else split sentences, keep_newlines=split
 
 
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
@@ -483,6 +493,10 @@ class _Encoded:
     bad: list[BadRecord]
     records: int
     text_bytes: int
+    sequence_lengths: list[np.ndarray] | None = None
+    """With --split-sentences, per key: tokens per sentence (EOD counted in each document's last)."""
+    sequences: list[np.ndarray] | None = None
+    """With --split-sentences, per key: sentences per document."""
 
 
 def _encode_unit(unit: tuple) -> _Encoded:
@@ -493,7 +507,9 @@ def _encode_unit(unit: tuple) -> _Encoded:
     cores used, as in Megatron (tiktoken's batch call would add its own threads). Where the
     tokenizer has ``encode_array`` (GPT-2 BPE), ids come back as numpy arrays, not Python lists.
     """
-    tokenizer, append_eod, dtype, keys = (_WORKER[k] for k in ("tokenizer", "append_eod", "dtype", "keys"))
+    tokenizer, append_eod, dtype, keys, split = (
+        _WORKER[k] for k in ("tokenizer", "append_eod", "dtype", "keys", "split")
+    )
     if unit[0] == "jsonl":
         _, path, first_line, block = unit
         lines = enumerate(block.split(b"\n"), start=first_line)
@@ -508,8 +524,8 @@ def _encode_unit(unit: tuple) -> _Encoded:
         if isinstance(record, BadRecord):
             bad.append(record)
             continue
-        ids = [encode(text) for text in record.texts]
-        if any(len(x) == 0 for x in ids):
+        ids = [_encode_text(encode, text, split) for text in record.texts]
+        if any(sum(len(s) for s in x) == 0 for x in ids):
             bad.append(BadRecord(record.where, EMPTY_DOCUMENT, "the text has no tokens"))
             continue
         for out, x in zip(per_key, ids):
@@ -517,11 +533,33 @@ def _encode_unit(unit: tuple) -> _Encoded:
         text_bytes += record.num_bytes
     eod = tokenizer.eod if append_eod else None
     extra = int(append_eod)
-    lengths = np.array([[len(x) + extra for x in lists] for lists in per_key], dtype=np.int32)
+    lengths = np.array([[sum(map(len, x)) + extra for x in lists] for lists in per_key], dtype=np.int32)
     lengths = lengths.reshape(len(keys), -1)
-    tokens = [_concatenate(lists, int(n.sum()), dtype, eod) for lists, n in zip(per_key, lengths)]
+    docs = [[x[0] if len(x) == 1 else np.concatenate(x) for x in lists] for lists in per_key]
+    tokens = [_concatenate(lists, int(n.sum()), dtype, eod) for lists, n in zip(docs, lengths)]
     counts = [sparse_counts(t) for t in tokens]
-    return _Encoded(lengths, tokens, counts, bad, len(records), text_bytes)
+    encoded = _Encoded(lengths, tokens, counts, bad, len(records), text_bytes)
+    if split is not None:
+        encoded.sequences = [np.array([len(x) for x in lists], dtype=np.int64) for lists in per_key]
+        encoded.sequence_lengths = [_sentence_lengths(lists, extra) for lists in per_key]
+    return encoded
+
+
+def _encode_text(encode, text: str, split: bool | None) -> list:
+    """A text's ids as a list of sequences: the whole text, or its sentences (``split`` is
+    ``keep_newlines``) without those of no tokens, as Megatron's encoder drops them."""
+    if split is None:
+        return [encode(text)]
+    return [ids for sentence in split_sentences(text, keep_newlines=split) if len(ids := encode(sentence))]
+
+
+def _sentence_lengths(docs: list[list], extra: int) -> np.ndarray:
+    """Tokens per sentence of ``docs`` (lists of sentences), ``extra`` (the EOD) added to each last."""
+    lengths = [len(s) for sentences in docs for s in sentences]
+    out = np.array(lengths, dtype=np.int64)
+    if extra and out.size:
+        out[np.cumsum([len(x) for x in docs]) - 1] += extra
+    return out
 
 
 def _concatenate(parts: list, size: int, dtype: np.dtype, eod: int | None) -> np.ndarray:
@@ -636,10 +674,12 @@ def preprocess(args: argparse.Namespace) -> PreprocessSummary:
     start = time.perf_counter()
     if args.workers < 1:
         raise PreprocessError(f"--workers must be at least 1, got {args.workers}")
+    check_megatron_flags(args)
     paths = expand_inputs(args.input)
-    output_prefix = args.output_prefix
+    lvl = level(args)  # "document", or "sentence" with --split-sentences (Megatron's names)
+    output_prefix = strip_suffix(args.output_prefix, args.json_keys, lvl)
     if args.num_shards != 1 or args.shard_index is not None:
-        paths, output_prefix = shard_inputs(paths, args.output_prefix, args.num_shards, args.shard_index)
+        paths, output_prefix = shard_inputs(paths, output_prefix, args.num_shards, args.shard_index)
     tokenizer_kwargs = {
         "tokenizer_type": args.tokenizer_type,
         "vocab_file": args.vocab_file,
@@ -653,7 +693,7 @@ def preprocess(args: argparse.Namespace) -> PreprocessSummary:
     tokenizer_info = tokenizer_entry(**tokenizer_kwargs, vocab_size=tokenizer.vocab_size)
     eod = tokenizer.eod if args.append_eod else None
     summary = PreprocessSummary()
-    summary.outputs = [f"{output_prefix}_{key}_document" for key in args.json_keys]
+    summary.outputs = [f"{output_prefix}_{key}_{lvl}" for key in args.json_keys]
     manifest = _shard_manifest(paths, args, tokenizer_kwargs) if args.num_shards > 1 else None
     if manifest is not None:
         done, why_not = _finished(summary.outputs, output_prefix, manifest)
@@ -667,16 +707,26 @@ def preprocess(args: argparse.Namespace) -> PreprocessSummary:
 
     from tqdm import tqdm
 
-    # disable=None: a bar on a terminal, nothing in logs (where --log-interval lines are printed).
+    # disable=None: a bar on a terminal, nothing in logs (where --log-interval lines are printed);
+    # an explicit --log-interval prints its lines on a terminal too, instead of the bar.
+    log_interval = _DEFAULT_LOG_INTERVAL if args.log_interval is None else args.log_interval
     with _stop_signals_blocked():  # tqdm's monitor thread must not take the stop signals
-        bar = tqdm(unit=" docs", file=sys.stderr, disable=None, dynamic_ncols=True, desc="tokenizing")
-    writers: list[IndexedDatasetWriter] = []
+        bar = tqdm(
+            unit=" docs",
+            file=sys.stderr,
+            disable=None if args.log_interval is None else True,
+            dynamic_ncols=True,
+            desc="tokenizing",
+        )
+    writers: list = []  # IndexedDatasetWriter or RoundRobinWriter
     accumulators = [StatsAccumulator(eod, tokenizer.vocab_size, where=prefix) for prefix in summary.outputs]
-    next_log = args.log_interval
+    next_log = log_interval
     try:
-        writers = [IndexedDatasetWriter(prefix, dtype) for prefix in summary.outputs]
+        for prefix in summary.outputs:
+            writers.append(_writer(prefix, dtype, args))
         units = _work_units(paths, args.json_keys, args.text_split_blank_lines)
-        init_args = (tokenizer_kwargs, args.append_eod, dtype, tuple(args.json_keys))
+        split = args.keep_newlines if args.split_sentences else None
+        init_args = (tokenizer_kwargs, args.append_eod, dtype, tuple(args.json_keys), split)
         # closing(): on an interrupt the pool is terminated here, not whenever the suspended
         # generator happens to be collected (after main() has already reported the interrupt).
         encoded_units = contextlib.closing(_encoded_units(units, args.workers, init_args, tokenizer))
@@ -684,17 +734,10 @@ def preprocess(args: argparse.Namespace) -> PreprocessSummary:
             for encoded in encoded_iter:
                 for record in encoded.bad:
                     _skip(record, args.skip_bad_records, summary)
-                for writer, acc, tokens, lengths, counts in zip(
-                    writers, accumulators, encoded.tokens, encoded.lengths, encoded.counts
-                ):
-                    writer.add_documents(tokens, lengths)
-                    acc.add_documents(tokens, lengths, counts)
-                    summary.tokens += tokens.size
-                summary.documents += encoded.lengths.shape[1]
-                summary.text_bytes += encoded.text_bytes
-                if bar.disable and args.log_interval > 0 and summary.documents >= next_log:
+                _add_encoded(encoded, writers, accumulators, summary)
+                if bar.disable and log_interval > 0 and summary.documents >= next_log:
                     _log_progress(summary, time.perf_counter() - start)
-                    next_log = (summary.documents // args.log_interval + 1) * args.log_interval
+                    next_log = (summary.documents // log_interval + 1) * log_interval
                 bar.update(encoded.records)
                 bar.set_postfix_str(f"{summary.text_bytes / 1e6:.1f} MB", refresh=False)
         if summary.documents == 0:
@@ -725,6 +768,28 @@ def preprocess(args: argparse.Namespace) -> PreprocessSummary:
         bar.close()
     summary.seconds = time.perf_counter() - start
     return summary
+
+
+def _writer(prefix: str, dtype: np.dtype, args: argparse.Namespace) -> IndexedDatasetWriter:
+    """The output writer: in input order, or in Megatron's ``--partitions`` order (a
+    ``RoundRobinWriter``, which writes the same way)."""
+    if args.partitions > 1 and not args.keep_sequential_samples:
+        return RoundRobinWriter(prefix, dtype, args.partitions)
+    return IndexedDatasetWriter(prefix, dtype)
+
+
+def _add_encoded(encoded: _Encoded, writers: list, accumulators: list, summary: PreprocessSummary) -> None:
+    """Writes one work unit's documents to every key's output and counts them."""
+    for k, (writer, acc) in enumerate(zip(writers, accumulators)):
+        tokens, lengths = encoded.tokens[k], encoded.lengths[k]
+        if encoded.sequences is None:
+            writer.add_documents(tokens, lengths)
+        else:  # sentence-level: one sequence per sentence
+            writer.add_documents(tokens, encoded.sequence_lengths[k], encoded.sequences[k])
+        acc.add_documents(tokens, lengths, encoded.counts[k])
+        summary.tokens += tokens.size
+    summary.documents += encoded.lengths.shape[1]
+    summary.text_bytes += encoded.text_bytes
 
 
 def _is_output(e: OSError, output_prefix: str) -> bool:
@@ -777,6 +842,8 @@ def _shard_manifest(paths: Sequence[Path], args: argparse.Namespace, tokenizer_k
         "json_keys": list(args.json_keys),
         "append_eod": bool(args.append_eod),
         "text_split_blank_lines": bool(args.text_split_blank_lines),
+        "split_sentences": [bool(args.split_sentences), bool(args.keep_newlines)],
+        "partitions": args.partitions if not args.keep_sequential_samples else 1,
         "tokenizer": {
             k: (str(Path(v).resolve()) if v and k != "tokenizer_type" else v)
             for k, v in tokenizer_kwargs.items()
@@ -903,9 +970,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--log-interval",
         type=int,
-        default=10000,
-        help="documents between progress lines when stderr is not a terminal (0: none)",
+        default=None,
+        help=f"documents between progress lines (0: none); default {_DEFAULT_LOG_INTERVAL:,} and only "
+        "when stderr is not a terminal (a progress bar there); given, the lines replace the bar",
     )
+    add_megatron_flags(p)
     return p
 
 

@@ -718,7 +718,9 @@ def tokenizer_entry(
             tokenizer_type, vocab_file=vocab_file, merge_file=merge_file, tokenizer_model=tokenizer_model
         ).vocab_size
     # Only the files this type reads (Megatron command lines often carry the others along).
-    used = (tokenizer_model,) if tokenizer_type == "SentencePieceTokenizer" else (vocab_file, merge_file)
+    used = (vocab_file, merge_file) if tokenizer_type == "GPT2BPETokenizer" else (tokenizer_model,)
+    # A HuggingFaceTokenizer directory: its tokenizer.json stands for it.
+    used = [os.path.join(f, "tokenizer.json") if f and os.path.isdir(f) else f for f in used]
     return describe_tokenizer(tokenizer_type, vocab_size, [f for f in used if f])
 
 

@@ -35,7 +35,7 @@ __all__ = [
     "load_gpt2_bpe",
 ]
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer")
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer")
 
 # GPT-2's pre-tokenizer (openai/gpt-2 encoder.py, Megatron's gpt2_tokenization.py): contractions,
 # letter runs, digit runs, punctuation runs, each with an optional leading space; whitespace runs
@@ -341,12 +341,14 @@ def build_tokenizer(
     vocab_file: str | os.PathLike[str] | None = None,
     merge_file: str | os.PathLike[str] | None = None,
     tokenizer_model: str | os.PathLike[str] | None = None,
-) -> GPT2BPETokenizer | SentencePieceTokenizer:
+) -> Tokenizer:
     """Builds a tokenizer by Megatron's ``--tokenizer-type`` name.
 
     Args:
         tokenizer_type: ``"GPT2BPETokenizer"`` (needs ``vocab_file`` and ``merge_file``) or
-            ``"SentencePieceTokenizer"`` (needs ``tokenizer_model``).
+            ``"SentencePieceTokenizer"`` (needs ``tokenizer_model``) or ``"HuggingFaceTokenizer"``
+            (``tokenizer_model``: a local tokenizer.json or saved directory, see
+            :mod:`data_tools.hf_tokenizer`).
 
     Raises:
         TokenizerError: for an unknown type, a missing flag, or bad files.
@@ -364,6 +366,15 @@ def build_tokenizer(
                 "SentencePieceTokenizer needs --tokenizer-model (a SentencePiece .model file)"
             )
         return SentencePieceTokenizer(tokenizer_model)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        if tokenizer_model is None:
+            raise TokenizerError(
+                "HuggingFaceTokenizer needs --tokenizer-model (a tokenizer.json or a saved tokenizer "
+                "directory)"
+            )
+        from data_tools.hf_tokenizer import HuggingFaceTokenizer
+
+        return HuggingFaceTokenizer(tokenizer_model)
     raise TokenizerError(
         f"unknown tokenizer type {tokenizer_type!r}; expected one of {', '.join(TOKENIZER_TYPES)}"
     )
