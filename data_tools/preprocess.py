@@ -797,7 +797,8 @@ def _is_output(e: OSError, output_prefix: str) -> bool:
     if e.filename is None:
         return True
     out_dir = os.path.abspath(os.path.dirname(output_prefix) or ".")
-    return os.path.abspath(os.fspath(e.filename)).startswith(out_dir)
+    failed = os.path.abspath(os.fspath(e.filename))
+    return failed.startswith(out_dir) or out_dir.startswith(failed)  # or a parent it had to create
 
 
 def shard_inputs(

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from data_tools.atomic import sigterm_as_interrupt, write_error
 from data_tools.errors import DataFormatError, DataToolsError
 from data_tools.indexed_dataset import IndexedDataset, IndexedDatasetWriter
 from data_tools.stats import UNKNOWN_TOKENIZER, StatsAccumulator, read_stats, write_stats
@@ -132,9 +133,11 @@ def split_dataset(
             stats = accs[side].finish(tokenizer)
             # the sidecar before the .idx: an output that looks finished has its statistics
             w.finalize(before_index=functools.partial(write_stats, out_prefixes[side], stats))
-    except BaseException:
+    except BaseException as e:
         for w in writers.values():
             w.abort()
+        if isinstance(e, OSError) and (err := write_error(e, f"{holdout_prefix} / {train_prefix}")):
+            raise err from None
         raise
     return {
         "holdout_documents": int(mask.sum()),
@@ -155,6 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--holdout-prefix", required=True, help="writes the held-out documents here")
     p.add_argument("--train-prefix", required=True, help="writes the other documents here")
     args = p.parse_args(argv)
+    sigterm_as_interrupt()  # a scheduler's kill removes the .tmp files like Ctrl-C does
     try:
         counts = split_dataset(
             args.data_prefix, args.holdout_tokens, args.seed, args.holdout_prefix, args.train_prefix

@@ -191,10 +191,11 @@ def test_file_size_limit_removes_everything_and_says_so(tmp_path, gpt2_flags):
     assert _leftovers(tmp_path) == []
 
 
-def test_read_only_output_directory(tmp_path, gpt2_flags):
+@pytest.mark.parametrize("below", ["out", "sub/deeper/out"])  # the output itself, or directories to create
+def test_read_only_output_directory(tmp_path, gpt2_flags, below):
     out_dir = tmp_path / "ro"
     out_dir.mkdir()
-    command = _preprocess_command(out_dir / "out", gpt2_flags)
+    command = _preprocess_command(out_dir / below, gpt2_flags)
     if os.geteuid() != 0:
         out_dir.chmod(0o555)
         result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
@@ -262,3 +263,18 @@ def test_unwritable_index_cache_dir_warns_and_builds_in_memory(tmp_path, gpt2_fl
     assert f"cannot save the sample index in the cache directory {cache}" in capsys.readouterr().err
     expected = build_sample_index(np.arange(ds.num_documents), ds.document_lengths(), 16, 50, 1)
     np.testing.assert_array_equal(expected[2], index.shuffle_idx)
+
+
+def test_split_under_a_file_size_limit_removes_its_outputs(tmp_path, gpt2_flags):
+    doc = tmp_path / "in.jsonl"
+    doc.write_text("".join(DOCS * 5))
+    _preprocess([doc], tmp_path / "a", gpt2_flags)
+    command = [sys.executable, "-m", "data_tools.split", "--data-prefix", str(tmp_path / "a_text_document")]
+    command += ["--holdout-tokens", "500", "--holdout-prefix", str(tmp_path / "out_v")]
+    command += ["--train-prefix", str(tmp_path / "out_t")]
+    result = subprocess.run(
+        command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, preexec_fn=_file_size_limit(8192)
+    )
+    assert result.returncode == 2, result.stderr
+    assert "File too large" in result.stderr and "Traceback" not in result.stderr
+    assert _leftovers(tmp_path) == []
