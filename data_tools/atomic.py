@@ -15,7 +15,7 @@ import signal
 
 from data_tools.errors import OutputError
 
-__all__ = ["OutputError", "sigterm_as_interrupt", "write_error"]
+__all__ = ["OutputError", "is_output_error", "sigterm_as_interrupt", "write_error"]
 
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _NOT_WRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM}
@@ -47,6 +47,17 @@ def write_error(e: OSError, output: str | os.PathLike[str]) -> OutputError | Non
             "you can write to (or fix its permissions), then rerun"
         )
     return None
+
+
+def is_output_error(e: OSError, output_prefix: str) -> bool:
+    """Whether ``e`` happened on an output of ``output_prefix`` (a failed ``write()`` has no file
+    name, an ``open()`` or ``mkdir()`` has one: the output, or a directory above it that had to be
+    created), and not on an input."""
+    if e.filename is None:
+        return True
+    out_dir = os.path.abspath(os.path.dirname(output_prefix) or ".")
+    failed = os.path.abspath(os.fspath(e.filename))
+    return failed.startswith(out_dir) or out_dir.startswith(failed)
 
 
 def _raise_interrupt(signum, frame) -> None:

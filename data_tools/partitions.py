@@ -22,7 +22,7 @@ import numpy as np
 
 from data_tools.indexed_dataset import IndexedDatasetWriter
 
-__all__ = ["RoundRobinWriter"]
+__all__ = ["RoundRobinWriter", "make_writer"]
 
 _COPY_TOKENS = 1 << 22  # tokens per block when copying a partition into the output
 
@@ -122,3 +122,14 @@ class RoundRobinWriter:
                 part.file.close()
             part.path.unlink(missing_ok=True)
         self.final.abort()
+
+
+def make_writer(
+    prefix: str, dtype, partitions: int = 1, keep_sequential_samples: bool = False
+) -> IndexedDatasetWriter | RoundRobinWriter:
+    """The writer of one output: in input order, or in Megatron's ``--partitions`` order (a
+    :class:`RoundRobinWriter`, used the same way) when ``partitions > 1`` without
+    ``keep_sequential_samples``."""
+    if partitions > 1 and not keep_sequential_samples:
+        return RoundRobinWriter(prefix, dtype, partitions)
+    return IndexedDatasetWriter(prefix, dtype)

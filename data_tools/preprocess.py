@@ -49,14 +49,14 @@ from typing import BinaryIO
 
 import numpy as np
 
-from data_tools.atomic import sigterm_as_interrupt, write_error
+from data_tools.atomic import is_output_error, sigterm_as_interrupt, write_error
 from data_tools.errors import DataFormatError, DataToolsError, PreprocessError
 from data_tools.files import atomic_write_json
-from data_tools.indexed_dataset import IndexedDataset, IndexedDatasetWriter, optimal_dtype
+from data_tools.indexed_dataset import IndexedDataset, optimal_dtype
 from data_tools.megatron_flags import add_megatron_flags, check_megatron_flags, level, strip_suffix
-from data_tools.partitions import RoundRobinWriter
+from data_tools.partitions import make_writer
 from data_tools.readers import open_input
-from data_tools.sentences import split_sentences
+from data_tools.sentences import encode_sentences, sentence_lengths
 from data_tools.stats import (
     StatsAccumulator,
     compute_stats,
@@ -524,7 +524,7 @@ def _encode_unit(unit: tuple) -> _Encoded:
         if isinstance(record, BadRecord):
             bad.append(record)
             continue
-        ids = [_encode_text(encode, text, split) for text in record.texts]
+        ids = [encode_sentences(encode, text, split) for text in record.texts]
         if any(sum(len(s) for s in x) == 0 for x in ids):
             bad.append(BadRecord(record.where, EMPTY_DOCUMENT, "the text has no tokens"))
             continue
@@ -541,25 +541,8 @@ def _encode_unit(unit: tuple) -> _Encoded:
     encoded = _Encoded(lengths, tokens, counts, bad, len(records), text_bytes)
     if split is not None:
         encoded.sequences = [np.array([len(x) for x in lists], dtype=np.int64) for lists in per_key]
-        encoded.sequence_lengths = [_sentence_lengths(lists, extra) for lists in per_key]
+        encoded.sequence_lengths = [sentence_lengths(lists, extra) for lists in per_key]
     return encoded
-
-
-def _encode_text(encode, text: str, split: bool | None) -> list:
-    """A text's ids as a list of sequences: the whole text, or its sentences (``split`` is
-    ``keep_newlines``) without those of no tokens, as Megatron's encoder drops them."""
-    if split is None:
-        return [encode(text)]
-    return [ids for sentence in split_sentences(text, keep_newlines=split) if len(ids := encode(sentence))]
-
-
-def _sentence_lengths(docs: list[list], extra: int) -> np.ndarray:
-    """Tokens per sentence of ``docs`` (lists of sentences), ``extra`` (the EOD) added to each last."""
-    lengths = [len(s) for sentences in docs for s in sentences]
-    out = np.array(lengths, dtype=np.int64)
-    if extra and out.size:
-        out[np.cumsum([len(x) for x in docs]) - 1] += extra
-    return out
 
 
 def _concatenate(parts: list, size: int, dtype: np.dtype, eod: int | None) -> np.ndarray:
@@ -723,7 +706,7 @@ def preprocess(args: argparse.Namespace) -> PreprocessSummary:
     next_log = log_interval
     try:
         for prefix in summary.outputs:
-            writers.append(_writer(prefix, dtype, args))
+            writers.append(make_writer(prefix, dtype, args.partitions, args.keep_sequential_samples))
         units = _work_units(paths, args.json_keys, args.text_split_blank_lines)
         split = args.keep_newlines if args.split_sentences else None
         init_args = (tokenizer_kwargs, args.append_eod, dtype, tuple(args.json_keys), split)
@@ -761,21 +744,14 @@ def preprocess(args: argparse.Namespace) -> PreprocessSummary:
     except BaseException as e:
         for writer in writers:
             writer.abort()
-        if isinstance(e, OSError) and _is_output(e, output_prefix) and (err := write_error(e, output_prefix)):
+        err = write_error(e, output_prefix) if isinstance(e, OSError) else None
+        if err is not None and is_output_error(e, output_prefix):
             raise err from None
         raise
     finally:
         bar.close()
     summary.seconds = time.perf_counter() - start
     return summary
-
-
-def _writer(prefix: str, dtype: np.dtype, args: argparse.Namespace) -> IndexedDatasetWriter:
-    """The output writer: in input order, or in Megatron's ``--partitions`` order (a
-    ``RoundRobinWriter``, which writes the same way)."""
-    if args.partitions > 1 and not args.keep_sequential_samples:
-        return RoundRobinWriter(prefix, dtype, args.partitions)
-    return IndexedDatasetWriter(prefix, dtype)
 
 
 def _add_encoded(encoded: _Encoded, writers: list, accumulators: list, summary: PreprocessSummary) -> None:
@@ -790,15 +766,6 @@ def _add_encoded(encoded: _Encoded, writers: list, accumulators: list, summary: 
         summary.tokens += tokens.size
     summary.documents += encoded.lengths.shape[1]
     summary.text_bytes += encoded.text_bytes
-
-
-def _is_output(e: OSError, output_prefix: str) -> bool:
-    """Whether ``e`` happened on an output (a failed write() has no file name; an open() has)."""
-    if e.filename is None:
-        return True
-    out_dir = os.path.abspath(os.path.dirname(output_prefix) or ".")
-    failed = os.path.abspath(os.fspath(e.filename))
-    return failed.startswith(out_dir) or out_dir.startswith(failed)  # or a parent it had to create
 
 
 def shard_inputs(

@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["ABBREVIATIONS", "MEGATRON_MAX_LEN", "split_sentences"]
+import numpy as np
+
+__all__ = ["ABBREVIATIONS", "MEGATRON_MAX_LEN", "encode_sentences", "sentence_lengths", "split_sentences"]
 
 MEGATRON_MAX_LEN = 1_000_000
 """Characters per piece a document is cut into before splitting (Megatron's ``max_len``)."""
@@ -97,3 +99,28 @@ def split_sentences(text: str, keep_newlines: bool = False) -> list[str]:
     """
     pieces = [text[i : i + MEGATRON_MAX_LEN] for i in range(0, len(text), MEGATRON_MAX_LEN)]
     return [s for piece in pieces for s in _split_piece(piece, keep_newlines)]
+
+
+def encode_sentences(encode, text: str, keep_newlines: bool | None) -> list:
+    """A text's ids as a list of sequences, for ``data_tools.preprocess``.
+
+    Args:
+        encode: the tokenizer's ``text -> ids`` (a list or a 1-D array).
+        text: one document.
+        keep_newlines: ``None``: the whole text is one sequence; otherwise one sequence per
+            sentence (:func:`split_sentences` with this ``keep_newlines``), sentences without
+            tokens left out, as Megatron's encoder leaves them out.
+    """
+    if keep_newlines is None:
+        return [encode(text)]
+    sentences = split_sentences(text, keep_newlines=keep_newlines)
+    return [ids for sentence in sentences if len(ids := encode(sentence))]
+
+
+def sentence_lengths(docs: list[list], extra: int) -> np.ndarray:
+    """int64 tokens per sentence of ``docs`` (each a list of sentences' ids), in order, with ``extra``
+    (1 for the EOD of ``--append-eod``, else 0) added to the last sentence of each document."""
+    out = np.array([len(s) for sentences in docs for s in sentences], dtype=np.int64)
+    if extra and out.size:
+        out[np.cumsum([len(x) for x in docs]) - 1] += extra
+    return out

@@ -164,3 +164,32 @@ def test_sentence_splitter_rules():
     ]
     kept = split_sentences(text, keep_newlines=True)
     assert "".join(kept) == text and kept[2] == "Yes!\n\n"
+
+
+def test_log_interval_prints_on_a_terminal(tmp_path, gpt2_flags):
+    """With stderr on a terminal (a pseudo-terminal here), --log-interval prints its lines instead of
+    the progress bar (they used to be printed only when stderr was not a terminal)."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    master, slave = pty.openpty()
+    command = [sys.executable, "-m", "data_tools.preprocess", "--input", str(DOLMA), "--output-prefix"]
+    command += [str(tmp_path / "t"), *gpt2_flags, "--log-interval", "10"]
+    proc = subprocess.Popen(command, cwd=DOLMA.parents[1], stdout=subprocess.DEVNULL, stderr=slave)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 4096)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert proc.wait(timeout=60) == 0
+    os.close(master)
+    text = b"".join(chunks).decode()
+    assert "processed 10 documents" in text and "processed 20 documents" in text, text
+    assert "tokenizing" not in text  # no bar
