@@ -8,12 +8,16 @@ no code with ``data_tools.preprocess``, fed with Megatron's semantics read from 
 ``tools/preprocess_data.py`` (NVIDIA/Megatron-LM at d98e8a64, 2026-08-22): per JSON line, the
 sentences of the text (or the whole text), each tokenized, zero-token sentences dropped, the EOD
 added to the last one, a document index entry after each line; with ``--partitions P``, line i
-goes to partition ``i mod P`` and the partitions are concatenated in order. Running Megatron's
-script itself was tried and is not possible here: ``import megatron.core`` pulls in triton and
-Transformer Engine (GPU-only packages), and ``--split-sentences`` needs NLTK's Punkt model, which
-is downloaded from NLTK's server (not reachable). The sha256 sums below are those of the reference
-outputs for ``--keep-newlines`` (without ``--split-sentences``, where Megatron's output is fully
-defined: the flag changes nothing) on the Dolma sample, whose texts hold up to 299 newlines each.
+goes to partition ``i mod P`` and the partitions are concatenated in order.
+
+The sha256 sums below were obtained by ``tests/support/megatron_reference_hashes.py``, which writes
+the same datasets with Megatron's own ``IndexedDatasetBuilder`` (its file loaded from a Megatron-LM
+checkout at d98e8a64) and prints their sums; the literal reference gives the same sums. Megatron's
+script as a whole cannot run here: ``import megatron.core`` needs triton and Transformer Engine,
+and ``--split-sentences`` needs NLTK's Punkt model, downloaded from NLTK's server; so the
+sentences are ours (:mod:`data_tools.sentences`) and only the ``--keep-newlines`` case without
+``--split-sentences`` (where the flag changes nothing and Megatron's output is fully defined) is
+Megatron's output end to end.
 """
 
 from __future__ import annotations
@@ -30,9 +34,13 @@ from data_tools.preprocess import build_parser, preprocess
 from data_tools.sentences import split_sentences
 
 DOLMA = Path(__file__).resolve().parents[2] / "data" / "dolma-cc-sample-jsonl"
-# sha256 of the reference .bin / .idx of the Dolma sample (20 documents), GPT-2 BPE, --append-eod.
+# sha256 of .bin / .idx of the Dolma sample (20 documents), GPT-2 BPE, --append-eod, written by
+# Megatron's IndexedDatasetBuilder (see the module docstring).
 KEEP_NEWLINES_BIN_SHA256 = "5341809a37e9e3e8a64aa2b0ef2f55b10ff94ad5030c3732f1f96dc693cff54b"
 KEEP_NEWLINES_IDX_SHA256 = "cd1770434923679981bdceeb159a60caf501dbdb5795e8569b9ce43317d9ec68"
+# --keep-newlines --split-sentences --partitions 2 (sentences from data_tools.sentences)
+SENTENCES_P2_BIN_SHA256 = "e93df2166e65c1a4392046c343ad6992d4eeddbb9f30febb060a83006200adc8"
+SENTENCES_P2_IDX_SHA256 = "d2882b94c25d81176643cd91cf7e0a1942d65a5a4ad3f051f45117d997248676"
 
 
 def _texts() -> list[str]:
@@ -96,6 +104,7 @@ def test_megatron_command_line_with_sentences_partitions_and_log_interval(
     assert f"wrote {out}.bin" in result.stdout
     ref = _reference(tmp_path / "ref", hf_gpt2, reference_writer, _texts(), split=True, partitions=2)
     assert _bytes(out) == ref
+    assert (_sha(ref[0]), _sha(ref[1])) == (SENTENCES_P2_BIN_SHA256, SENTENCES_P2_IDX_SHA256)
     ds = IndexedDataset(out)
     assert ds.num_documents == 20 and len(ds) > 200  # hundreds of sentences in 20 documents
     result = run_cli(
