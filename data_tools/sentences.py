@@ -25,6 +25,13 @@ sentence that ends in an abbreviation is not split there, and an unknown abbrevi
 splits. On ordinary prose both give the same sentences; on text full of rare abbreviations they
 can differ, so datasets made with ``--split-sentences`` are not byte-identical to Megatron's.
 Documents are cut into pieces of 1,000,000 characters before splitting, as Megatron does.
+
+Measured against Punkt (NLTK 3.10.4) trained offline on 10 of the bundled Gutenberg novels
+(``english.pickle`` cannot be downloaded here): of Punkt's sentence starts, 97.8 % are ours on the
+Dolma sample (1,449 Punkt / 1,441 ours) and 92.5 % on 600k characters of three other novels
+(6,918 / 6,417; 99.7 % of ours are Punkt's), the misses there mostly Punkt splitting after
+``Mr.`` / ``Mrs.``, which its pretrained English model knows as abbreviations and this training
+did not learn.
 """
 
 from __future__ import annotations

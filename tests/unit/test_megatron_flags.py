@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from data_tools.errors import TokenizerError
 from data_tools.indexed_dataset import IndexedDataset
 from data_tools.preprocess import build_parser, preprocess
 from data_tools.sentences import split_sentences
@@ -156,6 +157,15 @@ def test_huggingface_tokenizer_json(tmp_path, gpt2_files, gpt2_flags):
     assert _bytes(tmp_path / "hf_text_document") == _bytes(tmp_path / "bpe_text_document")
     stats = json.loads(Path(tmp_path / "hf_text_document.stats.json").read_text())
     assert stats["tokenizer"]["type"] == "HuggingFaceTokenizer" and stats["eod_token"] == 50256
+    # a bare tokenizer.json (no config beside it): the EOS is found by its usual name
+    bare = tmp_path / "bare" / "tokenizer.json"
+    bare.parent.mkdir()
+    tok.save(str(bare))
+    _run(tmp_path / "bare", ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(bare)])
+    assert _bytes(tmp_path / "bare_text_document") == _bytes(tmp_path / "bpe_text_document")
+    # a hub name is not downloaded
+    with pytest.raises(TokenizerError, match="nothing is downloaded"):
+        _run(tmp_path / "hub", ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "gpt2"])
 
 
 def test_sentence_splitter_rules():
