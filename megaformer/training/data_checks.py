@@ -14,6 +14,7 @@ logit of -inf, so its loss is inf. Hence: a ``.bin`` modified after its sidecar 
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 
@@ -66,6 +67,12 @@ def check_token_ids(prefix: str, stats, cfg: RunConfig) -> int:
         )
     max_id, source = stats.max_token_id, stats_path(prefix)
     if _sidecar_older_than_bin(prefix):
+        print(
+            f"note: {prefix}.bin is newer than {stats_path(prefix)}: scanning its token ids "
+            f"({os.path.getsize(prefix + '.bin') / 1e9:.2f} GB) instead of trusting the sidecar; "
+            f"rewrite the sidecar to skip this (python -m data_tools.stats --data-prefix {prefix} ...)",
+            file=sys.stderr,
+        )
         max_id, source = scan_max_token_id(prefix), f"a scan of {prefix}.bin, newer than its sidecar"
     if max_id < vocab:
         return max_id
