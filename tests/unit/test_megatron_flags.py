@@ -212,3 +212,30 @@ def test_log_interval_prints_on_a_terminal(tmp_path, gpt2_flags):
     text = b"".join(chunks).decode()
     assert "processed 10 documents" in text and "processed 20 documents" in text, text
     assert "tokenizing" not in text  # no bar
+
+
+@pytest.mark.parametrize("block_tokens", [50, 1 << 22])  # many copy blocks, or one
+def test_round_robin_writer_order_with_sentences(tmp_path, monkeypatch, block_tokens):
+    """Documents of several sequences, added in 7 batches: the output holds documents 0, 3, 6, ...,
+    then 1, 4, ..., then 2, 5, ..., each with its sequences, whatever the copy block size."""
+    import data_tools.partitions as partitions
+    from data_tools.indexed_dataset import IndexedDatasetWriter
+
+    monkeypatch.setattr(partitions, "_COPY_TOKENS", block_tokens)
+    rng = np.random.default_rng(0)
+    docs = [
+        [rng.integers(0, 50000, size=rng.integers(1, 30)) for _ in range(rng.integers(1, 4))]
+        for _ in range(40)
+    ]
+    writer = partitions.RoundRobinWriter(tmp_path / "rr", np.uint16, 3)
+    for batch in np.array_split(np.arange(len(docs)), 7):
+        seqs = [s for i in batch for s in docs[i]]
+        tokens = np.concatenate(seqs).astype(np.uint16)
+        writer.add_documents(tokens, [len(s) for s in seqs], [len(docs[i]) for i in batch])
+    writer.finalize()
+    with IndexedDatasetWriter(tmp_path / "expected", np.uint16) as expected:
+        for i in [i for k in range(3) for i in range(k, len(docs), 3)]:
+            tokens = np.concatenate(docs[i]).astype(np.uint16)
+            expected.add_documents(tokens, [len(s) for s in docs[i]], [len(docs[i])])
+    assert _bytes(tmp_path / "rr") == _bytes(tmp_path / "expected")
+    assert not list(tmp_path.glob("*partition*"))
