@@ -66,6 +66,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (DataToolsError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if index.paths is None:  # load_or_build warned why: the cache directory cannot be written
+        print(
+            f"error: {args.output_dir}: the index could not be saved there; choose a writable --output-dir",
+            file=sys.stderr,
+        )
+        return 2
     what = "already cached" if index.cache_hit else "built"
     print(
         f"done: {what}: {num_samples:,} samples of {args.seq_len + 1} tokens over "

@@ -278,3 +278,33 @@ def test_split_under_a_file_size_limit_removes_its_outputs(tmp_path, gpt2_flags)
     assert result.returncode == 2, result.stderr
     assert "File too large" in result.stderr and "Traceback" not in result.stderr
     assert _leftovers(tmp_path) == []
+
+
+def test_build_index_into_an_unwritable_directory(tmp_path, gpt2_flags):
+    doc = tmp_path / "in.jsonl"
+    doc.write_text("".join(DOCS))
+    _preprocess([doc], tmp_path / "a", gpt2_flags)
+    (tmp_path / "file").write_text("")  # a directory below a regular file cannot be created
+    command = [
+        sys.executable,
+        "-m",
+        "data_tools.build_index",
+        "--data-prefix",
+        str(tmp_path / "a_text_document"),
+    ]
+    command += [
+        "--seq-len",
+        "16",
+        "--seed",
+        "1",
+        "--num-samples",
+        "50",
+        "--output-dir",
+        str(tmp_path / "file" / "c"),
+    ]
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert (
+        "cannot save the sample index" in result.stderr and "choose a writable --output-dir" in result.stderr
+    )
+    assert "Traceback" not in result.stderr
