@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from data_tools.atomic import sigterm_as_interrupt, write_error
 from data_tools.errors import DataFormatError, DataToolsError
 from data_tools.files import atomic_write_text
 from data_tools.indexed_dataset import DTYPE_CODES, HEADER_SIZE, MAGIC, IndexedDataset
@@ -727,6 +728,7 @@ def tokenizer_entry(
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; 0 ok, 2 bad input, 130 interrupted."""
     args = build_parser().parse_args(argv)
+    sigterm_as_interrupt()
     start = time.perf_counter()
     try:
         files = (args.vocab_file, args.merge_file, args.tokenizer_model)
@@ -740,7 +742,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         stats = _finish(
             counts, dataset.num_documents, args.eod_token, first_bad is None, tokenizer, args.data_prefix
         )
-        path = write_stats(args.data_prefix, stats)
+        try:
+            path = write_stats(args.data_prefix, stats)
+        except OSError as e:  # a full disk, a read-only directory: the temporary is already gone
+            raise write_error(e, stats_path(args.data_prefix)) or e from None
     except (DataToolsError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

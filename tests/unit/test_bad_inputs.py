@@ -308,3 +308,23 @@ def test_build_index_into_an_unwritable_directory(tmp_path, gpt2_flags):
         "cannot save the sample index" in result.stderr and "choose a writable --output-dir" in result.stderr
     )
     assert "Traceback" not in result.stderr
+
+
+def test_stats_sidecar_under_a_file_size_limit(tmp_path, gpt2_flags):
+    doc = tmp_path / "in.jsonl"
+    doc.write_text("".join(DOCS))
+    _preprocess([doc], tmp_path / "a", gpt2_flags)
+    sidecar = tmp_path / "a_text_document.stats.json"
+    sidecar.unlink()
+    command = [sys.executable, "-m", "data_tools.stats", "--data-prefix", str(tmp_path / "a_text_document")]
+    result = subprocess.run(
+        [*command, "--eod-token", "50256"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=_file_size_limit(1024),
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"writing {sidecar} failed: File too large" in result.stderr and "Traceback" not in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("a_text_document.stats")) == []
