@@ -1,15 +1,18 @@
 """``--tokenizer-type HuggingFaceTokenizer --tokenizer-model PATH``: a local Hugging Face tokenizer.
 
-``PATH`` is a ``tokenizer.json`` file or a directory holding one (with its
-``tokenizer_config.json``, as ``save_pretrained`` writes it); nothing is downloaded, so a hub name
-is refused with the fix. As in Megatron (``HuggingFaceTokenizer`` with its default
-``include_special_tokens``), a text's ids are ``tokenizer(text).input_ids``: the tokenizer's own
-special tokens (e.g. a BOS) are added; the EOD id is the tokenizer's EOS token; the vocabulary size
-is ``len(tokenizer)`` (added tokens included).
+``PATH`` is a ``tokenizer.json`` file or a directory holding one (as ``save_pretrained`` writes
+it, with its ``tokenizer_config.json``); nothing is downloaded, so a hub name is refused with the
+fix. Read with the ``tokenizers`` library (no ``transformers`` needed). As in Megatron
+(``HuggingFaceTokenizer`` with its default ``include_special_tokens``, i.e.
+``tokenizer(text).input_ids``), a text's ids include what the tokenizer's post-processor adds
+(e.g. a BOS); the EOD id is the EOS token named by ``tokenizer_config.json`` (else the first of
+``<|endoftext|>``, ``</s>``, ``<eos>``, ``<|end_of_text|>`` in the vocabulary); the vocabulary
+size counts the added tokens (``len(tokenizer)``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -18,60 +21,67 @@ from data_tools.errors import TokenizerError
 
 __all__ = ["HuggingFaceTokenizer"]
 
-# EOS names tried, in order, for a bare tokenizer.json (no tokenizer_config.json names its EOS).
-_EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+_EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+
+
+def _configured_eos(config: Path) -> str | None:
+    """The ``eos_token`` of a ``tokenizer_config.json`` (a string or ``{"content": ...}``), if any."""
+    try:
+        eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return eos.get("content") if isinstance(eos, dict) else eos
 
 
 class HuggingFaceTokenizer:
-    """A local Hugging Face fast tokenizer with Megatron's tokenizer interface.
+    """A local Hugging Face ``tokenizer.json`` with Megatron's tokenizer interface.
 
     Attributes:
-        vocab_size: ``len(tokenizer)``.
+        vocab_size: entries including the added tokens.
         eod: id of the EOS token.
 
     Raises:
         TokenizerError: a path that does not exist (a hub name), a file that is not a tokenizer,
-            or a tokenizer without an EOS token.
+            or no EOS token to be found.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-        p = Path(path)
-        if not p.exists():
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
             raise TokenizerError(
-                f"{p}: no such file or directory; --tokenizer-model takes a local tokenizer.json or a "
-                "directory saved by save_pretrained (nothing is downloaded: fetch a hub tokenizer first)"
+                "HuggingFaceTokenizer needs the tokenizers package (pip install tokenizers)"
+            ) from None
+        p = Path(path)
+        file = p / "tokenizer.json" if p.is_dir() else p
+        if not file.is_file():
+            raise TokenizerError(
+                f"{file}: not found; --tokenizer-model takes a local tokenizer.json or a directory saved by "
+                "save_pretrained (nothing is downloaded: fetch a hub tokenizer first)"
             )
         try:
-            if p.is_dir() or (p.parent / "tokenizer_config.json").is_file():
-                folder = p if p.is_dir() else p.parent
-                self._tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-            else:
-                self._tok = PreTrainedTokenizerFast(tokenizer_file=str(p))
-        except (OSError, ValueError, Exception) as e:  # tokenizers raises its own Exception type
-            raise TokenizerError(f"{p}: could not load a Hugging Face tokenizer from it ({e})") from None
-        eos = self._tok.eos_token
+            self._tok = Tokenizer.from_file(str(file))
+        except Exception as e:  # tokenizers raises a bare Exception for a malformed file
+            raise TokenizerError(f"{file}: not a Hugging Face tokenizer.json ({e})") from None
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        eos = _configured_eos(file.parent / "tokenizer_config.json")
+        eos = eos if eos in vocab else next((t for t in _EOS_CANDIDATES if t in vocab), None)
         if eos is None:
-            vocab = self._tok.get_vocab()
-            eos = next((t for t in _EOS_CANDIDATES if t in vocab), None)
-            if eos is None:
-                raise TokenizerError(
-                    f"{p}: the tokenizer names no EOS token (used as EOD); save it with its "
-                    "tokenizer_config.json (eos_token) beside tokenizer.json"
-                )
-            self._tok.eos_token = eos
-        self.eod = int(self._tok.convert_tokens_to_ids(eos))
-        self.vocab_size = len(self._tok)
+            raise TokenizerError(
+                f"{file}: no EOS token (used as EOD) found; put its tokenizer_config.json (eos_token) "
+                "beside it"
+            )
+        self.eod = vocab[eos]
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        """``tokenizer(text).input_ids`` (the tokenizer's special tokens included, as Megatron)."""
-        return self._tok(text).input_ids
+        """Ids of ``text``, with the special tokens the tokenizer's post-processor adds."""
+        return self._tok.encode(text).ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """``encode`` of each text."""
-        return self._tok(list(texts)).input_ids
+        return [e.ids for e in self._tok.encode_batch(list(texts))]
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids``."""
-        return self._tok.decode([int(i) for i in ids])
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)

@@ -135,17 +135,18 @@ def test_partitions_give_megatron_order(tmp_path, gpt2_flags, hf_gpt2, reference
 
 
 def test_huggingface_tokenizer_json(tmp_path, gpt2_files, gpt2_flags):
-    """A tokenizer.json (GPT-2's BPE saved by Hugging Face tokenizers, with its config naming the
-    EOS) gives the bytes of GPT2BPETokenizer."""
+    """A tokenizer.json (GPT-2's BPE saved by Hugging Face tokenizers, with a tokenizer_config.json
+    naming the EOS, as save_pretrained writes) gives the bytes of GPT2BPETokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     vocab, merges = gpt2_files
     tok = Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     folder = tmp_path / "hf"
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(folder)
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
     hf_flags = [
         "--tokenizer-type",
         "HuggingFaceTokenizer",
