@@ -311,7 +311,47 @@ def check_data(cfg: RunConfig) -> None:
         0 <= d.eod_token < cfg.model.vocab_size, f"data.eod_token={d.eod_token}: outside the vocabulary."
     )
     _require(d.num_workers >= 0, f"data.num_workers={d.num_workers}: must be >= 0.")
+    _check_heldout(d)
     # data.blend's syntax and the datasets themselves are checked by the preflight.
+
+
+def parse_split(spec: str) -> tuple[float, float, float]:
+    """``"969,30,1"`` (or ``"969/30/1"``, or fewer numbers: the rest are 0) -> normalised shares.
+
+    Raises:
+        ValueError: not numbers, a negative one, more than three, or all zero (names the value).
+    """
+    parts = [p.strip() for p in spec.replace("/", ",").split(",")]
+    try:
+        shares = [float(p) for p in parts]
+    except ValueError:
+        raise ValueError(
+            f"data.split={spec!r}: not numbers; write e.g. '969,30,1' (train,valid,test)"
+        ) from None
+    if len(shares) > 3 or any(s < 0 for s in shares) or sum(shares) <= 0:
+        raise ValueError(f"data.split={spec!r}: give up to three shares >= 0, not all 0, e.g. '969,30,1'")
+    shares += [0.0] * (3 - len(shares))
+    total = sum(shares)
+    return shares[0] / total, shares[1] / total, shares[2] / total
+
+
+def _check_heldout(d) -> None:
+    """data.split's syntax, and no two ways of choosing the held-out set at once."""
+    if not d.split:
+        return
+    _require(
+        not (d.valid_prefix or d.test_prefix or d.blend),
+        f"data.split={d.split!r} cuts data.prefix's documents; it does not combine with "
+        "data.valid_prefix / data.test_prefix / data.blend: remove one of them.",
+    )
+    try:
+        shares = parse_split(d.split)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _require(
+        shares[0] > 0 and shares[1] > 0,
+        f"data.split={d.split!r}: the train and validation shares must be > 0, e.g. '969,30,1'.",
+    )
 
 
 VALIDATORS: list[Callable[[RunConfig], None]] = [check_model, check_parallel, check_train, check_data]

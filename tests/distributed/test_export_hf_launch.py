@@ -1,4 +1,5 @@
-"""Hugging Face export of real tp 2 x pp 2 checkpoints, one per normalisation scheme (issue 13).
+"""Hugging Face export of real tp 2 x pp 2 checkpoints, one per normalisation scheme, and held-out
+sets in training (issue 13).
 
 One process group of 4 ranks (started by ``torchrun``, as a user may) trains each scheme for 3 steps
 at tensor parallel 2 x pipeline parallel 2 through the trainer (tests/support/train_schemes.py: one
@@ -7,6 +8,11 @@ exported with ``python -m megaformer.tools.export_hf``, loaded by transformers w
 ``trust_remote_code=True`` offline, and compared with megaformer's own model of the same checkpoint:
 logits within 1e-4 (fp32) and the same greedy continuation as ``megaformer.tools.generate``
 (``generate()`` with its KV cache).
+
+The same runs carry the held-out options: the Pre-LN run trains on ``data_tools.split``'s train output
+with its held-out output as ``data.valid_prefix`` (and the whole corpus as ``data.test_prefix``), and
+its validation and test losses equal ``python -m megaformer.tools.evaluate`` on those datasets; the
+Post-LN run uses Megatron's ``data.split=90,8,2``.
 """
 
 from __future__ import annotations
@@ -24,12 +30,12 @@ from tests.distributed.conftest import REPO, free_port
 
 transformers = pytest.importorskip("transformers")
 
-OFF = "model.post_attn_ln=false,model.head_scale=false,model.ffn_ln=false"
+OFF = "model.post_attn_ln=false;model.head_scale=false;model.ffn_ln=false"  # train_schemes.py splits at ;
 SCHEMES = {
     "pre_ln": OFF,
-    "normformer": "model.resid_scale=true,model.qkv_ln=true",
-    "post_ln": f"model.norm_scheme=post_ln,{OFF}",
-    "deepnorm": f"model.norm_scheme=deepnorm,{OFF}",
+    "normformer": "model.resid_scale=true;model.qkv_ln=true",
+    "post_ln": f"model.norm_scheme=post_ln;{OFF}",
+    "deepnorm": f"model.norm_scheme=deepnorm;{OFF}",
 }
 COMMON = [
     "model.hidden_size=64",
@@ -51,20 +57,42 @@ COMMON = [
 ]
 
 
+SPLIT = "90,8,2"
+
+
 @pytest.fixture(scope="module")
-def scheme_runs(gutenberg_prefix, tmp_path_factory):
+def heldout(gutenberg_prefix, tmp_path_factory) -> dict[str, str]:
+    """``data_tools.split`` of the corpus: train and held-out prefixes, as a user makes them."""
+    root = tmp_path_factory.mktemp("split")
+    out = {"train": str(root / "train_text_document"), "valid": str(root / "heldout_text_document")}
+    cmd = [
+        sys.executable, "-m", "data_tools.split", "--data-prefix", gutenberg_prefix,
+        "--holdout-tokens", "4000",
+        "--holdout-prefix", out["valid"], "--train-prefix", out["train"],
+    ]  # fmt: skip
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def scheme_runs(gutenberg_prefix, heldout, tmp_path_factory):
     root = tmp_path_factory.mktemp("schemes")
+    runs = dict(SCHEMES)
+    runs["pre_ln"] += (
+        f";data.prefix={heldout['train']};data.valid_prefix={heldout['valid']};data.test_prefix={gutenberg_prefix}"
+    )
+    runs["post_ln"] += f";data.split={SPLIT}"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
         f"--master_port={free_port()}", "tests/support/train_schemes.py",
         "configs/normformer-quickstart.yaml", str(root),
-        *[f"{name}={spec}" for name, spec in SCHEMES.items()],
+        *[f"{name}={spec}" for name, spec in runs.items()],
         "--", *COMMON, f"data.prefix={gutenberg_prefix}", f"data.index_cache_dir={root / 'cache'}",
     ]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return root
+    return root, proc.stdout + proc.stderr
 
 
 def _greedy_with_generate_cli(ckpt: str, prompt: str, n: int) -> str:
@@ -88,7 +116,7 @@ def test_tp2_pp2_checkpoint_exports_to_transformers(scheme, scheme_runs, tmp_pat
     from megaformer.tools.reshard import consolidate, resolve_tag_dir
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    ckpt = str(scheme_runs / scheme / "checkpoints")
+    ckpt = str(scheme_runs[0] / scheme / "checkpoints")
     _, saved, info = consolidate(resolve_tag_dir(ckpt))
     assert (info["tp_size"], info["pp_size"], info["step"]) == (2, 2, 3)
     assert any(p.startswith("layer_") for p in os.listdir(resolve_tag_dir(ckpt)))  # pipeline files
@@ -106,7 +134,7 @@ def test_tp2_pp2_checkpoint_exports_to_transformers(scheme, scheme_runs, tmp_pat
     assert diff < 1e-4, f"{scheme}: logits differ by {diff}"
 
     prompt = "It was a bright cold day"
-    n = 20
+    n = 12
     start = tok(prompt, return_tensors="pt")["input_ids"]
     if scheme == "normformer":  # the command itself once; its function for the other schemes
         ours = _greedy_with_generate_cli(ckpt, prompt, n)
@@ -117,3 +145,45 @@ def test_tp2_pp2_checkpoint_exports_to_transformers(scheme, scheme_runs, tmp_pat
     gen = hf.generate(start, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=50256)
     assert gen.shape[1] == start.shape[1] + n
     assert prompt + tok.decode(gen[0, start.shape[1] :]) == ours
+
+
+def test_valid_and_test_prefix_are_what_training_evaluates(scheme_runs, heldout, gutenberg_prefix):
+    """data.valid_prefix (data_tools.split's held-out output, used as is): the run's validation loss is
+    ``megaformer.tools.evaluate``'s on that dataset (the first eval_batches x global_batch_size = 4
+    samples, TP = 1 in one process against the run's tp 2 x pp 2), and so is its test loss on
+    data.test_prefix; training read every document of the train output."""
+    import json
+
+    from data_tools.indexed_dataset import IndexedDataset
+    from megaformer.tools.evaluate import dataset_loss
+    from megaformer.tools.generate import load_for_generation
+
+    root, log = scheme_runs
+    summary = json.loads((root / "pre_ln" / "summary.json").read_text())
+    model, config, _ = load_for_generation(str(root / "pre_ln" / "checkpoints"))
+    valid = dataset_loss(model, heldout["valid"], config.seq_len, max_samples=4)
+    test = dataset_loss(model, gutenberg_prefix, config.seq_len, max_samples=4)
+    assert abs(summary["final_valid_loss"] - valid["loss"]) < 1e-4, (summary, valid)
+    assert abs(summary["final_test_loss"] - test["loss"]) < 1e-4, (summary, test)
+    assert abs(valid["loss"] - test["loss"]) > 1e-3  # two different datasets, told apart
+    n_train = len(IndexedDataset(heldout["train"]).document_lengths())
+    n_valid = len(IndexedDataset(heldout["valid"]).document_lengths())
+    assert f"train {n_train} docs" in log and f"valid {n_valid} docs" in log
+
+
+def test_megatron_split_cuts_train_valid_test_ranges(scheme_runs, gutenberg_prefix):
+    """data.split=90,8,2: documents cut into contiguous train / valid / test ranges as Megatron's
+    get_train_valid_test_split_; the run logs those counts and reports a test loss."""
+    import json
+
+    from data_tools.indexed_dataset import IndexedDataset
+    from megaformer.config.load import parse_split
+    from megaformer.data.heldout import split_ranges
+
+    root, log = scheme_runs
+    n = len(IndexedDataset(gutenberg_prefix).document_lengths())
+    train, valid, test = (len(r) for r in split_ranges(n, parse_split(SPLIT)))
+    assert train + valid + test == n and min(train, valid, test) > 0
+    assert f"train {train} docs" in log and f"valid {valid} docs" in log
+    summary = json.loads((root / "post_ln" / "summary.json").read_text())
+    assert summary["final_test_loss"] > 0 and summary["final_valid_loss"] != summary["final_test_loss"]

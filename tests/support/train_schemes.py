@@ -1,7 +1,7 @@
 """Test helper: several short trainings in ONE process group (started by the caller, torchrun-style
 environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
 
-    python tests/support/train_schemes.py CONFIG OUT_ROOT NAME=OVERRIDE[,OVERRIDE...] ... -- COMMON...
+    python tests/support/train_schemes.py CONFIG OUT_ROOT NAME=OVERRIDE[;OVERRIDE...] ... -- COMMON...
 
 Each ``NAME`` trains ``CONFIG`` with ``COMMON`` and its own overrides into ``OUT_ROOT/NAME`` through
 :func:`megaformer.training.trainer.train`, the trainer the launcher runs; one process start-up
@@ -24,7 +24,7 @@ def main(argv: list[str]) -> None:
     runs, common = rest[:split], rest[split + 1 :]
     for spec in runs:
         name, _, overrides = spec.partition("=")
-        extra = [o for o in overrides.split(",") if o]
+        extra = [o for o in overrides.split(";") if o]
         cfg = load_config(config, [*common, *extra, f"output.dir={os.path.join(out_root, name)}"])
         train(cfg)
     finish(0)
