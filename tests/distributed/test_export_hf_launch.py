@@ -22,6 +22,7 @@ import io
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -187,3 +188,64 @@ def test_megatron_split_cuts_train_valid_test_ranges(scheme_runs, gutenberg_pref
     assert f"train {train} docs" in log and f"valid {valid} docs" in log
     summary = json.loads((root / "post_ln" / "summary.json").read_text())
     assert summary["final_test_loss"] > 0 and summary["final_valid_loss"] != summary["final_test_loss"]
+
+
+ZERO_SHOT = REPO / "tests" / "fixtures" / "zero_shot"
+
+
+def test_zero_shot_command_agrees_with_lm_eval_run_directly(scheme_runs, tmp_path, monkeypatch):
+    """``python -m megaformer.tools.zero_shot`` on the tp 2 x pp 2 NormFormer checkpoint (megaformer's
+    own model through its lm_eval adapter) and ``lm_eval --model hf`` run directly on its export
+    (transformers, trust_remote_code), on the same fixture files: the same accuracies on all five
+    tasks, and per answer the same log-likelihood (within 1e-3 nats) and greedy flag."""
+    import glob
+    import json
+
+    from megaformer.tools.export_hf import main as export_main
+    from megaformer.tools.zero_shot import PREFIX, TASKS, MegaformerLM
+    from megaformer.tools.zero_shot import main as zero_shot_main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    ckpt = str(scheme_runs[0] / "normformer" / "checkpoints")
+    tasks = [f"--task={name}={ZERO_SHOT / name}.jsonl" for name in TASKS]
+    ours_json, task_dir = tmp_path / "ours.json", tmp_path / "tasks"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        args = ["--checkpoint", ckpt, *tasks, "--task-dir", str(task_dir), "--json", str(ours_json)]
+        assert zero_shot_main(args) == 0
+    table = out.getvalue()
+    assert "| Model | \\|θ\\| (M) | PPL | HS | PI | WG | SC | OB | Avg |" in table
+    ours = json.loads(ours_json.read_text())["tasks"]
+
+    export = str(tmp_path / "hf")
+    assert export_main(["--checkpoint", ckpt, "--output", export]) == 0
+    names = ",".join(PREFIX + name for name in TASKS)
+    cmd = [
+        sys.executable, "-m", "lm_eval", "--model", "hf",
+        "--model_args", f"pretrained={export},trust_remote_code=True",
+        "--tasks", names, "--include_path", str(task_dir), "--batch_size", "8", "--device", "cpu",
+        "--output_path", str(tmp_path / "lm_eval"), "--log_samples",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (results_file,) = glob.glob(str(tmp_path / "lm_eval" / "*" / "results_*.json"))
+    results = json.loads(Path(results_file).read_text())
+    for name in TASKS:
+        direct = results["results"][PREFIX + name]
+        for metric in ("acc", "acc_norm"):
+            if f"{metric},none" in direct:
+                assert ours[name][metric] == direct[f"{metric},none"], (name, metric, ours[name], direct)
+        assert ours[name]["n"] == 6
+    # Per answer: lm_eval's logged (log-likelihood, is_greedy) of each request vs megaformer's adapter.
+    lm = MegaformerLM(ckpt)
+    for path in glob.glob(str(tmp_path / "lm_eval" / "*" / "samples_*.jsonl")):
+        for line in Path(path).read_text().splitlines():
+            sample = json.loads(line)
+            # Logged as {"gen_args_i": {"arg_0": context, "arg_1": continuation}}.
+            args = [(a["arg_0"], a["arg_1"]) for a in sample["arguments"].values()]
+            requests = [type("Req", (), {"args": a}) for a in args]
+            mine = lm.loglikelihood(requests, disable_tqdm=True)
+            theirs = [(float(r[0][0]), r[0][1] in (True, "True")) for r in sample["resps"]]
+            for (a, ga), (b, gb) in zip(mine, theirs, strict=True):
+                assert abs(a - b) < 1e-3 and ga == gb, (path, sample["arguments"], mine, theirs)
