@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 from collections.abc import Callable, Iterable
 from typing import Any, get_type_hints
 
@@ -98,7 +99,10 @@ def _looks_like_float(raw: str) -> bool:
 def _read_yaml(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            # A run's config.json is read as JSON: YAML 1.1 reads JSON's 1e-05 as a string.
+            data = json.load(f) if path.endswith(".json") else yaml.safe_load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: line {e.lineno}: not valid JSON ({e.msg}).") from None
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found; pass a YAML from configs/.") from None
     except yaml.YAMLError as e:
@@ -130,6 +134,8 @@ def load_config(path: str | None, overrides: Iterable[str] = ()) -> RunConfig:
     origin = path or "<defaults>"
     if path is not None:
         for section, body in _read_yaml(path).items():
+            if section == "provenance":  # written into a run's config.json by the trainer; informational
+                continue
             if section not in SECTIONS:
                 raise ConfigError(
                     f"{path}: unknown section '{section}'; valid sections: {sorted(SECTIONS)}."

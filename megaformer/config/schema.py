@@ -235,6 +235,13 @@ class OutputConfig:
 
     dir: str = "runs/default"
     """Run directory: tensorboard/ and checkpoints/ go under it."""
+    wandb_project: str = ""
+    """Weights & Biases project to mirror the TensorBoard scalars to (rank 0); empty: off. Needs
+    pip install wandb; WANDB_MODE=offline writes under <dir>/wandb without network."""
+    wandb_entity: str = ""
+    """W&B entity (team or user); empty: your default."""
+    wandb_run_name: str = ""
+    """W&B run name; empty: W&B picks one."""
 
 
 @dataclass(frozen=True)

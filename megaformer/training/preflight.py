@@ -63,6 +63,9 @@ def run_preflight(cfg: RunConfig, world_size: int) -> Preflight:
         read_engine_json(cfg.train.deepspeed_config)
     datasets = data_prefixes(cfg)
     stats = [check_dataset(prefix, cfg) for _, prefix in datasets]
+    from megaformer.training.tracking import check_wandb
+
+    check_wandb(cfg.output.wandb_project)
     for key in ("valid_prefix", "test_prefix"):  # held-out sets: the same checks, not in the stats
         if getattr(cfg.data, key):
             check_dataset(getattr(cfg.data, key), cfg, key=f"data.{key}")

@@ -115,7 +115,11 @@ class TrainLoop:
         self.tb_dir = os.path.join(cfg.output.dir, "tensorboard")
         # purge_step: on resume, TensorBoard hides the events a killed run wrote past the checkpoint.
         self.writer = MetricsWriter(
-            self.tb_dir, enabled=layout.is_main, hparams=to_dict(cfg), purge_step=start_step or None
+            self.tb_dir,
+            enabled=layout.is_main,
+            hparams=to_dict(cfg),
+            purge_step=start_step or None,
+            tracker=_wandb_tracker(cfg, layout),
         )
         self.metrics = DeferredScalars(self.writer)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
@@ -270,7 +274,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     load_dir = resolve_resume(cfg, ckpt_dir)
     if layout.is_main:
         os.makedirs(ckpt_dir, exist_ok=True)
-        atomic_write_json(os.path.join(cfg.output.dir, "config.json"), to_dict(cfg))
+        atomic_write_json(os.path.join(cfg.output.dir, "config.json"), _config_record(cfg))
     data = build_data(cfg, layout, preflight.stats, preflight.datasets)
     _log_data(cfg, layout, data)
 
@@ -294,6 +298,24 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     loop = TrainLoop(engine, cfg, layout, data, checkpointer, start_step, compute, schedule, client_state)
     elapsed = loop.run(resumed=load_dir is not None)
     return _summary(cfg, layout, loop, data, n_params, start_step, elapsed)
+
+
+def _config_record(cfg: RunConfig) -> dict[str, Any]:
+    """The run's ``config.json``: the config's sections and, under ``provenance``, the git commit and
+    the versions of megaformer, torch and deepspeed (:func:`~.tracking.provenance`)."""
+    from megaformer.training.tracking import provenance
+
+    return {**to_dict(cfg), "provenance": provenance()}
+
+
+def _wandb_tracker(cfg: RunConfig, layout: Layout) -> Any:
+    """The W&B mirror of the scalars (rank 0, with ``output.wandb_project``), or None."""
+    o = cfg.output
+    if not (o.wandb_project and layout.is_main):
+        return None
+    from megaformer.training.tracking import WandbTracker
+
+    return WandbTracker(o.wandb_project, o.wandb_entity, o.wandb_run_name, o.dir, _config_record(cfg), True)
 
 
 def _compute_meter(cfg: RunConfig, layout: Layout, start_step: int, client_state: dict) -> Any:
