@@ -83,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--checkpoint", required=True, help="a run's checkpoints/ directory or one global_stepN")
-    p.add_argument("--tag", default=None, help="checkpoint tag (default: the 'latest' file's)")
+    p.add_argument("--tag", default=None, help="checkpoint tag; None: the one the 'latest' file names")
     p.add_argument(
         "--data-prefix", required=True, action="append", help="dataset PREFIX(.bin/.idx); repeatable"
     )

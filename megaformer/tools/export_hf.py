@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--checkpoint", required=True, help="a run's checkpoints/ directory or one global_stepN")
     p.add_argument("--output", required=True, help="directory to write")
-    p.add_argument("--tag", default=None, help="checkpoint tag (default: the 'latest' file's)")
+    p.add_argument("--tag", default=None, help="checkpoint tag; None: the one the 'latest' file names")
     p.add_argument(
         "--format",
         default="megaformer",

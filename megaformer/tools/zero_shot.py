@@ -247,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="a run's checkpoints/ directory or one global_stepN")
     src.add_argument("--hf-model", help="a directory written by megaformer.tools.export_hf")
-    p.add_argument("--tag", default=None, help="checkpoint tag (default: the 'latest' file's)")
+    p.add_argument("--tag", default=None, help="checkpoint tag; None: the one the 'latest' file names")
     p.add_argument("--task", action="append", required=True, help=f"NAME=FILE.jsonl, NAME in {sorted(TASKS)}")
     p.add_argument("--ppl-data-prefix", default=None, help="dataset for the PPL column (--checkpoint)")
     p.add_argument("--limit", type=int, default=None, help="score only the first N items of each task")
