@@ -92,6 +92,16 @@ def test_remote_code_export_computes_megaformers_function(name, tmp_path, monkey
     ours = generate(model, config, prompt, max_new_tokens=12, temperature=0)[0]
     theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, 4:].tolist()
     assert theirs == ours
+    if name == "normformer_resid_qkv_ln":
+        # A left-padded batch (attention_mask; generate() derives the positions from it) scores the
+        # short row as it scores it alone.
+        short = tokens[1, :3]
+        batch = torch.stack([tokens[0, :6], torch.cat([torch.full((3,), 50256), short])])
+        mask = torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]])
+        kw = {"max_new_tokens": 3, "do_sample": False, "output_scores": True, "return_dict_in_generate": True}
+        padded = hf.generate(batch, attention_mask=mask, pad_token_id=50256, **kw).scores
+        alone = hf.generate(short[None], pad_token_id=50256, **kw).scores
+        assert max((a[1] - b[0]).abs().max().item() for a, b in zip(padded, alone, strict=True)) < 1e-4
 
 
 @pytest.mark.parametrize("name", ["pre_ln", "pre_ln_learned_untied_relu2"])

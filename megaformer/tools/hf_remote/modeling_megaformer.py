@@ -18,7 +18,9 @@ LayerNorm; the output projection is the token embedding when tied.
 Weights keep megaformer's fused layouts: ``qkv.weight`` is ``[3d, d]`` with rows ordered
 ``[heads, 3, head_dim]`` (per head its q, k, v), ``qkv_ln.{weight,bias}`` are ``[3d]`` in that order.
 Positions are absolute, ``0 .. max_position_embeddings - 1``; a longer context raises ValueError, as
-in megaformer.
+in megaformer. ``attention_mask`` (0 = padding) hides padded keys; positions come from ``position_ids``
+or count from 0 (plus the cached length): a left-padded batch needs ``position_ids`` from the mask,
+which ``generate()`` passes (tests/unit/test_export_hf.py checks such a batch against each row alone).
 """
 
 from __future__ import annotations
