@@ -283,8 +283,14 @@ def _model(args) -> tuple[object, int, float | None]:
             pretrained=args.hf_model, trust_remote_code=True, batch_size=args.batch_size, device=args.device
         )
         return lm, sum(p.numel() for p in lm.model.parameters()), None
+    from megaformer.model import vocab_param_names
+
     lm = MegaformerLM(args.checkpoint, args.tag, batch_size=args.batch_size, device=args.device)
-    params = sum(p.numel() for p in lm.model.parameters())
+    padded = set(vocab_param_names(lm.config))  # their rows above vocab_size are padding, not counted
+    params = sum(
+        (p[: lm.config.vocab_size] if name in padded else p).numel()
+        for name, p in lm.model.named_parameters()
+    )
     ppl = None
     if args.ppl_data_prefix:
         from megaformer.tools.evaluate import dataset_loss
