@@ -52,3 +52,33 @@ def test_split_does_not_combine_with_another_held_out_choice():
         load_config(CONFIG, ["data.split=100,0,1"])
     cfg = load_config(CONFIG, ["data.split=969,30,1", "data.test_prefix="])
     assert cfg.data.split == "969,30,1"
+
+
+def test_held_out_prefixes_are_checked_before_training_and_read_in_order(tmp_path):
+    import numpy as np
+
+    from data_tools.indexed_dataset import DataFormatError
+    from megaformer.data.heldout import build_heldout_data
+    from megaformer.training.preflight import run_preflight
+    from tests.unit.test_preflight import _dataset, _docs
+
+    train = _dataset(tmp_path / "train", _docs(40))
+    valid = _dataset(tmp_path / "valid", _docs(10, max_id=500))
+    overrides = [f"data.prefix={train}", "model.seq_len=32"]
+    with pytest.raises(DataFormatError, match=r"data.valid_prefix=.*nothere.*not found"):
+        run_preflight(
+            load_config(CONFIG, [*overrides, f"data.valid_prefix={tmp_path / 'nothere'}"]), world_size=1
+        )
+    bad = _dataset(tmp_path / "bad", _docs(5), eod=None)
+    with pytest.raises(DataFormatError, match=r"not all ended by data\.eod_token"):
+        run_preflight(load_config(CONFIG, [*overrides, f"data.test_prefix={bad}"]), world_size=1)
+
+    tr, va, te, info = build_heldout_data(
+        pairs=[(1.0, train)], split="", valid_prefix=valid, test_prefix="", seq_len=32,
+        train_samples=8, eval_samples=4, seed=1, cache_dir=None,
+    )  # fmt: skip
+    stream = np.concatenate(_docs(10, max_id=500))  # the validation documents, in order
+    for i in range(4):  # consecutive samples share one token
+        assert np.array_equal(va[i], stream[32 * i : 32 * i + 33])
+    assert te is None and info["train_documents"] == 40 and info["valid_documents"] == 10
+    assert len(tr) == 8
