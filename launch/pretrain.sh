@@ -10,13 +10,20 @@
 #   NODE_RANK       set it to start this node's processes yourself (Slurm, no ssh): --no_ssh
 #   MASTER_ADDR     rendezvous host (default 127.0.0.1)
 #   MASTER_PORT     rendezvous port (default: a free port on a single node, else 29500)
-#   DEEPSPEED       the launcher executable (default: deepspeed from PATH, else the repo's .venv)
+#   DEEPSPEED       the launcher executable (default: the repo's .venv/bin/deepspeed when no virtual
+#                   environment is active (VIRTUAL_ENV unset), else the first deepspeed on PATH)
 # On a CPU-only machine the processes run on gloo with OMP_NUM_THREADS = cores / NPROC_PER_NODE.
+#
+# Without this script (the same trainer, one process per rank):
+#   torchrun --nproc_per_node=N -m megaformer.train CONFIG.yaml [section.key=value ...]
+#   python -m megaformer.train CONFIG.yaml [section.key=value ...]        (one process)
 set -euo pipefail
 
 if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then
-  sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
-  exit 2
+  # The comment block above, without the shebang and without the code after it.
+  sed -n '2,/^[^#]/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+  [[ $# -lt 1 ]] && exit 2
+  exit 0
 fi
 CONFIG="$1"
 shift

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 from collections.abc import Callable, Iterable
 from typing import Any, get_type_hints
 
@@ -126,7 +127,10 @@ def _blend_from_list(where: str, items: list) -> str:
 def _read_yaml(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            # A run's config.json is read as JSON: YAML 1.1 reads JSON's 1e-05 as a string.
+            data = json.load(f) if path.endswith(".json") else yaml.safe_load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: line {e.lineno}: not valid JSON ({e.msg}).") from None
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found; pass a YAML from configs/.") from None
     except yaml.YAMLError as e:
@@ -158,6 +162,8 @@ def load_config(path: str | None, overrides: Iterable[str] = ()) -> RunConfig:
     origin = path or "<defaults>"
     if path is not None:
         for section, body in _read_yaml(path).items():
+            if section == "provenance":  # written into a run's config.json by the trainer; informational
+                continue
             if section not in SECTIONS:
                 raise ConfigError(
                     f"{path}: unknown section '{section}'; valid sections: {sorted(SECTIONS)}."
@@ -342,7 +348,47 @@ def check_data(cfg: RunConfig) -> None:
         0 <= d.eod_token < cfg.model.vocab_size, f"data.eod_token={d.eod_token}: outside the vocabulary."
     )
     _require(d.num_workers >= 0, f"data.num_workers={d.num_workers}: must be >= 0.")
+    _check_heldout(d)
     # data.blend's syntax and the datasets themselves are checked by the preflight.
+
+
+def parse_split(spec: str) -> tuple[float, float, float]:
+    """``"969,30,1"`` (or ``"969/30/1"``, or fewer numbers: the rest are 0) -> normalised shares.
+
+    Raises:
+        ValueError: not numbers, a negative one, more than three, or all zero (names the value).
+    """
+    parts = [p.strip() for p in spec.replace("/", ",").split(",")]
+    try:
+        shares = [float(p) for p in parts]
+    except ValueError:
+        raise ValueError(
+            f"data.split={spec!r}: not numbers; write e.g. '969,30,1' (train,valid,test)"
+        ) from None
+    if len(shares) > 3 or any(s < 0 for s in shares) or sum(shares) <= 0:
+        raise ValueError(f"data.split={spec!r}: give up to three shares >= 0, not all 0, e.g. '969,30,1'")
+    shares += [0.0] * (3 - len(shares))
+    total = sum(shares)
+    return shares[0] / total, shares[1] / total, shares[2] / total
+
+
+def _check_heldout(d) -> None:
+    """data.split's syntax, and no two ways of choosing the held-out set at once."""
+    if not d.split:
+        return
+    _require(
+        not (d.valid_prefix or d.test_prefix or d.blend),
+        f"data.split={d.split!r} cuts data.prefix's documents; it does not combine with "
+        "data.valid_prefix / data.test_prefix / data.blend: remove one of them.",
+    )
+    try:
+        shares = parse_split(d.split)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _require(
+        shares[0] > 0 and shares[1] > 0,
+        f"data.split={d.split!r}: the train and validation shares must be > 0, e.g. '969,30,1'.",
+    )
 
 
 VALIDATORS: list[Callable[[RunConfig], None]] = [check_model, check_parallel, check_train, check_data]

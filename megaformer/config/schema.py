@@ -125,6 +125,17 @@ class DataConfig:
     data/b_text_document' (weights >= 0, normalised); when set, prefix is ignored. Each dataset
     gets its weight's share of the samples, within one sample. In the YAML file it may also be a
     list: one 'weight prefix' string per item, [weight, prefix] pairs, or a flat list."""
+    valid_prefix: str = ""
+    """A separate validation dataset (Megatron's --valid-data-path), e.g. data_tools.split's
+    --holdout-prefix output: evaluation reads its documents in order, and training reads every
+    document of prefix / blend (valid_fraction is then unused)."""
+    test_prefix: str = ""
+    """A test dataset (Megatron's --test-data-path), evaluated once after the last step (test/loss,
+    test/ppl; summary.json final_test_loss); train.eval_batches × global_batch_size samples."""
+    split: str = ""
+    """Megatron's --split: 'train,valid,test' shares of prefix's documents, e.g. '969,30,1', cut into
+    three contiguous ranges as Megatron does; replaces valid_fraction; not with blend or
+    valid_prefix / test_prefix."""
     index_cache_dir: str = ""
     """Directory of the cached sample indices (.npy, built when missing; one per node is fine,
     see python -m data_tools.build_index); empty means <output.dir>/index_cache."""
@@ -225,6 +236,13 @@ class OutputConfig:
 
     dir: str = "runs/default"
     """Run directory: tensorboard/ and checkpoints/ go under it."""
+    wandb_project: str = ""
+    """Weights & Biases project to mirror the TensorBoard scalars to (rank 0); empty: off. Needs
+    pip install wandb; WANDB_MODE=offline writes under <dir>/wandb without network."""
+    wandb_entity: str = ""
+    """W&B entity (team or user); empty: your default."""
+    wandb_run_name: str = ""
+    """W&B run name; empty: W&B picks one."""
 
 
 @dataclass(frozen=True)

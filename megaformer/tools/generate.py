@@ -120,21 +120,26 @@ def generate(
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m megaformer.tools.generate", description=(__doc__ or "").split("\n")[0]
+        prog="python -m megaformer.tools.generate",
+        description=(__doc__ or "").split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # --help shows every default
     )
     p.add_argument("--checkpoint", required=True, help="a run's checkpoints/ directory or one global_stepN")
-    p.add_argument("--tag", default=None, help="checkpoint tag (default: the 'latest' file's)")
-    p.add_argument("--prompt", default="", help="text to continue (empty: start after an EOD)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--tag", default=None, help="checkpoint tag; None: the one the 'latest' file names")
+    p.add_argument("--prompt", default="", help="text to continue; empty: start after an EOD")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to sample after the prompt")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=50, help="0 = the whole vocabulary")
-    p.add_argument("--num-samples", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-samples", type=int, default=1, help="continuations of the same prompt")
+    p.add_argument("--seed", type=int, default=0, help="seeds the sampler (its own generator)")
     p.add_argument(
-        "--tokenizer-type", default="GPT2BPETokenizer", choices=["GPT2BPETokenizer", "SentencePieceTokenizer"]
+        "--tokenizer-type",
+        default="GPT2BPETokenizer",
+        choices=["GPT2BPETokenizer", "SentencePieceTokenizer"],
+        help="the tokenizer the run's data was preprocessed with",
     )
-    p.add_argument("--vocab-file", default=str(REPO / "data" / "gpt2-bpe" / "encoder.json"))
-    p.add_argument("--merge-file", default=str(REPO / "data" / "gpt2-bpe" / "vocab.bpe"))
+    p.add_argument("--vocab-file", default=str(REPO / "data" / "gpt2-bpe" / "encoder.json"), help="GPT-2 BPE")
+    p.add_argument("--merge-file", default=str(REPO / "data" / "gpt2-bpe" / "vocab.bpe"), help="GPT-2 BPE")
     p.add_argument("--tokenizer-model", default=None, help="SentencePiece .model, for SentencePieceTokenizer")
     return p
 

@@ -174,6 +174,8 @@ class Data:
     info: dict
     unigram_entropy: float
     """Of the data the run reads (a blend: of its mixture), from the dataset sidecars (nats)."""
+    test: Any = None
+    """Test samples (data.test_prefix or data.split's test range), evaluated after the last step."""
 
 
 def build_data(cfg: RunConfig, layout: Layout, stats: list, datasets: list[tuple[float, str]]) -> Data:
@@ -186,23 +188,54 @@ def build_data(cfg: RunConfig, layout: Layout, stats: list, datasets: list[tuple
         DataFormatError: too little held-out data for one evaluation, or a corrupt dataset.
     """
     from data_tools.stats import mixture_unigram_entropy
-    from megaformer.data.gpt_dataset import build_train_valid
     from megaformer.data.loader import valid_num_samples
 
     t = cfg.train
-    train, valid, info = build_train_valid(
-        cfg.data.prefix,
-        cfg.model.seq_len,
-        train_samples=t.steps * t.global_batch_size,
-        valid_samples=valid_num_samples(t.eval_batches, t.global_batch_size),
-        valid_fraction=cfg.data.valid_fraction,
-        seed=t.seed,
-        blend=cfg.data.blend,
-        cache_dir=cfg.data.index_cache_dir or os.path.join(cfg.output.dir, "index_cache"),
-    )
+    test = None
+    eval_samples = valid_num_samples(t.eval_batches, t.global_batch_size)
+    cache_dir = cfg.data.index_cache_dir or os.path.join(cfg.output.dir, "index_cache")
+    if cfg.data.split or cfg.data.valid_prefix:
+        from megaformer.data.heldout import build_heldout_data
+
+        train, valid, test, info = build_heldout_data(
+            pairs=datasets,
+            split=cfg.data.split,
+            valid_prefix=cfg.data.valid_prefix,
+            test_prefix=cfg.data.test_prefix,
+            seq_len=cfg.model.seq_len,
+            train_samples=t.steps * t.global_batch_size,
+            eval_samples=eval_samples,
+            seed=t.seed,
+            cache_dir=cache_dir,
+        )
+    else:
+        train, valid, info = _train_valid(cfg, eval_samples, cache_dir)
+        if cfg.data.test_prefix:
+            from megaformer.data.heldout import ordered_samples
+
+            test = ordered_samples(
+                cfg.data.test_prefix, cfg.model.seq_len, eval_samples, key="data.test_prefix", seed=t.seed
+            )
     if len(stats) == 1:
         entropy = stats[0].unigram_entropy
     else:
         shares = [b["train_samples"] for b in info["blend"]]
         entropy = mixture_unigram_entropy(stats, [s / sum(shares) for s in shares])
-    return Data(train, valid, info, entropy)
+    return Data(train, valid, info, entropy, test)
+
+
+def _train_valid(cfg: RunConfig, eval_samples: int, cache_dir: str) -> tuple[Any, Any, dict]:
+    """Training samples and ``data.valid_fraction`` of its documents held out for validation."""
+    from megaformer.data.gpt_dataset import build_train_valid
+
+    t = cfg.train
+    return build_train_valid(
+        cfg.data.prefix,
+        cfg.model.seq_len,
+        train_samples=t.steps * t.global_batch_size,
+        valid_samples=eval_samples,
+        valid_fraction=cfg.data.valid_fraction,
+        seed=t.seed,
+        blend=cfg.data.blend,
+        cache_dir=cache_dir,
+    )

@@ -111,6 +111,9 @@ def check_heldout(cfg: RunConfig, datasets: list[tuple[float, str]]) -> None:
 
     t, seq_len = cfg.train, cfg.model.seq_len
     needed = t.eval_batches * t.global_batch_size
+    if cfg.data.valid_prefix or cfg.data.split:
+        _check_separate_heldout(cfg, needed)
+        return
     shares = apportion([w for w, _ in datasets], needed).tolist()
     for (_, prefix), n_valid in zip(datasets, shares):
         lengths = IndexedDataset(prefix).document_lengths(np.int64)
@@ -125,4 +128,41 @@ def check_heldout(cfg: RunConfig, datasets: list[tuple[float, str]]) -> None:
                 f"{t.eval_batches} × train.global_batch_size={t.global_batch_size}"
                 + (", this dataset's share of the blend" if len(datasets) > 1 else "")
                 + "); raise data.valid_fraction or lower train.eval_batches"
+            )
+
+
+def _check_separate_heldout(cfg: RunConfig, needed: int) -> None:
+    """The :func:`check_heldout` of ``data.valid_prefix`` / ``data.test_prefix`` (all of their
+    documents) and of ``data.split`` (its validation and test ranges of ``data.prefix``), with the
+    arithmetic of :func:`megaformer.data.heldout.ordered_samples`.
+
+    Raises:
+        DataFormatError: naming the key, the dataset, its documents and tokens, and the fix.
+    """
+    from data_tools.indexed_dataset import IndexedDataset
+    from megaformer.config.load import parse_split
+    from megaformer.data.heldout import split_ranges
+
+    seq_len = cfg.model.seq_len
+    checks: list[tuple[str, str, np.ndarray | None]] = []
+    for key in ("valid_prefix", "test_prefix"):
+        if getattr(cfg.data, key):
+            checks.append((f"data.{key}", getattr(cfg.data, key), None))
+    if cfg.data.split:
+        n_docs = len(IndexedDataset(cfg.data.prefix).document_lengths(np.int64))
+        _, valid_ids, test_ids = split_ranges(n_docs, parse_split(cfg.data.split))
+        for name, ids in (("validation", valid_ids), ("test", test_ids)):
+            if len(ids):
+                checks.append((f"data.split={cfg.data.split!r} ({name} range)", cfg.data.prefix, ids))
+    for key, prefix, ids in checks:
+        lengths = IndexedDataset(prefix).document_lengths(np.int64)
+        chosen = lengths if ids is None else lengths[ids]
+        tokens = int(chosen.sum())
+        have = max(tokens - 1, 0) // seq_len
+        if have < needed:
+            raise DataFormatError(
+                f"{key}: '{prefix}' ({len(chosen)} documents, {tokens:,} tokens) makes {have} samples "
+                f"of {seq_len + 1} tokens, but one evaluation reads {needed} (train.eval_batches="
+                f"{cfg.train.eval_batches} × train.global_batch_size={cfg.train.global_batch_size}); "
+                "give a bigger held-out set or lower train.eval_batches"
             )

@@ -27,9 +27,11 @@ class MetricsWriter:
         enabled: bool,
         hparams: dict[str, Any] | None = None,
         purge_step: int | None = None,
+        tracker: Any = None,
     ) -> None:
         self.log_dir = log_dir
         self._writer = None
+        self._tracker = tracker  # e.g. tracking.WandbTracker: gets the same scalars; None: TensorBoard only
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -43,9 +45,11 @@ class MetricsWriter:
         """Write each non-None value as a scalar at ``step``."""
         if self._writer is None:
             return
-        for name, value in values.items():
-            if value is not None and math.isfinite(float(value)):
-                self._writer.add_scalar(name, float(value), step)
+        finite = {k: float(v) for k, v in values.items() if v is not None and math.isfinite(float(v))}
+        for name, value in finite.items():
+            self._writer.add_scalar(name, value, step)
+        if self._tracker is not None:
+            self._tracker.log(step, finite)
 
     def flush(self) -> None:
         if self._writer is not None:
@@ -55,6 +59,9 @@ class MetricsWriter:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._tracker is not None:
+            self._tracker.finish()
+            self._tracker = None
 
 
 class DeferredScalars:

@@ -67,6 +67,12 @@ def run_preflight(cfg: RunConfig, world_size: int) -> Preflight:
     datasets = data_prefixes(cfg)
     stats = [check_dataset(prefix, cfg) for _, prefix in datasets]
     check_heldout(cfg, datasets)
+    from megaformer.training.tracking import check_wandb
+
+    check_wandb(cfg.output.wandb_project)
+    for key in ("valid_prefix", "test_prefix"):  # held-out sets: the same checks, not in the stats
+        if getattr(cfg.data, key):
+            check_dataset(getattr(cfg.data, key), cfg, key=f"data.{key}")
     if cfg.train.resume not in ("none", "auto"):
         check_checkpoint(cfg.train.resume, "train.resume")
     elif cfg.train.resume == "auto":
@@ -115,7 +121,7 @@ def data_prefixes(cfg: RunConfig) -> list[tuple[float, str]]:
     return [(1.0, cfg.data.prefix)]
 
 
-def check_dataset(prefix: str, cfg: RunConfig):
+def check_dataset(prefix: str, cfg: RunConfig, key: str | None = None):
     """Open ``prefix``'s ``.bin/.idx`` (header, index and size checks) and read its sidecar.
 
     Returns:
@@ -128,7 +134,7 @@ def check_dataset(prefix: str, cfg: RunConfig):
     from data_tools.indexed_dataset import IndexedDataset
     from data_tools.stats import read_stats
 
-    where = "data.blend" if cfg.data.blend else "data.prefix"
+    where = key or ("data.blend" if cfg.data.blend else "data.prefix")
     missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
     if missing:
         raise DataFormatError(

@@ -54,7 +54,8 @@ class Evaluator:
     its share and the per-micro-batch means are averaged over all of them.
     """
 
-    def __init__(self, engine: Any, cfg: RunConfig, layout: Layout, data: Data) -> None:
+    def __init__(self, engine: Any, cfg: RunConfig, layout: Layout, data: Data, samples: Any = None) -> None:
+        """``samples``: what to evaluate (default ``data.valid``; the test set for the test loss)."""
         from megaformer.data.loader import valid_loader
 
         t = cfg.train
@@ -62,7 +63,7 @@ class Evaluator:
         self.device = layout.device
         self.micro_batches = t.eval_batches * engine.gas
         self.loader = valid_loader(
-            data.valid,
+            data.valid if samples is None else samples,
             eval_batches=t.eval_batches,
             global_batch_size=t.global_batch_size,
             micro_batch_size=t.micro_batch_size,
@@ -109,10 +110,16 @@ class TrainLoop:
         elif cfg.train.budget_device_hours > 0:
             self.budget = BudgetKeeper(cfg, layout.world_size, start_step)
         self.evaluate = Evaluator(engine, cfg, layout, data)
+        self.evaluate_test = None if data.test is None else Evaluator(engine, cfg, layout, data, data.test)
+        self.test_loss = math.nan
         self.tb_dir = os.path.join(cfg.output.dir, "tensorboard")
         # purge_step: on resume, TensorBoard hides the events a killed run wrote past the checkpoint.
         self.writer = MetricsWriter(
-            self.tb_dir, enabled=layout.is_main, hparams=to_dict(cfg), purge_step=start_step or None
+            self.tb_dir,
+            enabled=layout.is_main,
+            hparams=to_dict(cfg),
+            purge_step=start_step or None,
+            tracker=_wandb_tracker(cfg, layout),
         )
         self.metrics = DeferredScalars(self.writer)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
@@ -175,6 +182,11 @@ class TrainLoop:
                 self._paused(self.checkpointer.save, done, self._client_extra())
                 last_saved = done
             timer.lap()  # do not charge logging, evaluation and checkpoints to the next step
+        if self.evaluate_test is not None:  # once, after the last step (Megatron's test set)
+            self.test_loss = float(self._paused(self.evaluate_test))
+            ppl = safe_exp(self.test_loss)
+            self.writer.scalars(self.total, {"test/loss": self.test_loss, "test/ppl": ppl})
+            log(self.layout, f"step {self.total} | test loss {self.test_loss:.4f} | test ppl {ppl:.2f}")
         if last_saved != self.total:
             self.checkpointer.save(self.total, self._client_extra())
         self.writer.close()
@@ -262,7 +274,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     load_dir = resolve_resume(cfg, ckpt_dir)
     if layout.is_main:
         os.makedirs(ckpt_dir, exist_ok=True)
-        atomic_write_json(os.path.join(cfg.output.dir, "config.json"), to_dict(cfg))
+        atomic_write_json(os.path.join(cfg.output.dir, "config.json"), _config_record(cfg))
     data = build_data(cfg, layout, preflight.stats, preflight.datasets)
     _log_data(cfg, layout, data)
 
@@ -286,6 +298,24 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     loop = TrainLoop(engine, cfg, layout, data, checkpointer, start_step, compute, schedule, client_state)
     elapsed = loop.run(resumed=load_dir is not None)
     return _summary(cfg, layout, loop, data, n_params, start_step, elapsed)
+
+
+def _config_record(cfg: RunConfig) -> dict[str, Any]:
+    """The run's ``config.json``: the config's sections and, under ``provenance``, the git commit and
+    the versions of megaformer, torch and deepspeed (:func:`~.tracking.provenance`)."""
+    from megaformer.training.tracking import provenance
+
+    return {**to_dict(cfg), "provenance": provenance()}
+
+
+def _wandb_tracker(cfg: RunConfig, layout: Layout) -> Any:
+    """The W&B mirror of the scalars (rank 0, with ``output.wandb_project``), or None."""
+    o = cfg.output
+    if not (o.wandb_project and layout.is_main):
+        return None
+    from megaformer.training.tracking import WandbTracker
+
+    return WandbTracker(o.wandb_project, o.wandb_entity, o.wandb_run_name, o.dir, _config_record(cfg), True)
 
 
 def _compute_meter(cfg: RunConfig, layout: Layout, start_step: int, client_state: dict) -> Any:
@@ -374,6 +404,8 @@ def _summary(
         "unigram_entropy": data.unigram_entropy,
         **_compute_summary(loop),
     }
+    if math.isfinite(loop.test_loss):
+        summary |= {"final_test_loss": loop.test_loss, "final_test_ppl": safe_exp(loop.test_loss)}
     if t.budget_device_hours > 0:
         summary["budget_device_hours"] = t.budget_device_hours
         summary["budget_steps"] = loop.total
