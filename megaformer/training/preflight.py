@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from data_tools.errors import DataFormatError
 from megaformer.config import ConfigError, RunConfig, validate_layout
 from megaformer.training.data_checks import check_heldout, check_token_ids
+from megaformer.training.tracking import check_wandb
 
 
 @dataclass(frozen=True)
@@ -66,13 +67,11 @@ def run_preflight(cfg: RunConfig, world_size: int) -> Preflight:
         read_engine_json(cfg.train.deepspeed_config)
     datasets = data_prefixes(cfg)
     stats = [check_dataset(prefix, cfg) for _, prefix in datasets]
-    check_heldout(cfg, datasets)
-    from megaformer.training.tracking import check_wandb
-
-    check_wandb(cfg.output.wandb_project)
     for key in ("valid_prefix", "test_prefix"):  # held-out sets: the same checks, not in the stats
         if getattr(cfg.data, key):
             check_dataset(getattr(cfg.data, key), cfg, key=f"data.{key}")
+    check_heldout(cfg, datasets)
+    check_wandb(cfg.output.wandb_project)
     if cfg.train.resume not in ("none", "auto"):
         check_checkpoint(cfg.train.resume, "train.resume")
     elif cfg.train.resume == "auto":
