@@ -249,7 +249,12 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         build_optimizer,
         count_parameters_global,
     )
-    from megaformer.training.checkpointer import Checkpointer, init_weights_from, resolve_resume
+    from megaformer.training.checkpointer import (
+        Checkpointer,
+        init_weights_from,
+        resolve_resume,
+        verify_before_load,
+    )
     from megaformer.training.deepspeed_config import build_deepspeed_config
     from megaformer.training.ds_adapter import initialize
     from megaformer.training.preflight import run_preflight
@@ -260,6 +265,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     layout = build_layout(cfg, preflight.dp_size)
     ckpt_dir = os.path.join(cfg.output.dir, "checkpoints")
     load_dir = resolve_resume(cfg, ckpt_dir)
+    verify_before_load(cfg, load_dir, layout)  # sha256 of every file, before anything is built
     if layout.is_main:
         os.makedirs(ckpt_dir, exist_ok=True)
         atomic_write_json(os.path.join(cfg.output.dir, "config.json"), to_dict(cfg))
