@@ -95,9 +95,9 @@ class Checkpointer:
         }
         error = ""
         try:
-            _test_stall(lay.rank)
             save_rng_state(tag_dir, lay.rank, lay.rng_layout(), self.dropout_rng, lay.device)
             self.engine.save(self.ckpt_dir, tag, client_state)
+            _test_stall(lay.rank, step)
             for rel in integrity.checkpoint_files(tag_dir):  # ours among them: flushed to disk
                 integrity.fsync_path(os.path.join(tag_dir, rel))
         except (OSError, RuntimeError) as e:  # torch.save's "iostream error" on a full disk
@@ -190,8 +190,13 @@ def init_weights_from(model: torch.nn.Module, cfg: RunConfig, layout: Layout) ->
     if saved["model"] != ours:
         diff = {k: (v, ours.get(k)) for k, v in saved["model"].items() if ours.get(k) != v}
         raise ConfigError(f"train.init_from='{cfg.train.init_from}': saved with another model config {diff}")
-    load_full(model, full, cfg.model, layout.state.tp_rank, layout.state.tp_size)
     step = int(extra["step"] or 0)
+    if step >= cfg.train.steps:
+        raise ConfigError(
+            f"train.init_from='{cfg.train.init_from}' was saved at step {step}, and train.steps="
+            f"{cfg.train.steps} leaves nothing to train: set train.steps above {step}"
+        )
+    load_full(model, full, cfg.model, layout.state.tp_rank, layout.state.tp_size)
     log(
         layout,
         f"initialised weights from {tag_dir} (saved at tp {extra['tp_size']} × pp {extra['pp_size']}, "
@@ -231,9 +236,11 @@ def verify_collectively(tag_dir: str, layout: Layout) -> None:
         log(layout, f"verified {tag_dir} against its manifest (sizes and sha256)")
 
 
-def _test_stall(rank: int) -> None:
-    """Test hook: ``MEGAFORMER_TEST_SAVE_STALL=RANK:SECONDS`` makes that rank sleep before writing
-    its part of each checkpoint (a slow or stuck writer), so tests can kill the job mid-save."""
-    spec = os.environ.get("MEGAFORMER_TEST_SAVE_STALL", "")
-    if spec and int(spec.split(":")[0]) == rank:
-        time.sleep(float(spec.split(":")[1]))
+def _test_stall(rank: int, step: int) -> None:
+    """Test hook: ``MEGAFORMER_TEST_SAVE_STALL=RANK:SECONDS[:STEP]`` makes that rank sleep after
+    DeepSpeed wrote the checkpoint of step STEP (of every checkpoint without it) and before the ranks
+    agree it is complete: a slow or stuck writer, so tests can damage a shard and kill the job
+    while the other ranks wait."""
+    spec = os.environ.get("MEGAFORMER_TEST_SAVE_STALL", "").split(":")
+    if len(spec) >= 2 and int(spec[0]) == rank and (len(spec) == 2 or int(spec[2]) == step):
+        time.sleep(float(spec[1]))

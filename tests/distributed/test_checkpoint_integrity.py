@@ -1,8 +1,8 @@
 """Damaged checkpoints end in a clear error naming the file and the newest intact global_stepN.
 
-One 2-process run writes global_step3 and global_step6 (with manifests); each case damages a copy
+One 2-process run writes global_step8 and global_step12 (with manifests); each case damages a copy
 and checks resume / init_from (the preflight and the ranks' sha256 check), ``reshard`` and
-``generate``: an error that names the file and suggests global_step3, never a traceback.
+``generate``: an error that names the file and suggests global_step8, never a traceback.
 """
 
 from __future__ import annotations
@@ -15,45 +15,21 @@ import pytest
 
 from megaformer.training import ckpt_integrity as integrity
 from megaformer.training.preflight import check_checkpoint
-from tests.distributed.conftest import run_pretrain
+from tests.distributed.conftest import LIFECYCLE_TINY, run_pretrain
 
 CONFIG = "configs/normformer-quickstart.yaml"
-TINY = [
-    "model.hidden_size=64",
-    "model.num_layers=2",
-    "model.num_attention_heads=2",
-    "model.seq_len=64",
-    "train.micro_batch_size=4",
-    "train.global_batch_size=8",
-    "train.warmup_steps=2",
-    "train.log_interval=1",
-    "train.eval_interval=100",
-    "train.eval_batches=1",
-    "data.valid_fraction=0.02",
-]
 SUGGESTION = "newest intact checkpoint beside it is {}"
 
 
 @pytest.fixture(scope="module")
-def run6(gutenberg_prefix, tmp_path_factory):
-    out = tmp_path_factory.mktemp("run6")
-    proc = run_pretrain(
-        CONFIG,
-        [
-            *TINY,
-            f"data.prefix={gutenberg_prefix}",
-            "train.steps=6",
-            "train.save_interval=3",
-            f"output.dir={out}",
-        ],
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out
+def run12(lifecycle_reference):
+    """global_step8 and global_step12 of the shared 12-step run (retention kept two)."""
+    return lifecycle_reference
 
 
-def _copy(run6, tmp_path):
+def _copy(run12, tmp_path):
     dst = tmp_path / "run"
-    shutil.copytree(run6 / "checkpoints", dst / "checkpoints")
+    shutil.copytree(run12 / "checkpoints", dst / "checkpoints")
     return dst / "checkpoints"
 
 
@@ -70,8 +46,8 @@ def _truncate(path):
 
 
 def _damage(ckpt, case):
-    """Apply one damage of the issue's list to the checkpoint `latest` names (global_step6)."""
-    tag = ckpt / "global_step6"
+    """Apply one damage of the issue's list to the checkpoint `latest` names (global_step12)."""
+    tag = ckpt / "global_step12"
     if case == "zeros":
         _zeros(tag / "mp_rank_00_model_states.pt")
         return "mp_rank_00_model_states.pt"
@@ -96,10 +72,12 @@ def _damage(ckpt, case):
 CASES = ["zeros", "truncated", "deleted", "optimizer_truncated", "empty_latest", "dangling_latest"]
 
 
-def test_manifest_lists_every_file_and_latest_moves_last(run6):
-    ckpt = run6 / "checkpoints"
-    assert (ckpt / "latest").read_text() == "global_step6"
-    for tag in ("global_step3", "global_step6"):
+def test_manifest_lists_every_file_and_latest_moves_last(run12):
+    ckpt = run12 / "checkpoints"
+    assert (ckpt / "latest").read_text() == "global_step12"
+    # train.keep_last_checkpoints=2: global_step4 deleted, never the one `latest` names
+    assert [tag for _, tag in integrity.step_dirs(str(ckpt))] == ["global_step12", "global_step8"]
+    for tag in ("global_step8", "global_step12"):
         body = json.loads((ckpt / tag / "manifest.json").read_text())
         assert sorted(body["files"]) == integrity.checkpoint_files(str(ckpt / tag))
         assert "rng_state/rank00001.pt" in body["files"]
@@ -107,14 +85,14 @@ def test_manifest_lists_every_file_and_latest_moves_last(run6):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_damage_is_named_with_the_way_out(run6, tmp_path, case, capsys):
+def test_damage_is_named_with_the_way_out(run12, tmp_path, case, capsys):
     """Preflight (resume / init_from), the full check, reshard and generate: each names the file."""
     from megaformer.tools import generate, reshard
 
-    ckpt = _copy(run6, tmp_path)
+    ckpt = _copy(run12, tmp_path)
     name = _damage(ckpt, case)
-    # a bad `latest` leaves global_step6 whole; a damaged global_step6 leaves global_step3
-    way_out = SUGGESTION.format("global_step6" if case.endswith("latest") else "global_step3")
+    # a bad `latest` leaves global_step12 whole; a damaged global_step12 leaves global_step8
+    way_out = SUGGESTION.format("global_step12" if case.endswith("latest") else "global_step8")
     with pytest.raises(integrity.CheckpointError) as err:
         check_checkpoint(str(ckpt), "train.resume")  # resume=auto / init_from go through it
         integrity.verify(integrity.resolve_latest(str(ckpt)))  # the digests (the ranks share it)
@@ -126,15 +104,17 @@ def test_damage_is_named_with_the_way_out(run6, tmp_path, case, capsys):
     assert not (tmp_path / "out" / "latest").exists()
 
 
-def test_zeroed_block_stops_resume_and_init_from_before_the_model(run6, tmp_path, gutenberg_prefix):
+def test_zeroed_block_stops_resume_and_init_from_before_the_model(run12, tmp_path, gutenberg_prefix):
     """4 KiB of zeros at the same size: zip structure and size intact, only the sha256 tells."""
-    ckpt = _copy(run6, tmp_path)
+    ckpt = _copy(run12, tmp_path)
     _damage(ckpt, "zeros")
-    common = [*TINY, f"data.prefix={gutenberg_prefix}", "train.steps=9"]
+    common = [*LIFECYCLE_TINY, f"data.prefix={gutenberg_prefix}"]
     resumed = run_pretrain(CONFIG, [*common, "train.resume=auto", f"output.dir={ckpt.parent}"])
-    started = run_pretrain(CONFIG, [*common, f"train.init_from={ckpt}", f"output.dir={tmp_path / 'new'}"])
+    started = run_pretrain(
+        CONFIG, [*common, "train.steps=16", f"train.init_from={ckpt}", f"output.dir={tmp_path / 'new'}"]
+    )
     for proc in (resumed, started):
         assert proc.returncode == 2, proc.stderr[-3000:]
         assert "mp_rank_00_model_states.pt: sha256 differs" in proc.stderr
-        assert SUGGESTION.format("global_step3") in proc.stderr
-        assert "Traceback" not in proc.stderr and "step 7/9" not in proc.stdout
+        assert SUGGESTION.format("global_step8") in proc.stderr
+        assert "Traceback" not in proc.stderr and "step 13/" not in proc.stdout
