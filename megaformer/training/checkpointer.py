@@ -114,7 +114,7 @@ class Checkpointer:
         dist.all_gather_object(gathered, mine)
         if lay.is_main:
             files = {k: v for part in gathered for k, v in part.items()}
-            integrity.write_manifest(tag_dir, files, step)
+            integrity.write_manifest(tag_dir, files, step, client_state["config"])
             integrity.write_latest(self.ckpt_dir, tag)
             self._prune(tag)
         all_reduce_ints([0])  # nobody goes on before `latest` names the new checkpoint
@@ -211,9 +211,25 @@ def verify_before_load(cfg: RunConfig, load_dir: str | None, layout: Layout) -> 
     from megaformer.tools.reshard import resolve_tag_dir
 
     if load_dir is not None:
-        verify_collectively(integrity.resolve_latest(load_dir), layout)
+        tag_dir = integrity.resolve_latest(load_dir)
+        verify_collectively(tag_dir, layout)
+        _check_config(cfg, tag_dir, layout)
     elif cfg.train.init_from:
         verify_collectively(resolve_tag_dir(cfg.train.init_from), layout)
+
+
+def _check_config(cfg: RunConfig, tag_dir: str, layout: Layout) -> None:
+    """Compare the checkpoint's saved config with this run's (:mod:`.resume_rules`); log the
+    allowed changes and an extension's learning-rate rule."""
+    from megaformer.training.resume_rules import check_resume_config, saved_config
+
+    saved = saved_config(tag_dir)
+    if saved is None:
+        log(layout, f"{tag_dir}: no saved config to compare with this run's")
+        return
+    step = int(os.path.basename(os.path.normpath(tag_dir)).removeprefix("global_step") or 0)
+    for line in check_resume_config(saved, cfg, step, tag_dir):
+        log(layout, line)
 
 
 def verify_collectively(tag_dir: str, layout: Layout) -> None:

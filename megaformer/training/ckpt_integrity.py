@@ -81,10 +81,13 @@ def describe_files(tag_dir: str, rel_paths: list[str]) -> dict[str, dict]:
     }
 
 
-def write_manifest(tag_dir: str, files: dict[str, dict], step: int) -> str:
-    """Write ``tag_dir/manifest.json`` durably (see :func:`durable_write_text`); return its path."""
+def write_manifest(tag_dir: str, files: dict[str, dict], step: int, config: dict | None = None) -> str:
+    """Write ``tag_dir/manifest.json`` durably (see :func:`durable_write_text`); return its path.
+    ``config``: the run config, which a resume compares with its own before building anything."""
     path = os.path.join(tag_dir, MANIFEST)
     body = {"format": MANIFEST_FORMAT, "step": step, "files": dict(sorted(files.items()))}
+    if config is not None:
+        body["config"] = config
     durable_write_text(path, json.dumps(body, indent=1) + "\n")
     return path
 
