@@ -56,6 +56,55 @@ def resolve_resume(cfg: RunConfig, ckpt_dir: str) -> str | None:
     return resume
 
 
+def holds_a_run(out_dir: str) -> list[str]:
+    """What in ``out_dir`` belongs to an earlier run: a ``latest`` tag, ``global_stepN``
+    directories, TensorBoard event files ([] for a new or empty directory)."""
+    ckpt_dir = os.path.join(out_dir, "checkpoints")
+    found = [os.path.join(ckpt_dir, "latest")] if os.path.exists(os.path.join(ckpt_dir, "latest")) else []
+    found += [os.path.join(ckpt_dir, tag) for _, tag in integrity.step_dirs(ckpt_dir)]
+    tb = os.path.join(out_dir, "tensorboard")
+    if os.path.isdir(tb) and any(n.startswith("events.out.tfevents") for n in os.listdir(tb)):
+        found.append(tb)
+    return found
+
+
+def check_output_dir(cfg: RunConfig) -> None:
+    """Refuse a fresh start (``train.resume=none``) in an ``output.dir`` that holds a run, unless
+    ``output.overwrite=true`` (a resume, ``auto`` included, continues the run there instead; a run
+    killed before its first checkpoint restarts there from step 0 under ``auto``).
+
+    Raises:
+        ConfigError: naming what is there and the three ways on.
+    """
+    if cfg.train.resume != "none" or cfg.output.overwrite:
+        return
+    found = holds_a_run(cfg.output.dir)
+    if found:
+        raise ConfigError(
+            f"output.dir='{cfg.output.dir}' holds another run ({', '.join(found[:3])}): a fresh start "
+            "would mix its checkpoints and TensorBoard events with this one's; continue it with "
+            "train.resume=auto, choose another output.dir, or set output.overwrite=true to delete them"
+        )
+
+
+def clear_output_dir(cfg: RunConfig, layout: Layout) -> None:
+    """``output.overwrite=true`` on a fresh start: rank 0 deletes the earlier run's checkpoints and
+    TensorBoard events (logged), then every rank goes on (a collective)."""
+    from megaformer.parallel.comm import all_reduce_ints
+
+    if not cfg.output.overwrite or not holds_a_run(cfg.output.dir):
+        return
+    if layout.is_main:
+        for name in ("checkpoints", "tensorboard"):
+            shutil.rmtree(os.path.join(cfg.output.dir, name), ignore_errors=True)
+        log(
+            layout,
+            f"output.overwrite=true: deleted the earlier run's checkpoints and TensorBoard events "
+            f"in {cfg.output.dir}",
+        )
+    all_reduce_ints([0])
+
+
 class Checkpointer:
     """Saves and restores the run's state for one rank.
 

@@ -261,6 +261,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     )
     from megaformer.training.checkpointer import (
         Checkpointer,
+        check_output_dir,
+        clear_output_dir,
         init_weights_from,
         resolve_resume,
         verify_before_load,
@@ -274,9 +276,12 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     t = cfg.train
     stop = StopCheck(t.exit_signals, t.exit_duration_mins)  # first: a signal during start-up counts
     preflight = run_preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # no process group yet
+    check_output_dir(cfg)  # a fresh start into another run's directory: refused before any group
     layout = build_layout(cfg, preflight.dp_size)
     ckpt_dir = os.path.join(cfg.output.dir, "checkpoints")
     load_dir = resolve_resume(cfg, ckpt_dir)
+    if load_dir is None:
+        clear_output_dir(cfg, layout)
     verify_before_load(cfg, load_dir, layout)  # sha256 of every file, before anything is built
     if layout.is_main:
         os.makedirs(ckpt_dir, exist_ok=True)

@@ -148,3 +148,24 @@ def test_kill9_at_a_random_moment(lifecycle_reference, gutenberg_prefix, tmp_pat
     proc = run_pretrain(CONFIG, _overrides(gutenberg_prefix, out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     _assert_same_as_reference(out, lifecycle_reference)
+
+
+def test_restart_after_a_kill_before_the_first_checkpoint(lifecycle_reference, gutenberg_prefix, tmp_path):
+    """Killed at step 6 of a run that saves only at the end: resume=auto restarts from step 0 and
+    TensorBoard shows each step once (the killed run's events purged); resume=none is refused."""
+    out, log = tmp_path / "run", tmp_path / "log"
+    proc = _start(_overrides(gutenberg_prefix, out, "train.save_interval=0"), log)
+    _wait_for(proc, log, "step 6/12")
+    _kill9(proc)
+    assert not (out / "checkpoints" / "latest").exists()
+    fresh = run_pretrain(
+        CONFIG, [*_overrides(gutenberg_prefix, out, "train.save_interval=0"), "train.resume=none"]
+    )
+    assert (
+        fresh.returncode == 2
+        and "holds another run" in fresh.stderr
+        and "output.overwrite=true" in fresh.stderr
+    )
+    proc = run_pretrain(CONFIG, _overrides(gutenberg_prefix, out, "train.save_interval=0"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _assert_same_as_reference(out, lifecycle_reference)

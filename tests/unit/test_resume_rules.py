@@ -50,3 +50,24 @@ def test_steps_change_alone_names_the_flag_and_extension_states_the_lr_rule():
         check_resume_config(
             _saved(), load_config(CONFIG, [*BASE, "train.steps=15", "train.extend_steps=true"]), 20, "ckpt"
         )
+
+
+def test_a_fresh_start_into_a_run_directory_is_refused_unless_asked(tmp_path):
+    from megaformer.training.checkpointer import check_output_dir
+
+    run = tmp_path / "run"
+    fresh = load_config(CONFIG, [f"output.dir={run}"])
+    check_output_dir(fresh)  # nothing there yet
+    (run / "checkpoints" / "global_step5").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("global_step5")
+    with pytest.raises(ConfigError, match="holds another run") as err:
+        check_output_dir(fresh)
+    assert "latest" in str(err.value) and "train.resume=auto" in str(err.value)
+    check_output_dir(load_config(CONFIG, [f"output.dir={run}", "output.overwrite=true"]))
+    check_output_dir(load_config(CONFIG, [f"output.dir={run}", "train.resume=auto"]))
+    (run / "checkpoints" / "latest").unlink()
+    (run / "checkpoints" / "global_step5").rmdir()
+    (run / "tensorboard").mkdir()
+    (run / "tensorboard" / "events.out.tfevents.1.host").write_bytes(b"")
+    with pytest.raises(ConfigError, match="tensorboard"):
+        check_output_dir(fresh)
