@@ -142,6 +142,13 @@ class Checkpointer:
             "config": to_dict(self.cfg),
             **(extra or {}),
         }
+        from megaformer.parallel.comm import all_reduce_ints
+
+        if lay.is_main and os.path.isdir(tag_dir):
+            # A leftover of a save that was interrupted (`latest` never named it): its files must
+            # not join this checkpoint's manifest.
+            shutil.rmtree(tag_dir, ignore_errors=True)
+        all_reduce_ints([0])  # no rank writes before the leftover is gone
         error = ""
         try:
             save_rng_state(tag_dir, lay.rank, lay.rng_layout(), self.dropout_rng, lay.device)
@@ -152,8 +159,6 @@ class Checkpointer:
         except (OSError, RuntimeError) as e:  # torch.save's "iostream error" on a full disk
             error = f"{type(e).__name__}: {e}"
             print(f"[megaformer] rank {lay.rank}: writing {tag_dir} failed: {error}", flush=True)
-        from megaformer.parallel.comm import all_reduce_ints
-
         failed = all_reduce_ints([int(bool(error))])[0]  # the barrier: every rank's files written
         if failed:
             self._abandon(tag_dir, failed, error)
@@ -189,7 +194,10 @@ class Checkpointer:
         keep = self.cfg.train.keep_last_checkpoints
         if keep <= 0:
             return
-        for _, tag in integrity.step_dirs(self.ckpt_dir)[keep:]:
+        newest = int(keep_tag.removeprefix("global_step"))
+        # Only checkpoints up to this one: later ones belong to a run resumed from an earlier tag.
+        older = [tag for step, tag in integrity.step_dirs(self.ckpt_dir) if step <= newest]
+        for tag in older[keep:]:
             if tag != keep_tag:
                 shutil.rmtree(os.path.join(self.ckpt_dir, tag), ignore_errors=True)
                 log(self.layout, f"removed checkpoint {tag} (train.keep_last_checkpoints={keep})")
