@@ -2,8 +2,9 @@
 rank stalled mid-save; every resume repeats the uninterrupted run bitwise (losses and weights) and
 TensorBoard's train/loss holds every step once.
 
-The default suite kills twice (mid-step, and mid-save with rank 1 stalled and its optimizer shard
-cut short); ``MEGAFORMER_SLOW_TESTS=1`` adds kills at three random moments (seeded).
+The default suite kills twice (mid-save with rank 1 stalled and its optimizer shard cut short, and
+mid-step before the first checkpoint) besides the SIGTERM; ``MEGAFORMER_SLOW_TESTS=1`` adds a kill
+mid-step after a checkpoint and kills at three random moments (seeded).
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ def _kill_then_resume(reference: Path, prefix: str, tmp_path: Path, trigger: str
     _assert_same_as_reference(out, reference)
 
 
+@pytest.mark.skipif(not os.environ.get("MEGAFORMER_SLOW_TESTS"), reason="set MEGAFORMER_SLOW_TESTS=1")
 def test_kill9_mid_step_then_resume(lifecycle_reference, gutenberg_prefix, tmp_path):
     _kill_then_resume(lifecycle_reference, gutenberg_prefix, tmp_path, "step 6/12")
 
