@@ -132,3 +132,32 @@ def saved_config(tag_dir: str) -> dict | None:
 
     config = _load(files[0]).get("config")
     return config if isinstance(config, dict) else None
+
+
+def check_init_from_steps(cfg: RunConfig) -> None:
+    """Refuse ``train.init_from`` whose checkpoint step leaves nothing to train (``train.steps`` at
+    or below it), before any process group starts (the step is read from the manifest; a
+    checkpoint without one is checked when its weights are loaded).
+
+    Raises:
+        ConfigError: naming the checkpoint's step and the fix.
+    """
+    from megaformer.tools.reshard import resolve_tag_dir
+    from megaformer.training.ckpt_integrity import read_manifest
+
+    if not cfg.train.init_from or (cfg.train.resume != "none" and _has_latest(cfg)):
+        return
+    body = read_manifest(resolve_tag_dir(cfg.train.init_from))
+    if body is not None and int(body["step"]) >= cfg.train.steps:
+        raise ConfigError(
+            f"train.init_from='{cfg.train.init_from}' was saved at step {body['step']}, and "
+            f"train.steps={cfg.train.steps} leaves nothing to train: set train.steps above {body['step']}"
+        )
+
+
+def _has_latest(cfg: RunConfig) -> bool:
+    """Whether train.resume will find a checkpoint (then train.init_from is ignored)."""
+    import os
+
+    where = os.path.join(cfg.output.dir, "checkpoints") if cfg.train.resume == "auto" else cfg.train.resume
+    return os.path.isfile(os.path.join(where, "latest"))

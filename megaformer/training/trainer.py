@@ -270,6 +270,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     from megaformer.training.deepspeed_config import build_deepspeed_config
     from megaformer.training.ds_adapter import initialize
     from megaformer.training.preflight import run_preflight
+    from megaformer.training.resume_rules import check_init_from_steps
     from megaformer.training.schedule import Schedule
     from megaformer.training.stopping import StopCheck
 
@@ -277,6 +278,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     stop = StopCheck(t.exit_signals, t.exit_duration_mins)  # first: a signal during start-up counts
     preflight = run_preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # no process group yet
     check_output_dir(cfg)  # a fresh start into another run's directory: refused before any group
+    check_init_from_steps(cfg)
     layout = build_layout(cfg, preflight.dp_size)
     ckpt_dir = os.path.join(cfg.output.dir, "checkpoints")
     load_dir = resolve_resume(cfg, ckpt_dir)

@@ -71,3 +71,28 @@ def test_a_fresh_start_into_a_run_directory_is_refused_unless_asked(tmp_path):
     (run / "tensorboard" / "events.out.tfevents.1.host").write_bytes(b"")
     with pytest.raises(ConfigError, match="tensorboard"):
         check_output_dir(fresh)
+
+
+def test_init_from_at_or_past_train_steps_is_refused_before_the_run(tmp_path):
+    from megaformer.training.ckpt_integrity import write_manifest
+    from megaformer.training.resume_rules import check_init_from_steps
+
+    tag = tmp_path / "src" / "checkpoints" / "global_step20"
+    tag.mkdir(parents=True)
+    write_manifest(str(tag), {}, 20)
+    (tmp_path / "src" / "checkpoints" / "latest").write_text("global_step20")
+    for steps in (10, 20):
+        cfg = load_config(
+            CONFIG,
+            [
+                f"train.init_from={tag.parent}",
+                f"train.steps={steps}",
+                "train.warmup_steps=2",
+                f"output.dir={tmp_path}/new",
+            ],
+        )
+        with pytest.raises(ConfigError, match=r"saved at step 20.*set train\.steps above 20"):
+            check_init_from_steps(cfg)
+    check_init_from_steps(
+        load_config(CONFIG, [f"train.init_from={tag.parent}", "train.steps=30", "train.warmup_steps=2"])
+    )
