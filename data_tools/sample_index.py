@@ -8,6 +8,14 @@ shuffled order (one fresh permutation per epoch); consecutive samples share one 
   that document); row S is where the stream past the last sample begins;
 * ``shuffle_idx`` int32[S]: the order in which samples are served.
 
+The order does not depend on S, the number of samples asked for: samples are shuffled within
+chunks of the stream whose bounds depend only on the documents and ``seq_len`` (each epoch, the
+samples starting in its tokens, cut into chunks of at most ``ORDER_CHUNK`` samples), each chunk by
+its own seeded permutation. The first N samples served are therefore the same for any run length
+(a run extended from 20 to 30 steps serves in steps 21-30 samples it has not served), and no sample
+is served twice within an epoch. The arrays are built through the end of the last chunk needed
+(``sample_idx`` may hold more rows than S + 1; ``shuffle_idx`` holds S entries).
+
 Built with numpy only (no Python loop over documents or samples): a keyed pseudorandom
 permutation computed blockwise (``random_permutation``; ``rng.permutation`` for small sizes), a
 blockwise cumulative sum, and ``np.repeat`` of each document's position by the number of sample
@@ -49,11 +57,14 @@ __all__ = [
     "split_documents",
 ]
 
-INDEX_FORMAT = 2  # bump when the arrays' meaning or order changes: old cache entries then miss
+INDEX_FORMAT = 3  # bump when the arrays' meaning or order changes: old cache entries then miss
 _BLOCK = 1 << 23  # documents per block of the sample-start pass (bounds its scratch memory)
 _PLAIN_SHUFFLE_MAX = 1 << 20  # up to this many elements, rng.permutation (in cache, fast enough)
 _PERM_BLOCK = 1 << 20  # elements per block of random_permutation's arithmetic (in cache)
 _PERM_ROUNDS = 8
+ORDER_CHUNK = 1 << 22
+"""Most samples shuffled together (4,194,304: 8.6B tokens at seq_len 2048); chunks of one epoch
+are served one after another, so this bounds the index built for a run shorter than an epoch."""
 _HASH_BLOCK = 64 << 20
 
 
@@ -98,7 +109,8 @@ def build_sample_index(
         shuffle: shuffle documents per epoch and samples (False: natural order, for evaluation).
 
     Returns:
-        doc_idx [E·D], sample_idx [num_samples + 1, 2], shuffle_idx [num_samples]; int32 where
+        doc_idx [E·D], sample_idx [B + 1, 2] (B >= num_samples: through the last order chunk),
+        shuffle_idx [num_samples]; int32 where
         the values fit, else int64.
 
     Raises:
@@ -117,7 +129,9 @@ def build_sample_index(
         )
     # Sample i covers stream positions [i·seq_len, i·seq_len + seq_len], so the stream must reach
     # num_samples·seq_len + 1 tokens.
-    epochs = -(-(num_samples * seq_len + 1) // tokens_per_epoch)
+    chunks = list(order_chunks(num_samples, tokens_per_epoch, seq_len)) if shuffle else []
+    built = chunks[-1][2] if shuffle else num_samples  # through the end of the last chunk needed
+    epochs = -(-(built * seq_len + 1) // tokens_per_epoch)
     ids = doc_ids.astype(_index_dtype(int(doc_ids.max(initial=0)) + 1), copy=False)
     rng = np.random.default_rng([seed, 0xD0C])
     # ids = arange(D) (all documents, the usual case): the permutation is doc_idx, no gather needed.
@@ -132,13 +146,32 @@ def build_sample_index(
             doc_idx = ids[doc_idx]
     else:
         doc_idx = np.tile(ids, epochs)
-    sample_idx = _sample_starts(doc_idx, doc_lengths, seq_len, num_samples)
-    order_dtype = _index_dtype(num_samples)
+    sample_idx = _sample_starts(doc_idx, doc_lengths, seq_len, built)
+    order_dtype = _index_dtype(built)
     if shuffle:
-        order = random_permutation(num_samples, np.random.default_rng([seed, 0x5A3]), order_dtype)
+        parts = [
+            lo + random_permutation(hi - lo, np.random.default_rng([seed, 0x5A3, epoch, lo]), order_dtype)
+            for epoch, lo, hi in chunks
+        ]
+        order = np.concatenate(parts)[:num_samples]
     else:
         order = np.arange(num_samples, dtype=order_dtype)
     return doc_idx, sample_idx, order
+
+
+def order_chunks(num_samples: int, tokens_per_epoch: int, seq_len: int):
+    """``(epoch, first, end)`` of each chunk of samples shuffled together, in serving order, until
+    the chunk holding sample ``num_samples - 1``. Epoch e's samples are those starting in its
+    tokens, ``[ceil(e·T / L), ceil((e + 1)·T / L))`` (T tokens per epoch, L = ``seq_len``), cut every
+    :data:`ORDER_CHUNK` samples: bounds that do not depend on ``num_samples``."""
+    epoch = 0
+    while True:
+        lo, hi = -(-epoch * tokens_per_epoch // seq_len), -(-(epoch + 1) * tokens_per_epoch // seq_len)
+        for first in range(lo, hi, ORDER_CHUNK):
+            if first >= num_samples:
+                return
+            yield epoch, first, min(first + ORDER_CHUNK, hi)
+        epoch += 1
 
 
 def random_permutation(n: int, rng: np.random.Generator, dtype: type = np.int64) -> np.ndarray:

@@ -25,7 +25,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Load the config, train, exit cleanly (exit code 2 on a configuration or data error)."""
+    """Load the config, train, exit cleanly: 0 when the run is complete, 75 when it stopped early
+    for a signal or ``train.exit_duration_mins`` with its checkpoint saved (resume to continue),
+    2 on a configuration, data or checkpoint error."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     # DeepSpeed's ZeRO still calls the deprecated torch name once per step; the warning says nothing
     # a user can act on and buries the step log.
@@ -33,16 +35,17 @@ def main(argv: list[str] | None = None) -> None:
     from data_tools.errors import DataFormatError
     from megaformer.tools.reshard import ReshardError
     from megaformer.training.distributed import finish
+    from megaformer.training.stopping import EXIT_CODE_STOPPED
 
     try:
         cfg = load_config(args.config, args.overrides)
         from megaformer.training.trainer import train
 
-        train(cfg)
+        summary = train(cfg)
     except (ConfigError, DataFormatError, ReshardError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         finish(2)
-    finish(0)
+    finish(EXIT_CODE_STOPPED if summary.get("stopped") else 0)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ else
 fi
 
 NPROC_PER_NODE="${NPROC_PER_NODE:-2}" bash launch/pretrain.sh configs/normformer-quickstart.yaml \
-  "data.prefix=${PREFIX}_text_document" "$@"
+  "data.prefix=${PREFIX}_text_document" output.overwrite=true "$@"
 
 "$PY" - "$START" "$@" <<'PYEOF'
 import json, math, sys, time

@@ -321,6 +321,18 @@ def check_train(cfg: RunConfig) -> None:
     )
     _require(t.save_interval >= 0, f"train.save_interval={t.save_interval}: must be >= 0.")
     _require(
+        t.keep_last_checkpoints >= 0,
+        f"train.keep_last_checkpoints={t.keep_last_checkpoints}: must be >= 0 (0 keeps every checkpoint).",
+    )
+    _require(
+        t.exit_duration_mins >= 0, f"train.exit_duration_mins={t.exit_duration_mins}: must be >= 0 (0: off)."
+    )
+    for name in filter(None, (n.strip() for n in t.exit_signals.split(","))):
+        _require(
+            name in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGCONT"),
+            f"train.exit_signals: '{name}' is not one of SIGTERM, SIGUSR1, SIGUSR2, SIGINT, SIGHUP, SIGCONT.",
+        )
+    _require(
         t.global_batch_size % t.micro_batch_size == 0,
         f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size="
         f"{t.micro_batch_size}.",

@@ -215,6 +215,18 @@ class TrainConfig:
     """A checkpoint directory (a run's checkpoints/ or one global_stepN) saved at ANY (tp, pp, dp)
     layout: its module weights and step are loaded, resharded to this run's layout; optimizer
     moments restart from zero (logged). Ignored when train.resume finds a checkpoint. Empty: off."""
+    keep_last_checkpoints: int = 0
+    """Keep only the newest this many global_stepN checkpoints (older ones are deleted after each
+    save; never the one 'latest' names). 0: keep every checkpoint."""
+    exit_signals: str = "SIGTERM,SIGUSR1"
+    """Comma-separated signals that make the run save a checkpoint at the next step boundary and
+    exit with code 75 (EXIT_CODE_STOPPED); empty: off (the signals keep their default action)."""
+    exit_duration_mins: float = 0.0
+    """Wall-clock minutes after which the run saves and exits with code 75 at the next step
+    boundary (Megatron's --exit-duration-in-mins); counted from this process's start. 0: off."""
+    extend_steps: bool = False
+    """Allow a resumed run's train.steps to differ from the checkpoint's (extending a run). The
+    learning-rate schedule is then rebuilt for the new length (see README, Resume rules)."""
     budget_device_hours: float = 0.0
     """Compute-matched run length, in device-hours summed over all ranks (0: off, the run takes
     train.steps steps). The run measures its step time over train.budget_measure_steps steps
@@ -243,6 +255,9 @@ class OutputConfig:
     """W&B entity (team or user); empty: your default."""
     wandb_run_name: str = ""
     """W&B run name; empty: W&B picks one."""
+    overwrite: bool = False
+    """Allow a fresh start (train.resume=none, or auto without a checkpoint) in a directory that
+    holds another run's checkpoints: they and its TensorBoard events are deleted first."""
 
 
 @dataclass(frozen=True)

@@ -149,7 +149,8 @@ def train_one(config: str, out: Path, budget: float, overrides: Sequence[str], n
             return summary
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, NPROC_PER_NODE=str(nproc))
-    args = [f"train.budget_device_hours={budget}", *overrides, f"output.dir={out}"]
+    # an unfinished run is started again from scratch (its summary decides what is reused)
+    args = [f"train.budget_device_hours={budget}", "output.overwrite=true", *overrides, f"output.dir={out}"]
     print(f"[compare] {out.name}: launch/pretrain.sh {config} {' '.join(args)}", flush=True)
     with open(out / "train.log", "w", encoding="utf-8") as log:
         proc = subprocess.run(

@@ -39,8 +39,11 @@ def load_for_generation(ckpt_dir: str, tag: str | None = None) -> tuple[NormForm
         ReshardError: the directory holds no loadable megaformer checkpoint (names the file).
     """
     from megaformer.tools.reshard import consolidate, load_full, resolve_tag_dir
+    from megaformer.training.ckpt_integrity import verify
 
-    full, run_config, extra = consolidate(resolve_tag_dir(ckpt_dir, tag))
+    tag_dir = resolve_tag_dir(ckpt_dir, tag)
+    verify(tag_dir)  # a damaged file is named (with the newest intact checkpoint) before loading
+    full, run_config, extra = consolidate(tag_dir)
     config = ModelConfig(**run_config["model"])
     model = NormFormerLM(config, tp_group=None, seed=0)  # the seed's weights are all replaced
     load_full(model, {k: v.float() for k, v in full.items()}, config, tp_rank=0, tp=1)

@@ -79,8 +79,9 @@ def resolve_tag_dir(ckpt_dir: str, tag: str | None = None) -> str:
                 f"{ckpt_dir}: neither mp_rank_XX_model_states.pt files nor a 'latest' file; pass a "
                 "run's checkpoints/ directory, a global_stepN directory, or --tag"
             )
-        with open(latest, encoding="utf-8") as f:
-            path = os.path.join(ckpt_dir, f.read().strip())
+        from megaformer.training.ckpt_integrity import resolve_latest
+
+        path = resolve_latest(ckpt_dir)  # an empty or dangling tag: named, with the way out
     if not os.path.isdir(path):
         raise ReshardError(f"{path}: checkpoint directory not found")
     return path
@@ -295,7 +296,10 @@ def split(full: dict[str, torch.Tensor], config: ModelConfig, tp: int) -> list[d
 
 def reshard(input_dir: str, output_dir: str, tp: int, tag: str | None = None) -> str:
     """Write ``input_dir``'s weights for ``tp`` ranks under ``output_dir``; return the tag directory."""
+    from megaformer.training import ckpt_integrity as integrity
+
     tag_dir = resolve_tag_dir(input_dir, tag)
+    integrity.verify(tag_dir)  # a damaged file is named before torch.load reads it
     full, run_config, extra = consolidate(tag_dir)
     config = ModelConfig(**run_config["model"])
     new_config = copy.deepcopy(run_config)
@@ -320,6 +324,8 @@ def reshard(input_dir: str, output_dir: str, tp: int, tag: str | None = None) ->
         path = os.path.join(out, model_states_name(r))
         torch.save(state, path + ".tmp")
         os.replace(path + ".tmp", path)
+    files = integrity.checkpoint_files(out)
+    integrity.write_manifest(out, integrity.describe_files(out, files), int(extra["step"] or 0))
     atomic_write_text(os.path.join(output_dir, "latest"), name)
     return out
 

@@ -2,12 +2,26 @@
 
 A checkpoint is DeepSpeed's ``checkpoints/global_stepN`` (module, optimizer, scheduler, our
 ``client_state``: step, consumed samples, the run config) plus every rank's generator states
-(:mod:`megaformer.training.rng_state`), written before DeepSpeed writes the ``latest`` tag.
+(:mod:`megaformer.training.rng_state`) and a ``manifest.json`` of every file's size and sha256.
+
+The ``latest`` tag moves only when the checkpoint is whole (DeepSpeed's own ``latest``, which its
+rank 0 writes without waiting for the other ranks' files, is switched off):
+
+1. every rank writes its files and fsyncs them;
+2. the ranks agree that all succeeded (an all-reduce on the communication device, which is also
+   the barrier); a failed write (a full disk) on any rank removes the directory and raises on all;
+3. the ranks hash the files between them, rank 0 writes the manifest durably, then ``latest``;
+4. a last all-reduce: no rank goes on (deletes old checkpoints, exits) before ``latest`` moved.
+
+A reader (resume, ``init_from``, ``reshard``, ``generate``) checks the files against the manifest
+(:mod:`.ckpt_integrity`) and names a damaged file and the newest intact ``global_stepN``.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import time
 from typing import Any
 
 import torch
@@ -15,6 +29,7 @@ import torch.distributed as dist
 
 from megaformer.config import ConfigError, RunConfig, to_dict
 from megaformer.parallel.rng import DropoutRNG
+from megaformer.training import ckpt_integrity as integrity
 from megaformer.training.builders import Layout, log
 from megaformer.training.rng_state import load_rng_state, save_rng_state
 
@@ -41,6 +56,55 @@ def resolve_resume(cfg: RunConfig, ckpt_dir: str) -> str | None:
     return resume
 
 
+def holds_a_run(out_dir: str) -> list[str]:
+    """What in ``out_dir`` belongs to an earlier run: a ``latest`` tag, ``global_stepN``
+    directories, TensorBoard event files ([] for a new or empty directory)."""
+    ckpt_dir = os.path.join(out_dir, "checkpoints")
+    found = [os.path.join(ckpt_dir, "latest")] if os.path.exists(os.path.join(ckpt_dir, "latest")) else []
+    found += [os.path.join(ckpt_dir, tag) for _, tag in integrity.step_dirs(ckpt_dir)]
+    tb = os.path.join(out_dir, "tensorboard")
+    if os.path.isdir(tb) and any(n.startswith("events.out.tfevents") for n in os.listdir(tb)):
+        found.append(tb)
+    return found
+
+
+def check_output_dir(cfg: RunConfig) -> None:
+    """Refuse a fresh start (``train.resume=none``) in an ``output.dir`` that holds a run, unless
+    ``output.overwrite=true`` (a resume, ``auto`` included, continues the run there instead; a run
+    killed before its first checkpoint restarts there from step 0 under ``auto``).
+
+    Raises:
+        ConfigError: naming what is there and the three ways on.
+    """
+    if cfg.train.resume != "none" or cfg.output.overwrite:
+        return
+    found = holds_a_run(cfg.output.dir)
+    if found:
+        raise ConfigError(
+            f"output.dir='{cfg.output.dir}' holds another run ({', '.join(found[:3])}): a fresh start "
+            "would mix its checkpoints and TensorBoard events with this one's; continue it with "
+            "train.resume=auto, choose another output.dir, or set output.overwrite=true to delete them"
+        )
+
+
+def clear_output_dir(cfg: RunConfig, layout: Layout) -> None:
+    """``output.overwrite=true`` on a fresh start: rank 0 deletes the earlier run's checkpoints and
+    TensorBoard events (logged), then every rank goes on (a collective)."""
+    from megaformer.parallel.comm import all_reduce_ints
+
+    if not cfg.output.overwrite or not holds_a_run(cfg.output.dir):
+        return
+    if layout.is_main:
+        for name in ("checkpoints", "tensorboard"):
+            shutil.rmtree(os.path.join(cfg.output.dir, name), ignore_errors=True)
+        log(
+            layout,
+            f"output.overwrite=true: deleted the earlier run's checkpoints and TensorBoard events "
+            f"in {cfg.output.dir}",
+        )
+    all_reduce_ints([0])
+
+
 class Checkpointer:
     """Saves and restores the run's state for one rank.
 
@@ -62,20 +126,81 @@ class Checkpointer:
         return os.path.join(self.ckpt_dir, f"global_step{step}")
 
     def save(self, step: int, extra: dict | None = None) -> None:
-        """Write ``global_step{step}`` (every rank's generator states first, then DeepSpeed's files
-        and its ``latest`` tag). ``extra`` joins the client state (e.g. tokens and device-seconds
-        consumed, which a resumed run continues from)."""
-        t = self.cfg.train
+        """Write ``global_step{step}`` on every rank, then its manifest, then ``latest`` (see the
+        module docstring). ``extra`` joins the client state (e.g. tokens and device-seconds
+        consumed, which a resumed run continues from).
+
+        Raises:
+            CheckpointError: a rank failed to write its files (e.g. no space left); the partial
+                directory is removed and ``latest`` still names the previous checkpoint.
+        """
+        t, lay = self.cfg.train, self.layout
+        tag, tag_dir = f"global_step{step}", self.tag_dir(step)
         client_state = {
             "step": step,
             "consumed_samples": step * t.global_batch_size,
             "config": to_dict(self.cfg),
             **(extra or {}),
         }
-        lay = self.layout
-        save_rng_state(self.tag_dir(step), lay.rank, lay.rng_layout(), self.dropout_rng, lay.device)
-        self.engine.save(self.ckpt_dir, f"global_step{step}", client_state)
-        log(lay, f"saved checkpoint {self.tag_dir(step)}")
+        from megaformer.parallel.comm import all_reduce_ints
+
+        if lay.is_main and os.path.isdir(tag_dir):
+            # A leftover of a save that was interrupted (`latest` never named it): its files must
+            # not join this checkpoint's manifest.
+            shutil.rmtree(tag_dir, ignore_errors=True)
+        all_reduce_ints([0])  # no rank writes before the leftover is gone
+        error = ""
+        try:
+            save_rng_state(tag_dir, lay.rank, lay.rng_layout(), self.dropout_rng, lay.device)
+            self.engine.save(self.ckpt_dir, tag, client_state)
+            _test_stall(lay.rank, step)
+            for rel in integrity.checkpoint_files(tag_dir):  # ours among them: flushed to disk
+                integrity.fsync_path(os.path.join(tag_dir, rel))
+        except (OSError, RuntimeError) as e:  # torch.save's "iostream error" on a full disk
+            error = f"{type(e).__name__}: {e}"
+            print(f"[megaformer] rank {lay.rank}: writing {tag_dir} failed: {error}", flush=True)
+        failed = all_reduce_ints([int(bool(error))])[0]  # the barrier: every rank's files written
+        if failed:
+            self._abandon(tag_dir, failed, error)
+        rels = integrity.checkpoint_files(tag_dir)
+        mine = integrity.describe_files(tag_dir, rels[lay.rank :: lay.world_size])
+        gathered: list[Any] = [None] * lay.world_size
+        dist.all_gather_object(gathered, mine)
+        if lay.is_main:
+            files = {k: v for part in gathered for k, v in part.items()}
+            integrity.write_manifest(tag_dir, files, step, client_state["config"])
+            integrity.write_latest(self.ckpt_dir, tag)
+            self._prune(tag)
+        all_reduce_ints([0])  # nobody goes on before `latest` names the new checkpoint
+        log(lay, f"saved checkpoint {tag_dir} ({len(rels)} files, manifest and latest written)")
+
+    def _abandon(self, tag_dir: str, failed: int, error: str) -> None:
+        """Remove a checkpoint some rank could not write and raise on every rank."""
+        from megaformer.parallel.comm import all_reduce_ints
+
+        if self.layout.is_main:
+            shutil.rmtree(tag_dir, ignore_errors=True)
+        all_reduce_ints([0])
+        raise integrity.CheckpointError(
+            f"saving {tag_dir} failed on {failed} rank(s)"
+            + (f" (this rank: {error})" if error else "")
+            + "; the partial directory was removed and 'latest' still names the previous "
+            "checkpoint: free disk space (or set output.dir elsewhere) and resume"
+        )
+
+    def _prune(self, keep_tag: str) -> None:
+        """Delete all but the newest ``train.keep_last_checkpoints`` checkpoints (rank 0), never
+        the one ``latest`` names (``keep_tag``); 0 keeps every checkpoint."""
+        keep = self.cfg.train.keep_last_checkpoints
+        if keep <= 0:
+            return
+        newest = int(keep_tag.removeprefix("global_step"))
+        # Only checkpoints up to this one: later ones belong to a run resumed from an earlier tag.
+        older = [tag for step, tag in integrity.step_dirs(self.ckpt_dir) if step <= newest]
+        for tag in older[keep:]:
+            if tag != keep_tag:
+                shutil.rmtree(os.path.join(self.ckpt_dir, tag), ignore_errors=True)
+                log(self.layout, f"removed checkpoint {tag} (train.keep_last_checkpoints={keep})")
 
     def resume(self, load_dir: str) -> tuple[int, dict]:
         """Load the checkpoint ``load_dir/latest`` names (same layout); return (step, client state).
@@ -122,11 +247,73 @@ def init_weights_from(model: torch.nn.Module, cfg: RunConfig, layout: Layout) ->
     if saved["model"] != ours:
         diff = {k: (v, ours.get(k)) for k, v in saved["model"].items() if ours.get(k) != v}
         raise ConfigError(f"train.init_from='{cfg.train.init_from}': saved with another model config {diff}")
-    load_full(model, full, cfg.model, layout.state.tp_rank, layout.state.tp_size)
     step = int(extra["step"] or 0)
+    if step >= cfg.train.steps:
+        raise ConfigError(
+            f"train.init_from='{cfg.train.init_from}' was saved at step {step}, and train.steps="
+            f"{cfg.train.steps} leaves nothing to train: set train.steps above {step}"
+        )
+    load_full(model, full, cfg.model, layout.state.tp_rank, layout.state.tp_size)
     log(
         layout,
         f"initialised weights from {tag_dir} (saved at tp {extra['tp_size']} × pp {extra['pp_size']}, "
         f"step {step}); continuing at step {step} with a fresh optimizer (AdamW moments restart at zero)",
     )
     return step
+
+
+def verify_before_load(cfg: RunConfig, load_dir: str | None, layout: Layout) -> None:
+    """Verify the checkpoint a run is about to load (resume's ``latest``, else ``train.init_from``)
+    against its manifest, before the model is built (every rank; see :func:`verify_collectively`)."""
+    from megaformer.tools.reshard import resolve_tag_dir
+
+    if load_dir is not None:
+        tag_dir = integrity.resolve_latest(load_dir)
+        verify_collectively(tag_dir, layout)
+        _check_config(cfg, tag_dir, layout)
+    elif cfg.train.init_from:
+        verify_collectively(resolve_tag_dir(cfg.train.init_from), layout)
+
+
+def _check_config(cfg: RunConfig, tag_dir: str, layout: Layout) -> None:
+    """Compare the checkpoint's saved config with this run's (:mod:`.resume_rules`); log the
+    allowed changes and an extension's learning-rate rule."""
+    from megaformer.training.resume_rules import check_resume_config, saved_config
+
+    saved = saved_config(tag_dir)
+    if saved is None:
+        log(layout, f"{tag_dir}: no saved config to compare with this run's")
+        return
+    step = int(os.path.basename(os.path.normpath(tag_dir)).removeprefix("global_step") or 0)
+    for line in check_resume_config(saved, cfg, step, tag_dir):
+        log(layout, line)
+
+
+def verify_collectively(tag_dir: str, layout: Layout) -> None:
+    """Check every file of ``tag_dir`` against its manifest, the ranks sharing the hashing.
+
+    Raises:
+        CheckpointError: on every rank, naming the damaged files and the newest intact checkpoint.
+    """
+    found = integrity.problems(tag_dir, (layout.rank, layout.world_size))
+    gathered: list[Any] = [None] * layout.world_size
+    dist.all_gather_object(gathered, found)
+    found = [line for part in gathered for line in part]
+    if found:
+        raise integrity.CheckpointError(
+            f"checkpoint {tag_dir} is damaged: " + "; ".join(found[:5]) + integrity.way_out(tag_dir)
+        )
+    if integrity.read_manifest(tag_dir) is None:
+        log(layout, f"{tag_dir} has no manifest (written before checksums existed): not verified")
+    else:
+        log(layout, f"verified {tag_dir} against its manifest (sizes and sha256)")
+
+
+def _test_stall(rank: int, step: int) -> None:
+    """Test hook: ``MEGAFORMER_TEST_SAVE_STALL=RANK:SECONDS[:STEP]`` makes that rank sleep after
+    DeepSpeed wrote the checkpoint of step STEP (of every checkpoint without it) and before the ranks
+    agree it is complete: a slow or stuck writer, so tests can damage a shard and kill the job
+    while the other ranks wait."""
+    spec = os.environ.get("MEGAFORMER_TEST_SAVE_STALL", "").split(":")
+    if len(spec) >= 2 and int(spec[0]) == rank and (len(spec) == 2 or int(spec[2]) == step):
+        time.sleep(float(spec[1]))

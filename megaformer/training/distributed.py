@@ -26,7 +26,7 @@ def finish(exit_code: int = 0) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     if dist.is_available() and dist.is_initialized():
-        if exit_code == 0:
+        if exit_code in (0, 75):  # complete, or stopped early with every rank at the same step
             dist.barrier()
         dist.destroy_process_group()
     os._exit(exit_code)

@@ -258,8 +258,10 @@ class Engine:
         return int(self.engine.skipped_steps)
 
     def save(self, ckpt_dir: str, tag: str, client_state: dict) -> None:
-        """Write a DeepSpeed checkpoint ``ckpt_dir/tag`` (DeepSpeed writes ``latest`` last)."""
-        self.engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state)
+        """Write this rank's part of the DeepSpeed checkpoint ``ckpt_dir/tag``, without DeepSpeed's
+        ``latest`` tag (its rank 0 writes it without waiting for the other ranks' files: the
+        checkpointer moves ``latest`` once every file is written and in the manifest)."""
+        self.engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state, save_latest=False)
 
     def load(self, ckpt_dir: str, tag: str) -> tuple[str, dict]:
         """Load ``ckpt_dir/tag`` (module, optimizer, scheduler); return (path, client_state).

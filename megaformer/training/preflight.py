@@ -172,15 +172,9 @@ def _latest_tag_dir(ckpt: str, key: str) -> str:
             f"{key}='{ckpt}': no DeepSpeed checkpoint there (no 'latest' file and no model-state "
             "files); pass a run's checkpoints/ directory or one global_stepN directory"
         )
-    with open(latest, encoding="utf-8") as f:
-        tag = f.read().strip()
-    path = os.path.join(ckpt, tag)
-    if not tag or not os.path.isdir(path):
-        raise ConfigError(
-            f"{latest}: names '{tag}', which is not a directory beside it; write the tag of an "
-            f"existing global_stepN into {latest}"
-        )
-    return path
+    from megaformer.training.ckpt_integrity import resolve_latest
+
+    return resolve_latest(ckpt)  # an empty or dangling tag: named, with the newest intact one
 
 
 def check_checkpoint(ckpt: str, key: str) -> str:
@@ -193,22 +187,22 @@ def check_checkpoint(ckpt: str, key: str) -> str:
         ConfigError: no checkpoint there, a dangling ``latest``, or a truncated / damaged file;
             the message names the file and an earlier ``global_stepN`` to use instead.
     """
+    from megaformer.training.ckpt_integrity import CheckpointError, verify, way_out
+
     tag_dir = _latest_tag_dir(ckpt, key)
+    # Presence and sizes against the manifest here, on every process (cheap); the digests are
+    # checked once the ranks can share the reading (checkpointer.verify_collectively).
+    try:
+        verify(tag_dir, hash_share=None)
+    except CheckpointError as e:
+        raise CheckpointError(f"{key}: {e}") from None
     files = sorted(glob.glob(os.path.join(tag_dir, "*.pt")) + glob.glob(os.path.join(tag_dir, "*", "*.pt")))
     if not files:
         raise ConfigError(f"{key}: {tag_dir} holds no checkpoint files (*.pt)")
     for path in files:
         if not zipfile.is_zipfile(path):
-            parent = os.path.dirname(os.path.normpath(tag_dir))
-            others = sorted(
-                d
-                for d in os.listdir(parent)
-                if d.startswith("global_step") and os.path.join(parent, d) != tag_dir
-            )
-            hint = f" (others here: {', '.join(others[-3:])})" if others else ""
-            raise ConfigError(
-                f"{key}: {path} is truncated or damaged (not a complete torch checkpoint file); "
-                f"load an earlier global_stepN{hint} by writing its name into {parent}/latest, "
-                "or pass that directory"
+            raise CheckpointError(
+                f"{key}: {path} is truncated or damaged (not a complete torch checkpoint file)"
+                + way_out(tag_dir)
             )
     return tag_dir

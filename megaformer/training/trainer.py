@@ -113,12 +113,13 @@ class TrainLoop:
         self.evaluate_test = None if data.test is None else Evaluator(engine, cfg, layout, data, data.test)
         self.test_loss = math.nan
         self.tb_dir = os.path.join(cfg.output.dir, "tensorboard")
-        # purge_step: on resume, TensorBoard hides the events a killed run wrote past the checkpoint.
+        # purge_step: TensorBoard hides the events a killed run wrote after the step this run starts
+        # from (the checkpoint's own step keeps its scalars; a restart from scratch purges them all).
         self.writer = MetricsWriter(
             self.tb_dir,
             enabled=layout.is_main,
             hparams=to_dict(cfg),
-            purge_step=start_step or None,
+            purge_step=start_step + 1,
             tracker=_wandb_tracker(cfg, layout),
         )
         self.metrics = DeferredScalars(self.writer)
@@ -126,6 +127,8 @@ class TrainLoop:
         self.step_times: list[float] = []
         self.valid_loss = math.nan
         self.paused = 0.0  # seconds spent in evaluations and checkpoints
+        self.stopped: str | None = None  # why the run stopped before its end (signal, time limit)
+        self.last_step = start_step
 
     @property
     def total(self) -> int:
@@ -149,8 +152,9 @@ class TrainLoop:
         )
         return to_device(loader, lay.device)
 
-    def run(self, resumed: bool) -> float:
-        """Train from ``start_step`` to :attr:`total`; return the wall-clock seconds it took."""
+    def run(self, resumed: bool, stop: Any = None) -> float:
+        """Train from ``start_step`` to :attr:`total`, or to the step boundary where ``stop`` (a
+        :class:`~.stopping.StopCheck`) says to stop; save there; return the wall-clock seconds."""
         from megaformer.training.metrics import StepTimer
 
         t, start_step = self.cfg.train, self.start_step
@@ -182,13 +186,19 @@ class TrainLoop:
                 self._paused(self.checkpointer.save, done, self._client_extra())
                 last_saved = done
             timer.lap()  # do not charge logging, evaluation and checkpoints to the next step
-        if self.evaluate_test is not None:  # once, after the last step (Megatron's test set)
+            self.stopped = stop() if stop is not None and step < self.total else None
+            if self.stopped:
+                log(self.layout, f"stopping at step {step}/{self.total}: {self.stopped}; saving a checkpoint")
+                break
+        self.last_step = step
+        if self.evaluate_test is not None and not self.stopped:  # once, after the last step (Megatron's)
             self.test_loss = float(self._paused(self.evaluate_test))
             ppl = safe_exp(self.test_loss)
-            self.writer.scalars(self.total, {"test/loss": self.test_loss, "test/ppl": ppl})
-            log(self.layout, f"step {self.total} | test loss {self.test_loss:.4f} | test ppl {ppl:.2f}")
-        if last_saved != self.total:
-            self.checkpointer.save(self.total, self._client_extra())
+            self.writer.scalars(step, {"test/loss": self.test_loss, "test/ppl": ppl})
+            log(self.layout, f"step {step} | test loss {self.test_loss:.4f} | test ppl {ppl:.2f}")
+        if last_saved != step:
+            self.metrics.flush()  # every step's scalars are written before the checkpoint is
+            self.checkpointer.save(step, self._client_extra())
         self.writer.close()
         return time.perf_counter() - started
 
@@ -261,17 +271,32 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         build_optimizer,
         count_parameters_global,
     )
-    from megaformer.training.checkpointer import Checkpointer, init_weights_from, resolve_resume
+    from megaformer.training.checkpointer import (
+        Checkpointer,
+        check_output_dir,
+        clear_output_dir,
+        init_weights_from,
+        resolve_resume,
+        verify_before_load,
+    )
     from megaformer.training.deepspeed_config import build_deepspeed_config
     from megaformer.training.ds_adapter import initialize
     from megaformer.training.preflight import run_preflight
+    from megaformer.training.resume_rules import check_init_from_steps
     from megaformer.training.schedule import Schedule
+    from megaformer.training.stopping import StopCheck
 
     t = cfg.train
+    stop = StopCheck(t.exit_signals, t.exit_duration_mins)  # first: a signal during start-up counts
     preflight = run_preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # no process group yet
+    check_output_dir(cfg)  # a fresh start into another run's directory: refused before any group
+    check_init_from_steps(cfg)
     layout = build_layout(cfg, preflight.dp_size)
     ckpt_dir = os.path.join(cfg.output.dir, "checkpoints")
     load_dir = resolve_resume(cfg, ckpt_dir)
+    if load_dir is None:
+        clear_output_dir(cfg, layout)
+    verify_before_load(cfg, load_dir, layout)  # sha256 of every file, before anything is built
     if layout.is_main:
         os.makedirs(ckpt_dir, exist_ok=True)
         atomic_write_json(os.path.join(cfg.output.dir, "config.json"), _config_record(cfg))
@@ -296,7 +321,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     start_step, client_state = checkpointer.resume(load_dir) if load_dir is not None else (init_step, {})
     compute = _compute_meter(cfg, layout, start_step, client_state)
     loop = TrainLoop(engine, cfg, layout, data, checkpointer, start_step, compute, schedule, client_state)
-    elapsed = loop.run(resumed=load_dir is not None)
+    elapsed = loop.run(resumed=load_dir is not None, stop=stop)
     return _summary(cfg, layout, loop, data, n_params, start_step, elapsed)
 
 
@@ -389,9 +414,10 @@ def _summary(
     # Median step time: robust to the first steps' warm-up and to evaluation pauses.
     median_step = float(np.median(loop.step_times)) if loop.step_times else math.nan
     valid_loss = loop.valid_loss
-    ckpt = os.path.abspath(os.path.join(cfg.output.dir, "checkpoints", f"global_step{loop.total}"))
+    ckpt = os.path.abspath(os.path.join(cfg.output.dir, "checkpoints", f"global_step{loop.last_step}"))
     summary = {
-        "steps": loop.total,
+        "steps": loop.last_step,
+        "stopped": loop.stopped,
         "resumed_from_step": start_step,
         "parameters": n_params,
         "world_size": layout.world_size,
@@ -413,7 +439,8 @@ def _summary(
         atomic_write_json(os.path.join(cfg.output.dir, "summary.json"), summary)
         log(
             layout,
-            f"done: {loop.total} steps in {elapsed:.1f} s | {summary['tokens_per_s']:,.0f} tokens/s | "
+            f"{'stopped' if loop.stopped else 'done'}: {loop.last_step} steps in {elapsed:.1f} s | "
+            f"{summary['tokens_per_s']:,.0f} tokens/s | "
             f"{summary['tflops_per_device']:.3g} TFLOP/s per device"
             + (f" (MFU {summary['mfu']:.1%})" if summary["mfu"] is not None else "")
             + f" | {summary['tokens']:,} tokens, {summary['device_hours']:.3g} device-hours | "

@@ -65,3 +65,33 @@ def read_scalars(tb_dir: str) -> dict[str, dict[int, float]]:
     acc = EventAccumulator(tb_dir, size_guidance={"scalars": 0})
     acc.Reload()
     return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+LIFECYCLE_TINY = [
+    "model.hidden_size=64",
+    "model.num_layers=2",
+    "model.num_attention_heads=2",
+    "model.seq_len=64",
+    "model.hidden_dropout=0.1",  # dropout on: exact resume needs every rank's generator back
+    "model.attention_dropout=0.1",
+    "train.micro_batch_size=4",
+    "train.global_batch_size=8",
+    "train.warmup_steps=2",
+    "train.log_interval=1",
+    "train.eval_interval=100",
+    "train.eval_batches=1",
+    "train.save_interval=4",
+    "train.steps=12",
+    "data.valid_fraction=0.02",
+]
+"""A 12-step, 3.3M-parameter run saving every 4 steps: the run-lifecycle tests' shape."""
+
+
+@pytest.fixture(scope="session")
+def lifecycle_reference(gutenberg_prefix, tmp_path_factory) -> Path:
+    """The uninterrupted 12-step run (keeping the last 2 checkpoints): global_step8 and 12."""
+    out = tmp_path_factory.mktemp("lifecycle_reference")
+    overrides = [*LIFECYCLE_TINY, f"data.prefix={gutenberg_prefix}", "train.keep_last_checkpoints=2"]
+    proc = run_pretrain("configs/normformer-quickstart.yaml", [*overrides, f"output.dir={out}"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out

@@ -315,9 +315,12 @@ def test_blockwise_permutation_and_sample_starts_at_scale(monkeypatch):
         part = doc_idx[e * ids.size : (e + 1) * ids.size]
         np.testing.assert_array_equal(np.sort(part), ids)
         assert not np.array_equal(part, ids)
-    np.testing.assert_array_equal(np.sort(shuffle_idx), np.arange(n))
+    # each chunk of the order (here: each epoch) is a permutation of its own samples, in stream order
+    chunks = list(si.order_chunks(n, int(lengths[ids].sum()), seq_len))
+    np.testing.assert_array_equal(np.sort(shuffle_idx[: chunks[-1][1]]), np.arange(chunks[-1][1]))
+    assert len(np.unique(shuffle_idx)) == n and shuffle_idx[chunks[-1][1] :].min() >= chunks[-1][1]
     ends = np.cumsum(lengths[doc_idx], dtype=np.int64)
-    starts = np.arange(n + 1, dtype=np.int64) * seq_len
+    starts = np.arange(len(sample_idx), dtype=np.int64) * seq_len
     pos = np.searchsorted(ends, starts, side="right")  # brute force: the document holding each start
     np.testing.assert_array_equal(sample_idx[:, 0], pos)
     np.testing.assert_array_equal(sample_idx[:, 1], starts - (ends[pos] - lengths[doc_idx[pos]]))

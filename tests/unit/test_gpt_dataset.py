@@ -54,7 +54,9 @@ def test_samples_follow_the_document_stream(synthetic):
     stream = np.concatenate([docs[d] for d in doc_idx])
     samples = GPTSamples(ds, doc_idx, sample_idx, shuffle_idx, seq_len)
     assert len(samples) == n
-    assert sorted(shuffle_idx.tolist()) == list(range(n))
+    # every sample at most once; the order is drawn per chunk of the stream, so the n served are
+    # the first n of that order (not always range(n)): data_tools.sample_index
+    assert len(set(shuffle_idx.tolist())) == n and int(shuffle_idx.max()) < len(sample_idx) - 1
     for i in range(n):
         j = int(shuffle_idx[i])
         expected = stream[j * seq_len : j * seq_len + seq_len + 1]
@@ -182,3 +184,29 @@ def test_blend_unigram_entropy_is_the_mixtures(tmp_path):
     assert samples_unigram_entropy(blend) == pytest.approx(expected, rel=1e-9)
     assert samples_unigram_entropy(parts[1]) == pytest.approx(entropies[1])
     assert abs(expected - entropies[0]) > 0.5  # the first part alone would be far off
+
+
+def test_sample_order_does_not_depend_on_the_run_length():
+    """The first N samples served are the same for any number of samples asked for, so a run
+    extended from 20 to 30 steps serves in steps 21-30 no sample it served in steps 1-20 (within an
+    epoch); the old order, one permutation of all samples, reshuffled on every change of length."""
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(5, 200, 400).astype(np.int64)
+    ids = np.arange(400)
+    seq_len, batch = 16, 8
+    per_epoch = int(lengths.sum()) // seq_len
+    short = build_sample_index(ids, lengths, seq_len, 20 * batch, seed=3)
+    long = build_sample_index(ids, lengths, seq_len, 30 * batch, seed=3)
+    np.testing.assert_array_equal(long[2][: 20 * batch], short[2])  # the first 20 steps unchanged
+    assert 30 * batch < per_epoch  # one epoch: no sample may repeat
+    served = set(short[2].tolist())
+    assert not served & set(long[2][20 * batch :].tolist())
+    # and the samples themselves are the same stream positions (doc_idx, sample_idx agree)
+    for i in range(20 * batch):
+        j = int(short[2][i])
+        np.testing.assert_array_equal(short[1][j], long[1][j])
+    np.testing.assert_array_equal(short[0][: len(short[0])], long[0][: len(short[0])])
+    # beyond one epoch too: 3 epochs asked, the first epoch's order is the 1-epoch run's
+    three = build_sample_index(ids, lengths, seq_len, 3 * per_epoch, seed=3)
+    one = build_sample_index(ids, lengths, seq_len, per_epoch - 5, seed=3)
+    np.testing.assert_array_equal(three[2][: per_epoch - 5], one[2])

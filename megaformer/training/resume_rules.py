@@ -1,0 +1,163 @@
+"""What may change when a run resumes: the saved config against the new one, key by key.
+
+A resumed run must be the run that was saved: the same model, data, layout, optimizer and seed,
+so that it continues exactly. Only keys that do not change what is computed may differ
+(:data:`MAY_CHANGE`: output cadence, evaluation size, stopping, loader workers), and
+``train.steps`` when the run is extended on purpose (``train.extend_steps=true``).
+
+Extension rule for the learning rate (logged on resume): the schedule is recomputed for the new
+``train.steps`` (same warmup; the decay now ends at the new last step), so the next update's
+learning rate is the new schedule's at that step, not the old one's. The sample order does not
+depend on the run length (:mod:`data_tools.sample_index`), so the extended run serves new samples.
+
+The saved config is read from the checkpoint's manifest (or, for a checkpoint written before
+manifests, from its first model-states file, memory-mapped).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megaformer.config import ConfigError, RunConfig, to_dict
+
+MAY_CHANGE = frozenset(
+    {
+        "train.log_interval",
+        "train.eval_interval",
+        "train.save_interval",
+        "train.eval_batches",
+        "train.keep_last_checkpoints",
+        "train.exit_signals",
+        "train.exit_duration_mins",
+        "train.extend_steps",
+        "train.resume",
+        "train.init_from",
+        "data.num_workers",
+        "data.index_cache_dir",
+        "output.dir",
+        "output.overwrite",
+    }
+)
+"""Keys that may differ between the saved config and a resumed run's (``train.steps`` apart)."""
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_changes(saved: dict, cfg: RunConfig) -> dict[str, tuple[Any, Any]]:
+    """``{"section.key": (saved value, new value)}`` for every key that differs (a key missing on
+    one side, e.g. from an older version, shows as None there)."""
+    old, new = _flat(saved), _flat(to_dict(cfg))
+    return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
+
+
+def check_resume_config(saved: dict, cfg: RunConfig, step: int, where: str) -> list[str]:
+    """Refuse a resume whose config differs from the saved one in a key that may not change.
+
+    Args:
+        saved: the config the checkpoint was written with.
+        cfg: the new run's config.
+        step: the checkpoint's step.
+        where: the checkpoint directory (for the messages).
+
+    Returns:
+        Log lines: the keys that changed and were allowed, the learning-rate rule of an extension.
+
+    Raises:
+        ConfigError: listing every refused key with its saved and new value, and the fix.
+    """
+    changes = config_changes(saved, cfg)
+    refused = {k: v for k, v in changes.items() if k not in MAY_CHANGE and k != "train.steps"}
+    lines = []
+    if "train.steps" in changes:
+        old_steps, new_steps = changes["train.steps"]
+        if not cfg.train.extend_steps:
+            refused["train.steps"] = changes["train.steps"]
+        elif new_steps <= step:
+            raise ConfigError(
+                f"train.steps={new_steps}: the checkpoint {where} is at step {step}; set train.steps above it"
+            )
+        else:
+            lines.append(extension_rule(cfg, step, old_steps))
+    if refused:
+        listed = "; ".join(f"{k}: saved {old!r}, now {new!r}" for k, (old, new) in refused.items())
+        hint = (
+            " (to extend the run, add train.extend_steps=true)"
+            if "train.steps" in refused and len(refused) == 1
+            else "; resume with the saved values, or start a new run (another output.dir, or "
+            "train.init_from to start from these weights)"
+        )
+        raise ConfigError(f"resuming from {where}: the config differs from the saved one in {listed}{hint}")
+    allowed = [k for k in changes if k in MAY_CHANGE]
+    if allowed:
+        lines.append("resume: changed since the checkpoint (allowed): " + ", ".join(allowed))
+    return lines
+
+
+def extension_rule(cfg: RunConfig, step: int, old_steps: int) -> str:
+    """The log line that states the learning-rate rule of an extension and its effect at ``step``."""
+    from megaformer.training.schedule import lr_at
+
+    t = cfg.train
+    old_lr, new_lr = lr_at(step, t, old_steps), lr_at(step, t)
+    return (
+        f"extending the run from {old_steps} to {t.steps} steps (train.extend_steps=true): the "
+        f"learning-rate schedule is recomputed over {t.steps} steps (warmup {t.warmup_steps} unchanged, "
+        f"{t.lr_decay} decay to min_lr {t.min_lr:g} now ending at step {t.steps}); the next update "
+        f"(step {step + 1}) takes lr {new_lr:.3e} where the old schedule had {old_lr:.3e}"
+    )
+
+
+def saved_config(tag_dir: str) -> dict | None:
+    """The run config a checkpoint was saved with (None when it has none: not megaformer's)."""
+    import glob
+    import os
+
+    from megaformer.training.ckpt_integrity import read_manifest
+
+    body = read_manifest(tag_dir)
+    if body is not None and isinstance(body.get("config"), dict):
+        return body["config"]
+    files = sorted(glob.glob(os.path.join(tag_dir, "*model_states.pt")))
+    if not files:
+        return None
+    from megaformer.tools.reshard import _load
+
+    config = _load(files[0]).get("config")
+    return config if isinstance(config, dict) else None
+
+
+def check_init_from_steps(cfg: RunConfig) -> None:
+    """Refuse ``train.init_from`` whose checkpoint step leaves nothing to train (``train.steps`` at
+    or below it), before any process group starts (the step is read from the manifest; a
+    checkpoint without one is checked when its weights are loaded).
+
+    Raises:
+        ConfigError: naming the checkpoint's step and the fix.
+    """
+    from megaformer.tools.reshard import resolve_tag_dir
+    from megaformer.training.ckpt_integrity import read_manifest
+
+    if not cfg.train.init_from or (cfg.train.resume != "none" and _has_latest(cfg)):
+        return
+    body = read_manifest(resolve_tag_dir(cfg.train.init_from))
+    if body is not None and int(body["step"]) >= cfg.train.steps:
+        raise ConfigError(
+            f"train.init_from='{cfg.train.init_from}' was saved at step {body['step']}, and "
+            f"train.steps={cfg.train.steps} leaves nothing to train: set train.steps above {body['step']}"
+        )
+
+
+def _has_latest(cfg: RunConfig) -> bool:
+    """Whether train.resume will find a checkpoint (then train.init_from is ignored)."""
+    import os
+
+    where = os.path.join(cfg.output.dir, "checkpoints") if cfg.train.resume == "auto" else cfg.train.resume
+    return os.path.isfile(os.path.join(where, "latest"))

@@ -1,0 +1,39 @@
+"""Checkpointer.save when a write fails (a full disk): the partial directory goes, `latest` stays."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megaformer.config import load_config
+from megaformer.training import checkpointer as ck
+from megaformer.training.ckpt_integrity import CheckpointError
+
+
+class FullDiskEngine:
+    """Writes part of its file, then fails as torch.save does on a full disk."""
+
+    def save(self, ckpt_dir: str, tag: str, client_state: dict) -> None:
+        os.makedirs(os.path.join(ckpt_dir, tag), exist_ok=True)
+        with open(os.path.join(ckpt_dir, tag, "mp_rank_00_model_states.pt"), "wb") as f:
+            f.write(b"\0" * 4096)
+        raise RuntimeError("[enforce fail at inline_container.cc:626] . basic_ios::clear: iostream error")
+
+
+def test_a_failed_write_removes_the_directory_and_keeps_latest(tmp_path, monkeypatch, capsys):
+    cfg = load_config("configs/normformer-quickstart.yaml", [f"output.dir={tmp_path}"])
+    (tmp_path / "checkpoints" / "global_step4").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "latest").write_text("global_step4")
+    monkeypatch.setattr(ck, "save_rng_state", lambda *a, **k: None)
+    layout = SimpleNamespace(rank=0, world_size=1, is_main=True, rng_layout=dict, device=torch.device("cpu"))
+    saver = ck.Checkpointer(FullDiskEngine(), cfg, layout, dropout_rng=None)
+    with pytest.raises(CheckpointError) as err:
+        saver.save(8)
+    msg = str(err.value)
+    assert "global_step8 failed on 1 rank(s)" in msg and "iostream error" in msg and "free disk space" in msg
+    assert not (tmp_path / "checkpoints" / "global_step8").exists()
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "global_step4"
+    assert "writing" in capsys.readouterr().out

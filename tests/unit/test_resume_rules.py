@@ -1,0 +1,98 @@
+"""Resume compares the saved config with the new one: which keys may change, the extension rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from megaformer.config import ConfigError, load_config, to_dict
+from megaformer.training.resume_rules import check_resume_config, config_changes
+from megaformer.training.schedule import lr_at
+
+CONFIG = "configs/normformer-quickstart.yaml"
+BASE = ["train.steps=20", "train.warmup_steps=2", "train.lr_decay=linear"]
+
+
+def _saved():
+    return to_dict(load_config(CONFIG, BASE))
+
+
+def test_same_config_and_cadence_changes_pass():
+    assert check_resume_config(_saved(), load_config(CONFIG, BASE), 10, "ckpt") == []
+    cadence = load_config(
+        CONFIG, [*BASE, "train.log_interval=3", "train.save_interval=7", "output.dir=/elsewhere"]
+    )
+    lines = check_resume_config(_saved(), cadence, 10, "ckpt")
+    assert lines == [
+        "resume: changed since the checkpoint (allowed): output.dir, train.log_interval, train.save_interval"
+    ]
+
+
+def test_changed_model_and_steps_are_listed_and_refused():
+    new = load_config(CONFIG, [*BASE, "model.hidden_size=256", "train.lr=1e-3", "train.steps=30"])
+    with pytest.raises(ConfigError) as err:
+        check_resume_config(_saved(), new, 20, "run/checkpoints/global_step20")
+    msg = str(err.value)
+    assert "model.hidden_size: saved 128, now 256" in msg and "train.lr: saved" in msg
+    assert "train.steps: saved 20, now 30" in msg and "global_step20" in msg
+    assert set(config_changes(_saved(), new)) == {"model.hidden_size", "train.lr", "train.steps"}
+
+
+def test_steps_change_alone_names_the_flag_and_extension_states_the_lr_rule():
+    with pytest.raises(ConfigError, match=r"add train.extend_steps=true"):
+        check_resume_config(_saved(), load_config(CONFIG, [*BASE, "train.steps=30"]), 20, "ckpt")
+    ext = load_config(CONFIG, [*BASE, "train.steps=30", "train.extend_steps=true"])
+    lines = check_resume_config(_saved(), ext, 20, "ckpt")
+    t = ext.train
+    assert lr_at(20, t, 20) != lr_at(20, t)  # the old schedule had ended: the rule matters
+    assert f"takes lr {lr_at(20, t):.3e} where the old schedule had {lr_at(20, t, 20):.3e}" in lines[0]
+    assert "recomputed over 30 steps" in lines[0]
+    with pytest.raises(ConfigError, match=r"set train\.steps above it"):
+        check_resume_config(
+            _saved(), load_config(CONFIG, [*BASE, "train.steps=15", "train.extend_steps=true"]), 20, "ckpt"
+        )
+
+
+def test_a_fresh_start_into_a_run_directory_is_refused_unless_asked(tmp_path):
+    from megaformer.training.checkpointer import check_output_dir
+
+    run = tmp_path / "run"
+    fresh = load_config(CONFIG, [f"output.dir={run}"])
+    check_output_dir(fresh)  # nothing there yet
+    (run / "checkpoints" / "global_step5").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("global_step5")
+    with pytest.raises(ConfigError, match="holds another run") as err:
+        check_output_dir(fresh)
+    assert "latest" in str(err.value) and "train.resume=auto" in str(err.value)
+    check_output_dir(load_config(CONFIG, [f"output.dir={run}", "output.overwrite=true"]))
+    check_output_dir(load_config(CONFIG, [f"output.dir={run}", "train.resume=auto"]))
+    (run / "checkpoints" / "latest").unlink()
+    (run / "checkpoints" / "global_step5").rmdir()
+    (run / "tensorboard").mkdir()
+    (run / "tensorboard" / "events.out.tfevents.1.host").write_bytes(b"")
+    with pytest.raises(ConfigError, match="tensorboard"):
+        check_output_dir(fresh)
+
+
+def test_init_from_at_or_past_train_steps_is_refused_before_the_run(tmp_path):
+    from megaformer.training.ckpt_integrity import write_manifest
+    from megaformer.training.resume_rules import check_init_from_steps
+
+    tag = tmp_path / "src" / "checkpoints" / "global_step20"
+    tag.mkdir(parents=True)
+    write_manifest(str(tag), {}, 20)
+    (tmp_path / "src" / "checkpoints" / "latest").write_text("global_step20")
+    for steps in (10, 20):
+        cfg = load_config(
+            CONFIG,
+            [
+                f"train.init_from={tag.parent}",
+                f"train.steps={steps}",
+                "train.warmup_steps=2",
+                f"output.dir={tmp_path}/new",
+            ],
+        )
+        with pytest.raises(ConfigError, match=r"saved at step 20.*set train\.steps above 20"):
+            check_init_from_steps(cfg)
+    check_init_from_steps(
+        load_config(CONFIG, [f"train.init_from={tag.parent}", "train.steps=30", "train.warmup_steps=2"])
+    )
