@@ -12,6 +12,11 @@ process group starts:
   by a correct one that also records the norm (:func:`_install_pipeline_fp32_clipping`);
 * loss scale and skipped steps are read from the engine's fp16 optimizer
   (``DeepSpeedEngine._get_optimizer_loss_scale``, ``DeepSpeedEngine.skipped_steps``);
+* the moment between backward and optimizer step (``DeepSpeedEngine._take_model_step``, which the
+  plain engine's ``step()`` and the pipeline engine's ``train_batch`` both call once per update):
+  :meth:`Engine.before_optimizer_step` wraps it, for the per-layer gradient diagnostics;
+* the learning rate an update uses, read from the optimizer's ``param_groups`` (DeepSpeed does not
+  step the scheduler after an fp16 overflow, so it lags the step counter);
 * checkpoint file names (:data:`MODEL_STATES_FILE`, :data:`LAYER_STATES_FILE`), read by
   :mod:`megaformer.tools.reshard`.
 
@@ -252,6 +257,24 @@ class Engine:
             return None
         scale = self.engine._get_optimizer_loss_scale()
         return None if scale is None else float(scale)
+
+    def lr(self) -> float:
+        """The learning rate the next optimizer update will use, from the optimizer's first param
+        group (every group follows the same schedule). A host value: no device sync."""
+        return float(self.engine.optimizer.param_groups[0]["lr"])
+
+    def before_optimizer_step(self, hook: Any) -> None:
+        """Call ``hook()`` at every optimizer update, after the gradients are complete (averaged
+        over data-parallel ranks, ZeRO-reduced) and before clipping, the optimizer step and
+        ``zero_grad``; with the plain engine and the pipeline engine alike. In fp16 the gradients
+        still carry the loss scale then."""
+        take_model_step = self.engine._take_model_step
+
+        def hooked(*args: Any, **kwargs: Any) -> Any:
+            hook()
+            return take_model_step(*args, **kwargs)
+
+        self.engine._take_model_step = hooked
 
     def skipped_steps(self) -> int:
         """Optimizer steps skipped so far for fp16 overflow (0 outside fp16)."""
