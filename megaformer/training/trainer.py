@@ -469,5 +469,6 @@ def _summary(
             f"{summary['unigram_entropy']:.4f} nats",
         )
         log(layout, f"TensorBoard: tensorboard --logdir {summary['tensorboard_dir']}")
+        log(layout, f"plots (PNG): python -m megaformer.tools.plot {os.path.abspath(cfg.output.dir)}")
         log(layout, f"checkpoint: {summary['checkpoint_dir']}")
     return summary
