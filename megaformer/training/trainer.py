@@ -204,7 +204,10 @@ class TrainLoop:
             lr = self.engine.lr()
             interval = t.diagnostics_interval
             self._diagnose_now = interval > 0 and (step + 1) % interval == 0
-            loss = self.engine.train_step(batches)
+            loss = self._train_step(batches, step, lr)
+            if loss is None:  # fp16 gave up: the run ends at the last completed step
+                self._log_and_evaluate(step, start_step)
+                break
             step_time = timer.lap()
             self.step_times.append(step_time)
             done = step = step + 1
@@ -222,6 +225,19 @@ class TrainLoop:
             self.checkpointer.save(self.total, self._client_extra())
         self.writer.close()
         return time.perf_counter() - started
+
+    def _train_step(self, batches: Iterator, step: int, lr: float) -> torch.Tensor | None:
+        """One step; None when fp16's loss scaler gave up at its minimum scale (the run diverged:
+        recorded, the loop ends at ``step``, the last completed one)."""
+        from megaformer.training.ds_adapter import LossScaleExhaustedError
+
+        try:
+            return self.engine.train_step(batches)
+        except LossScaleExhaustedError as e:
+            self.diverged = {"diverged_at_step": step + 1, "diverged_at_lr": lr}
+            self.schedule.total_steps = step
+            log(self.layout, f"diverged at step {step + 1}, lr {lr:.4g}: {e}; stopping after step {step}")
+            return None
 
     def _stop_diverged(self, done: int, lr: float, loss: Any) -> None:
         """End the run at step ``done`` (evaluated, saved, summarised), for the stability test."""

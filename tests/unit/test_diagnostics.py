@@ -167,3 +167,44 @@ def test_console_line_has_time_memory_health_and_eta():
     assert line[:2] == "20" and "step 3/10" in line and "peak mem 1.50 GiB" in line and "nonfinite 0" in line
     assert line.endswith("eta 1h02m")
     assert [format_duration(s) for s in (7, 95, 3725)] == ["7s", "1m35s", "1h02m"]
+
+
+def test_fp16_loss_scale_give_up_becomes_a_typed_error():
+    """DeepSpeed 0.19's loss scaler raises a bare Exception at its minimum scale; the adapter names
+    it, so the loop can end the run cleanly (and lets any other error through)."""
+    from megaformer.training.ds_adapter import Engine, LossScaleExhaustedError
+
+    class FakeDeepSpeed:
+        def __init__(self, error: Exception) -> None:
+            self.error = error
+
+        def gradient_accumulation_steps(self) -> int:
+            return 1
+
+        def fp16_enabled(self) -> bool:
+            return True
+
+        def bfloat16_enabled(self) -> bool:
+            return False
+
+        def zero_optimization(self) -> bool:
+            return False
+
+        def _get_optimizer_loss_scale(self) -> float:
+            return 1.0
+
+        def __call__(self, tokens, labels):
+            return torch.tensor(1.0, requires_grad=True)
+
+        def backward(self, loss) -> None:
+            pass
+
+        def step(self) -> None:
+            raise self.error
+
+    batches = iter([(torch.zeros(1), torch.zeros(1))] * 2)
+    give_up = Exception("Current loss scale already at minimum - cannot decrease scale anymore. Exiting run.")
+    with pytest.raises(LossScaleExhaustedError, match="minimum loss scale"):
+        Engine(FakeDeepSpeed(give_up), ONE, pipelined=False).train_step(batches)
+    with pytest.raises(RuntimeError, match="something else"):
+        Engine(FakeDeepSpeed(RuntimeError("something else")), ONE, pipelined=False).train_step(batches)
