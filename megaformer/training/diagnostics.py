@@ -247,14 +247,21 @@ class LayerDiagnostics:
 
 def param_norm_squared(module: torch.nn.Module, state: Any) -> torch.Tensor:
     """Squared L2 norm of all the model's parameters (every TP shard and stage; the pipeline's
-    tied-embedding copy on the last stage counted once), fp32 on the communication device."""
+    tied-embedding copy on the last stage counted once), fp32 on the communication device.
+
+    Under ZeRO-3 a rank holds parameter partitions, not parameters: the norm is then not the
+    model's (not gathered; a known limitation, as for the learned scales)."""
     device = comm_device(state.tp_group if state.tp_size > 1 else None)
-    total = torch.zeros((), dtype=torch.float32, device=device)
     first = state.tp_rank == 0
-    for p in module.parameters():
-        if getattr(p, "ds_pipe_replicated", False) or not _counts_here(p, first):
-            continue
-        total += p.detach().float().square().sum().to(device)
+    params = [
+        p.detach()
+        for p in module.parameters()
+        if p.numel() > 0 and not getattr(p, "ds_pipe_replicated", False) and _counts_here(p, first)
+    ]
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    if params:  # one fused kernel per device and dtype rather than one per parameter
+        norms = torch._foreach_norm(params, 2, dtype=torch.float32)  # bf16/fp16 summed in fp32
+        total += torch.stack([n.float().to(device) for n in norms]).square().sum()
     if state.tp_size > 1:
         dist.all_reduce(total, group=state.tp_group)
     if state.pp_size > 1:
