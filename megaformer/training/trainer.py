@@ -119,16 +119,18 @@ class TrainLoop:
         self.step_times: list[float] = []
         self.valid_loss = math.nan
         self.paused = 0.0  # seconds spent in evaluations and checkpoints
-        self._init_diagnostics()
+        self._init_diagnostics(int(client_state.get("nonfinite_steps", 0)))
 
-    def _init_diagnostics(self) -> None:
-        """Run health (non-finite and skipped steps, the divergence stop) and, every
-        ``train.diagnostics_interval`` steps, per-layer gradient norms and learned scales
-        (:mod:`.diagnostics`)."""
+    def _init_diagnostics(self, nonfinite_steps: int) -> None:
+        """Run health (non-finite and skipped steps, the divergence stop; a resumed run continues
+        its count of ``nonfinite_steps``) and, every ``train.diagnostics_interval`` steps, per-layer
+        gradient norms and learned scales (:mod:`.diagnostics`)."""
         from megaformer.training.diagnostics import LayerDiagnostics, StepHealth
 
         t, engine = self.cfg.train, self.engine
         self.health = StepHealth(engine, self.layout.device, t.precision == "fp16", t.divergence_factor)
+        self.health.count += nonfinite_steps
+        self.health.reported = nonfinite_steps
         self.diverged: dict[str, float] = {}  # diverged_at_step / diverged_at_lr once it happens
         self.diagnostics = None
         self._diagnose_now = False
@@ -274,8 +276,12 @@ class TrainLoop:
 
     def _client_extra(self) -> dict[str, float]:
         """What a resumed run continues from (saved in the checkpoint's client state): tokens,
-        device-seconds, and the budget's decision once taken."""
-        extra = {"tokens": self.compute.tokens, "device_seconds": self.compute.device_seconds}
+        device-seconds, non-finite steps, and the budget's decision once taken."""
+        extra = {
+            "tokens": self.compute.tokens,
+            "device_seconds": self.compute.device_seconds,
+            "nonfinite_steps": int(self.health.count.item()),  # at a save: one host read
+        }
         if self.cfg.train.budget_device_hours > 0 and (
             self.budget is None or self.budget.decided is not None
         ):
