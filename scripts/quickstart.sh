@@ -46,7 +46,7 @@ print(f"  final validation loss   {s['final_valid_loss']:.4f} nats/token (perple
 print(f"  unigram entropy         {s['unigram_entropy']:.4f} nats/token (best loss without context)")
 print(f"  training throughput     {s['tokens_per_s']:,.0f} tokens/s over {s['world_size']} processes")
 print(f"  TensorBoard             tensorboard --logdir {s['tensorboard_dir']}")
-print(f"  plots ({len(pngs)} PNGs)         {plots}  (python -m megaformer.tools.plot RUN_DIR ...)")
+print(f"  {f'plots ({len(pngs)} PNGs)':<24}{plots}  (python -m megaformer.tools.plot RUN_DIR ...)")
 print(f"  checkpoint              {s['checkpoint_dir']}")
 print(f"  sample text             .venv/bin/python -m megaformer.tools.generate --checkpoint {s['checkpoint_dir']} --prompt 'It was'")
 print("=" * 78)
