@@ -6,8 +6,8 @@ Written to ``DIR`` (default ``<first RUN_DIR>/plots``):
 
 * ``loss.png``: training loss (thin) and validation loss (markers) against steps and against
   tokens, one colour per run;
-* ``grads_fc2_l1_by_layer.png``: the average L1 norm of each layer's FC2 weight gradient at one
-  diagnostics step (``--step``, default the first one every run logged), one line per run (the
+* ``grads_fc2_l1_by_layer.png``: the average L1 norm of each layer's FC2 weight gradient, one line
+  per run, at the first, middle and last diagnostics step every run logged (or at ``--step``) (the
   NormFormer paper's Fig. 3, Shleifer et al. 2021);
 * ``<run>_grads_l2.png``: per run, the L2 gradient norm of each operation by layer over the logged
   steps (one panel per operation; the paper's Fig. 7 view of every op);
@@ -125,24 +125,32 @@ def common_diagnostics_steps(runs: list[RunEvents]) -> list[int]:
     return sorted(steps or ())
 
 
-def plot_fc2_by_layer(runs: list[RunEvents], step: int, path: str) -> None:
-    """The paper's Fig. 3: average L1 norm of the FC2 weight gradient by layer at ``step``."""
+def plot_fc2_by_layer(runs: list[RunEvents], steps: Sequence[int], path: str) -> None:
+    """The paper's Fig. 3: average L1 norm of the FC2 weight gradient by layer, one panel per step
+    of ``steps``, one line per run."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, run in enumerate(runs):
-        layers = run.by_layer("grads/fc2_l1")
-        xs = [layer for layer, v in layers.items() if step in v]
-        ax.plot(xs, [layers[layer][step] for layer in xs], "o-", color=f"C{i}", label=run.name)
-    ax.set_xlabel("layer")
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_ylabel("average |grad| of FC2 weight")
-    ax.set_yscale("log")
-    ax.set_title(f"FC2 weight gradient by layer, step {step} (cf. NormFormer paper Fig. 3)")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    fig, axes = plt.subplots(1, len(steps), figsize=(5.5 * len(steps), 4.5), squeeze=False)
+    for ax, step in zip(axes[0], steps, strict=True):
+        for i, run in enumerate(runs):
+            layers = run.by_layer("grads/fc2_l1")
+            xs = [layer for layer, v in layers.items() if step in v]
+            ax.plot(xs, [layers[layer][step] for layer in xs], "o-", color=f"C{i}", label=run.name)
+        ax.set_xlabel("layer")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set_yscale("log")
+        ax.set_title(f"step {step}")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("average |grad| of FC2 weight")
+    axes[0][0].legend()
+    fig.suptitle("FC2 weight gradient by layer (cf. NormFormer paper Fig. 3)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def panel_steps(steps: Sequence[int]) -> list[int]:
+    """Up to three diagnostics steps to show: the first, the middle and the last."""
+    return sorted({steps[0], steps[len(steps) // 2], steps[-1]})
 
 
 def plot_grad_l2(run: RunEvents, path: str) -> None:
@@ -234,7 +242,7 @@ def plot_runs(run_dirs: Sequence[str], output_dir: str, step: int | None = None)
     plot_loss(runs, written[0])
     if steps:
         path = os.path.join(output_dir, "grads_fc2_l1_by_layer.png")
-        plot_fc2_by_layer(runs, steps[0] if step is None else step, path)
+        plot_fc2_by_layer(runs, panel_steps(steps) if step is None else [step], path)
         written.append(path)
     for run in runs:
         if run.ops("grads/l2"):
@@ -255,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "run_dirs", nargs="+", metavar="RUN_DIR", help="megaformer run directories (output.dir)"
     )
     parser.add_argument("--output-dir", help="where the PNGs go (default: <first RUN_DIR>/plots)")
-    parser.add_argument("--step", type=int, help="the diagnostics step of the FC2-by-layer figure")
+    parser.add_argument("--step", type=int, help="the one diagnostics step of the FC2-by-layer figure")
     args = parser.parse_args(argv)
     out = args.output_dir or os.path.join(args.run_dirs[0], "plots")
     try:
