@@ -31,11 +31,14 @@ NPROC_PER_NODE="${NPROC_PER_NODE:-2}" bash launch/pretrain.sh configs/normformer
   "data.prefix=${PREFIX}_text_document" output.overwrite=true "$@"
 
 "$PY" - "$START" "$@" <<'PYEOF'
-import json, math, sys, time
+import json, math, os, sys, time
 from megaformer.config import load_config
+from megaformer.tools.plot import plot_runs
 
 cfg = load_config("configs/normformer-quickstart.yaml", [a for a in sys.argv[2:] if "=" in a])
 s = json.load(open(f"{cfg.output.dir}/summary.json"))
+plots = os.path.abspath(os.path.join(cfg.output.dir, "plots"))
+pngs = plot_runs([cfg.output.dir], plots)  # loss, per-layer gradient norms, learned scales
 print()
 print("=" * 78)
 print(f"quickstart finished in {time.time() - int(sys.argv[1]):.0f} s (install + tokenize + train)")
@@ -43,6 +46,7 @@ print(f"  final validation loss   {s['final_valid_loss']:.4f} nats/token (perple
 print(f"  unigram entropy         {s['unigram_entropy']:.4f} nats/token (best loss without context)")
 print(f"  training throughput     {s['tokens_per_s']:,.0f} tokens/s over {s['world_size']} processes")
 print(f"  TensorBoard             tensorboard --logdir {s['tensorboard_dir']}")
+print(f"  {f'plots ({len(pngs)} PNGs)':<24}{plots}  (python -m megaformer.tools.plot RUN_DIR ...)")
 print(f"  checkpoint              {s['checkpoint_dir']}")
 print(f"  sample text             .venv/bin/python -m megaformer.tools.generate --checkpoint {s['checkpoint_dir']} --prompt 'It was'")
 print("=" * 78)

@@ -307,8 +307,20 @@ def check_train(cfg: RunConfig) -> None:
     _require(t.min_lr >= 0 and t.min_lr <= t.lr, f"train.min_lr={t.min_lr}: must lie in [0, train.lr].")
     _require(0 <= t.warmup_steps <= t.steps, f"train.warmup_steps={t.warmup_steps}: must lie in [0, steps].")
     _require(
-        t.lr_decay in ("cosine", "linear", "constant"),
-        f"train.lr_decay='{t.lr_decay}': cosine|linear|constant.",
+        t.lr_decay in ("cosine", "linear", "constant", "ramp"),
+        f"train.lr_decay='{t.lr_decay}': cosine|linear|constant|ramp.",
+    )
+    _require(
+        (t.lr_ramp > 0) == (t.lr_decay == "ramp"),
+        f"train.lr_ramp={t.lr_ramp} with train.lr_decay='{t.lr_decay}': the ramp (the stability test) "
+        "needs both train.lr_decay=ramp and train.lr_ramp > 0; set both or neither.",
+    )
+    _require(
+        t.diagnostics_interval >= 0, f"train.diagnostics_interval={t.diagnostics_interval}: must be >= 0."
+    )
+    _require(
+        t.divergence_factor == 0 or t.divergence_factor > 1,
+        f"train.divergence_factor={t.divergence_factor}: 0 (off) or > 1 (a multiple of the lowest loss).",
     )
     for name in ("adam_beta1", "adam_beta2"):
         b = getattr(t, name)

@@ -182,7 +182,8 @@ class TrainConfig:
     warmup_steps: int = 30
     """Linear warmup from 0 to lr over this many steps."""
     lr_decay: str = "cosine"
-    """'cosine', 'linear' or 'constant' decay after warmup, down to min_lr at the last step."""
+    """'cosine', 'linear' or 'constant' decay after warmup, down to min_lr at the last step; 'ramp':
+    the learning-rate stability test (no warmup, no decay): update s uses (s + 1) · lr_ramp."""
     adam_beta1: float = 0.9
     """AdamW β1."""
     adam_beta2: float = 0.98
@@ -240,6 +241,15 @@ class TrainConfig:
     """Recompute each decoder block's activations in the backward pass instead of storing them
     (never the embedding); under tensor parallelism without sequence parallelism the saved block
     inputs are partitioned across the TP group."""
+    diagnostics_interval: int = 0
+    """Every this many steps: per-layer gradient norms (grads/fc2_l1/layer_NN, grads/l2/<op>/layer_NN)
+    and learned scales (scales/<op>_mean/layer_NN, histograms) to TensorBoard; 0: off."""
+    lr_ramp: float = 0.0
+    """With lr_decay='ramp': the learning rate's rise per step (the paper's stability test: 5e-5)."""
+    divergence_factor: float = 0.0
+    """Stop the run, save it and record diverged_at_step / diverged_at_lr in summary.json when the
+    training loss is not finite or exceeds this multiple of its running minimum (e.g. 2.0; reads
+    the loss every step). 0: off, a diverging run continues (its non-finite steps counted)."""
 
 
 @dataclass(frozen=True)

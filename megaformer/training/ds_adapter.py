@@ -10,8 +10,15 @@ process group starts:
   it is not JIT-compiled (~30 s) at start-up (``deepspeed.ops.__compatible_ops__``).
 * the pipeline engine's fp32 gradient clipping (``PipelineEngine.clip_fp32_gradients``) is replaced
   by a correct one that also records the norm (:func:`_install_pipeline_fp32_clipping`);
+* the fp16 loss scaler's give-up at its minimum scale is recognised by its message (a bare
+  ``Exception``) and raised as :class:`LossScaleExhaustedError`;
 * loss scale and skipped steps are read from the engine's fp16 optimizer
   (``DeepSpeedEngine._get_optimizer_loss_scale``, ``DeepSpeedEngine.skipped_steps``);
+* the moment between backward and optimizer step (``DeepSpeedEngine._take_model_step``, which the
+  plain engine's ``step()`` and the pipeline engine's ``train_batch`` both call once per update):
+  :meth:`Engine.before_optimizer_step` wraps it, for the per-layer gradient diagnostics;
+* the learning rate an update uses, read from the optimizer's ``param_groups`` (DeepSpeed does not
+  step the scheduler after an fp16 overflow, so it lags the step counter);
 * checkpoint file names (:data:`MODEL_STATES_FILE`, :data:`LAYER_STATES_FILE`), read by
   :mod:`megaformer.tools.reshard`.
 
@@ -159,6 +166,15 @@ def _install_pipeline_fp32_clipping(engine: Any, state: Any) -> None:
     engine.clip_fp32_gradients = clip_and_record
 
 
+class LossScaleExhaustedError(RuntimeError):
+    """fp16: the gradients overflowed at the minimum loss scale (DeepSpeed's dynamic loss scaler
+    gives up); raised by :meth:`Engine.train_step` on every rank alike (overflow is agreed over the
+    ranks), before the update is applied."""
+
+
+_MIN_SCALE_MESSAGE = "loss scale already at minimum"  # DeepSpeed 0.19's DynamicLossScaler.update_scale
+
+
 class Engine:
     """A DeepSpeed engine (plain or pipeline) behind the few calls the trainer makes.
 
@@ -192,7 +208,20 @@ class Engine:
         Returns:
             The step's mean training loss (nats/token) over its micro-batches and the data-parallel
             ranks: a float64 0-dim tensor on the device (read it only when logging).
+
+        Raises:
+            LossScaleExhaustedError: fp16 overflow at the minimum loss scale (the run has diverged).
         """
+        try:
+            return self._train_step(micro_batches)
+        except Exception as e:  # DeepSpeed raises a bare Exception there
+            if _MIN_SCALE_MESSAGE in str(e):
+                raise LossScaleExhaustedError(
+                    f"fp16 gradients overflowed at the minimum loss scale ({self.loss_scale():g}): {e}"
+                ) from None
+            raise
+
+    def _train_step(self, micro_batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         if self.pipelined:
             # Every stage gets the iterator; the first stage reads the tokens, the last the labels.
             # The loss returned is the last stage's, averaged over data-parallel ranks and
@@ -252,6 +281,24 @@ class Engine:
             return None
         scale = self.engine._get_optimizer_loss_scale()
         return None if scale is None else float(scale)
+
+    def lr(self) -> float:
+        """The learning rate the next optimizer update will use, from the optimizer's first param
+        group (every group follows the same schedule). A host value: no device sync."""
+        return float(self.engine.optimizer.param_groups[0]["lr"])
+
+    def before_optimizer_step(self, hook: Any) -> None:
+        """Call ``hook()`` at every optimizer update, after the gradients are complete (averaged
+        over data-parallel ranks, ZeRO-reduced) and before clipping, the optimizer step and
+        ``zero_grad``; with the plain engine and the pipeline engine alike. In fp16 the gradients
+        still carry the loss scale then."""
+        take_model_step = self.engine._take_model_step
+
+        def hooked(*args: Any, **kwargs: Any) -> Any:
+            hook()
+            return take_model_step(*args, **kwargs)
+
+        self.engine._take_model_step = hooked
 
     def skipped_steps(self) -> int:
         """Optimizer steps skipped so far for fp16 overflow (0 outside fp16)."""

@@ -19,6 +19,12 @@ class MetricsWriter:
 
     Scalar names follow ``train/*`` and ``valid/*`` (``train/loss`` in nats per token,
     ``train/tokens_per_s`` for the whole job, ``train/step_time_s`` in seconds).
+
+    TensorBoard cannot draw an inf or NaN point, so a non-finite value is not written under its
+    tag: ``nonfinite/<tag>`` counts, at that step, how many values of ``<tag>`` were non-finite so
+    far. The tags of :data:`VS_TOKENS` are written a second time against the tokens consumed
+    (``<tag>-vs-tokens``, step = tokens; Megatron's "vs samples" plots). The run's flattened
+    config goes to TensorBoard's hparams view (``section.key`` names) and as text.
     """
 
     def __init__(
@@ -40,16 +46,49 @@ class MetricsWriter:
             self._writer = SummaryWriter(log_dir=log_dir, purge_step=purge_step)
             if hparams is not None:
                 self._writer.add_text("config", "```\n" + json.dumps(hparams, indent=2) + "\n```", 0)
+                self._write_hparams(hparams)
+        self.nonfinite: dict[str, int] = {}
 
-    def scalars(self, step: int, values: dict[str, float | None]) -> None:
-        """Write each non-None value as a scalar at ``step``."""
+    def _write_hparams(self, config: dict[str, Any]) -> None:
+        """The flattened config in TensorBoard's hparams view, with :data:`HPARAM_METRICS` as its
+        metrics (TensorBoard shows their latest values from this run's scalars)."""
+        from torch.utils.tensorboard.summary import hparams
+
+        flat = {
+            k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in flatten(config).items()
+        }
+        for summary in hparams(flat, dict.fromkeys(HPARAM_METRICS, 0.0)):
+            self._writer.file_writer.add_summary(summary)
+
+    def scalars(self, step: int, values: dict[str, float | None], tokens: float | None = None) -> None:
+        """Write each non-None value as a scalar at ``step`` (non-finite ones counted instead, see
+        the class docstring); with ``tokens`` (default ``values["train/tokens"]``) also the
+        :data:`VS_TOKENS` tags against tokens."""
         if self._writer is None:
             return
-        finite = {k: float(v) for k, v in values.items() if v is not None and math.isfinite(float(v))}
-        for name, value in finite.items():
+        tokens = values.get("train/tokens") if tokens is None else tokens
+        finite: dict[str, float] = {}
+        for name, value in values.items():
+            if value is None:
+                continue
+            value = float(value)
+            if not math.isfinite(value):
+                self.nonfinite[name] = self.nonfinite.get(name, 0) + 1
+                self._writer.add_scalar(f"nonfinite/{name}", self.nonfinite[name], step)
+                continue
             self._writer.add_scalar(name, value, step)
+            finite[name] = value
+            if tokens is not None and name in VS_TOKENS:
+                self._writer.add_scalar(f"{name}-vs-tokens", value, int(tokens))
         if self._tracker is not None:
             self._tracker.log(step, finite)
+
+    def histograms(self, step: int, values: dict[str, Any]) -> None:
+        """Write each tensor of ``values`` (host tensors) as a histogram at ``step``."""
+        if self._writer is None:
+            return
+        for name, value in values.items():
+            self._writer.add_histogram(name, value.float(), step)
 
     def flush(self) -> None:
         if self._writer is not None:
@@ -62,6 +101,24 @@ class MetricsWriter:
         if self._tracker is not None:
             self._tracker.finish()
             self._tracker = None
+
+
+VS_TOKENS = ("train/loss", "train/lr", "valid/loss", "valid/ppl")
+"""Scalars also written against the tokens consumed (``<tag>-vs-tokens``)."""
+HPARAM_METRICS = ("valid/loss", "valid/ppl", "train/loss", "train/nonfinite_steps")
+"""The metrics the hparams view lists next to a run's hyperparameters."""
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"train": {"lr": 1}}`` -> ``{"train.lr": 1}``."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
 
 
 class DeferredScalars:
@@ -119,9 +176,22 @@ class StepTimer:
         return elapsed
 
 
-def format_step_line(step: int, steps: int, values: dict[str, float | None]) -> str:
-    """One console line: ``step 40/300 | loss 6.1234 | lr 1.9e-03 | ...``."""
-    parts = [f"step {step}/{steps}"]
+def format_duration(seconds: float) -> str:
+    """``3725`` -> ``"1h02m"``, ``95`` -> ``"1m35s"``, ``7`` -> ``"7s"``."""
+    s = round(seconds)
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+def format_step_line(
+    step: int, steps: int, values: dict[str, float | None], eta_s: float | None = None
+) -> str:
+    """One console line: ``2026-11-22 21:10:03 | step 40/300 | loss 6.1234 | lr 1.9e-03 | ... |
+    eta 5m12s`` (local time; the ETA counts steps only, not evaluations)."""
+    parts = [time.strftime("%Y-%m-%d %H:%M:%S"), f"step {step}/{steps}"]
     for name, fmt in (
         ("train/loss", "loss {:.4f}"),
         ("train/lr", "lr {:.3e}"),
@@ -133,8 +203,25 @@ def format_step_line(step: int, steps: int, values: dict[str, float | None]) -> 
         ("train/mfu", "MFU {:.1%}"),
         ("train/tokens", "tokens {:.4g}"),
         ("train/device_hours", "device-h {:.3g}"),
+        ("train/peak_memory_gib", "peak mem {:.2f} GiB"),
+        ("train/nonfinite_steps", "nonfinite {:.0f}"),
+        ("train/skipped_steps", "skipped {:.0f}"),
     ):
         value = values.get(name)
         if value is not None:
             parts.append(fmt.format(value))
+    if eta_s is not None and math.isfinite(eta_s):
+        parts.append(f"eta {format_duration(eta_s)}")
     return " | ".join(parts)
+
+
+def peak_memory_gib(device: Any) -> float:
+    """This process's peak memory in GiB: the CUDA caching allocator's maximum allocated bytes on
+    a GPU, the peak resident set size (``ru_maxrss``) on the CPU. A host value (no device sync)."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB

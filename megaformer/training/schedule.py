@@ -20,9 +20,12 @@ def lr_at(step: int, t: TrainConfig, total_steps: int | None = None) -> float:
     Warmup: ``lr · (step + 1) / warmup_steps`` for the first ``warmup_steps`` updates, so the first
     update is not wasted at lr 0. Decay over the remaining updates, reaching ``min_lr`` at the last
     (update ``total_steps - 1``; default ``t.steps``): cosine
-    ``min_lr + (lr - min_lr) · ½(1 + cos(π·progress))`` or linear.
+    ``min_lr + (lr - min_lr) · ½(1 + cos(π·progress))`` or linear. ``lr_decay='ramp'``:
+    ``(step + 1) · lr_ramp`` (the learning-rate stability test; ``lr`` and warmup unused).
     """
     total = t.steps if total_steps is None else total_steps
+    if t.lr_decay == "ramp":  # the stability test (Shleifer et al. 2021, Fig. 5): no warmup, no decay
+        return (step + 1) * t.lr_ramp
     if step < t.warmup_steps:
         return t.lr * (step + 1) / t.warmup_steps
     if t.lr_decay == "constant":

@@ -129,6 +129,55 @@ class TrainLoop:
         self.paused = 0.0  # seconds spent in evaluations and checkpoints
         self.stopped: str | None = None  # why the run stopped before its end (signal, time limit)
         self.last_step = start_step
+        self._init_diagnostics(int(client_state.get("nonfinite_steps", 0)))
+
+    def _init_diagnostics(self, nonfinite_steps: int) -> None:
+        """Run health (non-finite and skipped steps, the divergence stop; a resumed run continues
+        its count of ``nonfinite_steps``) and, every ``train.diagnostics_interval`` steps, per-layer
+        gradient norms and learned scales (:mod:`.diagnostics`)."""
+        from megaformer.training.diagnostics import LayerDiagnostics, StepHealth
+
+        t, engine = self.cfg.train, self.engine
+        self.health = StepHealth(engine, self.layout.device, t.precision == "fp16", t.divergence_factor)
+        self.health.count += nonfinite_steps
+        self.health.reported = nonfinite_steps
+        self.diverged: dict[str, float] = {}  # diverged_at_step / diverged_at_lr once it happens
+        self.diagnostics = None
+        self._diagnose_now = False
+        if t.diagnostics_interval > 0:
+            self.diagnostics = LayerDiagnostics(
+                engine.module, self.cfg.model, self.layout.state, engine.loss_scale
+            )
+            engine.before_optimizer_step(self._before_optimizer_step)
+
+    def _before_optimizer_step(self) -> None:
+        # Gradients are complete here and not yet clipped, stepped or zeroed (see ds_adapter).
+        if self._diagnose_now:
+            self.diagnostics.collect_grads()
+
+    def _step_scalars(self, done: int, loss: Any, lr: float, step_time: float) -> dict[str, Any]:
+        """Scalars of the step just taken (device tensors stay on the device)."""
+        from megaformer.training.diagnostics import param_norm_squared
+        from megaformer.training.metrics import peak_memory_gib
+
+        grad_norm = self.engine.grad_norm()
+        values = {
+            "train/loss": loss,
+            "train/lr": lr,
+            "train/grad_norm": grad_norm,
+            "train/loss_scale": self.engine.loss_scale(),
+            "train/tokens_per_s": self.tokens_per_step / step_time,
+            "train/step_time_s": step_time,
+            "train/param_norm": param_norm_squared(self.engine.module, self.layout.state).sqrt(),
+            "train/peak_memory_gib": peak_memory_gib(self.layout.device),
+            **self.health.step(loss, grad_norm),
+            **self.compute.step(self.tokens_per_step, step_time),
+        }
+        if self.diagnostics is not None and self._diagnose_now:
+            values.update(self.diagnostics.grad_scalars())
+            values.update(self.diagnostics.scale_means())
+            self.writer.histograms(done, self.diagnostics.scale_histograms())
+        return values
 
     @property
     def total(self) -> int:
@@ -163,22 +212,21 @@ class TrainLoop:
         last_saved = start_step if resumed else -1
         step = start_step
         while step < self.total:
-            loss = self.engine.train_step(batches)
+            # The optimizer's own lr, read before the update uses it: after an fp16 overflow
+            # DeepSpeed skips the scheduler's step too, so it lags the step counter.
+            lr = self.engine.lr()
+            interval = t.diagnostics_interval
+            self._diagnose_now = interval > 0 and (step + 1) % interval == 0
+            loss = self._train_step(batches, step, lr)
+            if loss is None:  # fp16 gave up: the run ends at the last completed step
+                self._log_and_evaluate(step, start_step)
+                break
             step_time = timer.lap()
             self.step_times.append(step_time)
             done = step = step + 1
-            self.metrics.add(
-                done,
-                {
-                    "train/loss": loss,
-                    "train/lr": self.schedule.lr(done - 1),  # the lr of the update just taken
-                    "train/grad_norm": self.engine.grad_norm(),
-                    "train/loss_scale": self.engine.loss_scale(),
-                    "train/tokens_per_s": self.tokens_per_step / step_time,
-                    "train/step_time_s": step_time,
-                    **self.compute.step(self.tokens_per_step, step_time),
-                },
-            )
+            self.metrics.add(done, self._step_scalars(done, loss, lr, step_time))
+            if self.health.diverged(loss):
+                self._stop_diverged(done, lr, loss)
             if self.budget is not None and self.budget.after_step(done, loss.item, self.paused):
                 self._decide_budget(done)
             self._log_and_evaluate(done, start_step)
@@ -201,6 +249,30 @@ class TrainLoop:
             self.checkpointer.save(step, self._client_extra())
         self.writer.close()
         return time.perf_counter() - started
+
+    def _train_step(self, batches: Iterator, step: int, lr: float) -> torch.Tensor | None:
+        """One step; None when fp16's loss scaler gave up at its minimum scale (the run diverged:
+        recorded, the loop ends at ``step``, the last completed one)."""
+        from megaformer.training.ds_adapter import LossScaleExhaustedError
+
+        try:
+            return self.engine.train_step(batches)
+        except LossScaleExhaustedError as e:
+            self.diverged = {"diverged_at_step": step + 1, "diverged_at_lr": lr}
+            self.schedule.total_steps = step
+            log(self.layout, f"diverged at step {step + 1}, lr {lr:.4g}: {e}; stopping after step {step}")
+            return None
+
+    def _stop_diverged(self, done: int, lr: float, loss: Any) -> None:
+        """End the run at step ``done`` (evaluated, saved, summarised), for the stability test."""
+        self.diverged = {"diverged_at_step": done, "diverged_at_lr": lr}
+        self.schedule.total_steps = done  # the loop's last step: evaluation and save follow
+        log(
+            self.layout,
+            f"diverged at step {done}, lr {lr:.4g}: training loss {float(loss):.4g} (non-finite, or above "
+            f"train.divergence_factor={self.cfg.train.divergence_factor:g} × its running minimum "
+            f"{self.health.detector.running_min:.4f}); stopping, saving, and recording it in summary.json",
+        )
 
     def _paused(self, fn: Any, *args: Any) -> Any:
         """Run an evaluation or a save, adding its time to :attr:`paused`."""
@@ -226,8 +298,12 @@ class TrainLoop:
 
     def _client_extra(self) -> dict[str, float]:
         """What a resumed run continues from (saved in the checkpoint's client state): tokens,
-        device-seconds, and the budget's decision once taken."""
-        extra = {"tokens": self.compute.tokens, "device_seconds": self.compute.device_seconds}
+        device-seconds, non-finite steps, and the budget's decision once taken."""
+        extra = {
+            "tokens": self.compute.tokens,
+            "device_seconds": self.compute.device_seconds,
+            "nonfinite_steps": int(self.health.count.item()),  # at a save: one host read
+        }
         if self.cfg.train.budget_device_hours > 0 and (
             self.budget is None or self.budget.decided is not None
         ):
@@ -242,11 +318,18 @@ class TrainLoop:
         if done % t.log_interval == 0 or done == total or done == start_step + 1 or evaluate:
             values = self.metrics.flush()  # the one read of the device per log interval
             if done % t.log_interval == 0 or done == total or done == start_step + 1:
-                log(self.layout, format_step_line(done, total, values))
+                recent = self.step_times[-t.log_interval :]
+                eta = (total - done) * float(np.median(recent)) if recent else None
+                log(self.layout, format_step_line(done, total, values, eta))
+            warning = self.health.announce(values)
+            if warning is not None:
+                log(self.layout, f"step {done}: {warning}")
         if evaluate:
             self.valid_loss = float(self._paused(self.evaluate))
             ppl = safe_exp(self.valid_loss)
-            self.writer.scalars(done, {"valid/loss": self.valid_loss, "valid/ppl": ppl})
+            self.writer.scalars(
+                done, {"valid/loss": self.valid_loss, "valid/ppl": ppl}, tokens=self.compute.tokens
+            )
             log(self.layout, f"step {done}/{total} | valid loss {self.valid_loss:.4f} | valid ppl {ppl:.2f}")
             self.writer.flush()
 
@@ -400,6 +483,24 @@ def _compute_summary(loop: TrainLoop) -> dict[str, Any]:
     }
 
 
+def _health_summary(loop: TrainLoop) -> dict[str, Any]:
+    """``nonfinite_steps``, ``skipped_steps`` (fp16 overflows) and, after a divergence stop,
+    ``diverged_at_step`` / ``diverged_at_lr``."""
+    out: dict[str, Any] = {
+        "nonfinite_steps": int(loop.health.count.item()),
+        "skipped_steps": loop.engine.skipped_steps(),
+        **loop.diverged,
+    }
+    if out["nonfinite_steps"]:
+        log(
+            loop.layout,
+            f"warning: {out['nonfinite_steps']} of {loop.total} steps had a non-finite loss or gradient "
+            f"norm, {out['skipped_steps']} updates were skipped: the run diverged (TensorBoard "
+            "train/nonfinite_steps, train/skipped_steps). Lower train.lr or set train.grad_clip > 0",
+        )
+    return out
+
+
 def _summary(
     cfg: RunConfig,
     layout: Layout,
@@ -435,6 +536,7 @@ def _summary(
     if t.budget_device_hours > 0:
         summary["budget_device_hours"] = t.budget_device_hours
         summary["budget_steps"] = loop.total
+    summary.update(_health_summary(loop))
     if layout.is_main:
         atomic_write_json(os.path.join(cfg.output.dir, "summary.json"), summary)
         log(
@@ -448,5 +550,6 @@ def _summary(
             f"{summary['unigram_entropy']:.4f} nats",
         )
         log(layout, f"TensorBoard: tensorboard --logdir {summary['tensorboard_dir']}")
+        log(layout, f"plots (PNG): python -m megaformer.tools.plot {os.path.abspath(cfg.output.dir)}")
         log(layout, f"checkpoint: {summary['checkpoint_dir']}")
     return summary

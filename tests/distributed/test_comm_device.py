@@ -13,8 +13,9 @@ bug stopped every GPU pipeline run at start-up. This test makes the mistake visi
 
 Paths covered, in spawned gloo processes: the parameter count over pipeline stages, the pipeline
 engine's fp32 clipping and its norm, the TP-aware gradient norm, the data-parallel loss mean, the
-integer all-reduce of the checkpoint bookkeeping, and a TP = 2 NormFormer forward and backward
-(every tensor-parallel layer, the vocabulary-parallel cross-entropy, sequence parallelism).
+integer all-reduce of the checkpoint bookkeeping, a TP = 2 NormFormer forward and backward
+(every tensor-parallel layer, the vocabulary-parallel cross-entropy, sequence parallelism), and the
+per-layer gradient norms, learned-scale means and parameter norm of the training diagnostics.
 The code before this test existed (``_count_parameters``, ``_pipeline_fp32_clipping`` building CPU
 tensors) fails it.
 """
@@ -148,6 +149,7 @@ def _check_tp_model_and_norms() -> None:
     from megaformer.model import NormFormerLM
     from megaformer.parallel.comm import all_reduce_ints, mean_over_group
     from megaformer.parallel.utils import grad_norm_squared
+    from megaformer.training.diagnostics import LayerDiagnostics, param_norm_squared
 
     layout = _layout(2, 1, 1)
     group = layout.state.tp_group
@@ -160,6 +162,20 @@ def _check_tp_model_and_norms() -> None:
             loss.backward()
             norm = grad_norm_squared(model.parameters(), group)
         assert {"all_reduce"} <= set(seen) and norm.device.type == "cpu" and float(norm) > 0
+        # the per-layer diagnostics, the learned scales and the parameter norm (.diagnostics)
+        diag = LayerDiagnostics(model, TINY, layout.state)
+        seen.clear()
+        with strict_collectives(seen):
+            diag.collect_grads()
+            grads, means = diag.grad_scalars(), diag.scale_means()
+            param_norm = param_norm_squared(model, layout.state)
+        assert seen == ["all_reduce"] * 3 and param_norm.device.type == "cpu"
+        assert all(v.device.type == "cpu" for v in [*grads.values(), *means.values()])
+        hists = diag.scale_histograms()  # whole parameters: TP shards concatenated
+        assert len(hists) == 4 * TINY.num_layers  # post_attn_ln, ffn_ln, head_scale, resid_scale
+        assert hists["scales/head_scale/layer_00"].numel() == TINY.num_attention_heads
+        assert hists["scales/ffn_ln/layer_01"].numel() == TINY.ffn_size
+        assert hists["scales/resid_scale/layer_01"].numel() == TINY.hidden_size
     dp_layout = _layout(1, 1, 2)
     seen = []
     with strict_collectives(seen):
