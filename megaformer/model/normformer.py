@@ -165,9 +165,9 @@ class QKVLayerNorm(nn.Module):
     different function.)
 
     Under tensor parallelism each rank holds the q, k, v features of its own heads, so, as for
-    FFN_LN (:func:`~megaformer.parallel.layers.sharded_layer_norm`), the per-token sum and sum of
-    squares of each of q, k and v (fp32) are summed across the TP group (one all-reduce for the
-    three, forward and backward): the function is the same at every TP degree. The variance is
+    FFN_LN (:func:`~megaformer.parallel.layers.sharded_layer_norm`), the per-token statistics of
+    each of q, k and v (fp32) are reduced across the TP group (forward and backward): the function
+    is the same at every TP degree. The variance is
     computed in two passes (the mean first, then the mean of squared deviations, each summed across
     the group), never as ``E[x²] − E[x]²``, which loses every digit in fp32 when the mean is large
     against the spread. Without a TP group ``F.layer_norm`` does it in one fused kernel.

@@ -91,7 +91,7 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel:
             x = mappings.gather_from_sequence_region(x, self.tp_group)  # (B, T, in_features)
         else:
-            x = mappings.copy_to_tp_region(x, self.tp_group)
+            x = mappings.copy_to_tp_region(x, self.tp_group, grad_is_private=True)  # F.linear consumes it
         y = F.linear(x, self.weight, self.bias)  # (..., out_features / tp)
         if self.gather_output:
             y = mappings.gather_from_tp_region(y, self.tp_group)  # (..., out_features)
@@ -362,6 +362,79 @@ def vocab_parallel_cross_entropy(
     return _VocabParallelCrossEntropy.apply(logits_local, labels, tp_group, vocab_size, inplace)
 
 
+def _merged_statistics(
+    xf: torch.Tensor, normalized_size: int, eps: float, group: ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token ``(mean, rstd)`` (fp32, ``xf.shape[:-1]``) over the full, sharded last dimension.
+
+    Each rank computes its shard's count ``k``, mean and M2 (sum of squared deviations, two passes
+    over its own slice), then one all-gather of the ``[2, ...]`` per-shard values and the merge of
+    Chan, Golub & LeVeque (1979) with equal counts: ``mean = mean_r(mean_r)``, ``M2 = Σ_r M2_r +
+    k·Σ_r (mean_r − mean)²``. Every rank merges the same gathered values in the same order, so
+    every rank gets bit-identical statistics. Never ``E[x²] − E[x]²``, which cancels catastrophically
+    in fp32 when ``|mean| ≫ std``.
+    """
+    local_mean = xf.mean(dim=-1)  # (...)
+    local_m2 = (xf - local_mean.unsqueeze(-1)).square().sum(dim=-1)  # (...)
+    if tp_world_size(group) == 1:
+        mean, m2 = local_mean, local_m2
+    else:
+        stats = mappings.all_gather_stacked(torch.stack([local_mean, local_m2]), group)  # (tp, 2, ...)
+        means, m2s = stats.unbind(1)  # (tp, ...) each
+        mean = means.mean(dim=0)
+        m2 = m2s.sum(dim=0) + xf.shape[-1] * (means - mean).square().sum(dim=0)
+    rstd = torch.rsqrt(m2 / normalized_size + eps)
+    return mean, rstd
+
+
+class _ShardedLayerNormFunction(torch.autograd.Function):
+    """LayerNorm over a last dimension sharded across ``group``: forward and an explicit backward.
+
+    Saves only the input (in its own dtype), the optional weight and the per-token fp32 ``mean`` and
+    ``rstd``; the normalised ``x̂`` is recomputed in backward. Communication per call: forward one
+    all-gather of ``[2, tokens]`` per-shard statistics, backward one all-reduce of ``[tokens, 2]``
+    (the two row sums of the input gradient). The arithmetic is plain tensor code without
+    data-dependent control flow, so ``torch.compile`` traces it (the collectives are c10d ops).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, normalized_size, eps, group):
+        xf = x.float()
+        mean, rstd = _merged_statistics(xf, normalized_size, eps, group)
+        y = (xf - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)  # x̂, (..., n / tp)
+        if weight is not None:
+            y = y * weight.float()
+        if bias is not None:
+            y = y + bias.float()
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.normalized_size, ctx.group, ctx.has_bias = normalized_size, group, bias is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight, mean, rstd = ctx.saved_tensors
+        xhat = (x.float() - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)  # (..., n / tp)
+        dy = grad_y.float()
+        g = dy * weight.float() if weight is not None else dy  # dL/dx̂
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            # dL/dx = rstd · (g − mean(g) − x̂ · mean(g · x̂)), both means over the FULL dimension:
+            # one all-reduce of the two per-token row sums.
+            sums = torch.stack([g.sum(dim=-1), (g * xhat).sum(dim=-1)], dim=-1)  # (..., 2)
+            if tp_world_size(ctx.group) > 1:
+                dist.all_reduce(sums, group=ctx.group)
+            sums = sums / ctx.normalized_size
+            grad_x = rstd.unsqueeze(-1) * (g - sums[..., 0:1] - xhat * sums[..., 1:2])
+            grad_x = grad_x.to(x.dtype)
+        lead = tuple(range(dy.ndim - 1))
+        if weight is not None and ctx.needs_input_grad[1]:
+            grad_w = (dy * xhat).sum(dim=lead).to(weight.dtype)  # this rank's shard of the gain
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = dy.sum(dim=lead).to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
 def sharded_layer_norm(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -373,14 +446,16 @@ def sharded_layer_norm(
 ) -> torch.Tensor:
     """LayerNorm (Ba et al. 2016) over a last dimension sharded across ``tp_group``, any TP degree.
 
-    Per token, each rank sums its slice and its squares in fp32; one all-reduce of those two values
-    gives the full mean and variance (``var = E[x²] − E[x]²``, clamped at 0). The collective is
-    :func:`~megaformer.parallel.mappings.sum_across_tp_region`, whose backward all-reduces too, so
-    the gradient is that of the unsharded LayerNorm. Always takes this composed path (also with
-    ``tp_group=None``), which is what tests compare against ``torch.nn.functional.layer_norm``.
+    Statistics: per token, each rank's shard mean and M2 (two passes over its slice, fp32) merged
+    across the group with Chan et al.'s pairwise formula (one all-gather), which is as accurate as
+    a two-pass LayerNorm over the whole row, whatever ``|mean| / std``. Backward all-reduces the
+    two per-token sums of the input gradient (one collective), so the gradient is that of the
+    unsharded LayerNorm. Saves the input, ``mean`` and ``rstd`` only. Always takes this path (also
+    with ``tp_group=None``), which is what tests compare against ``torch.nn.functional.layer_norm``.
 
     Args:
-        x: ``[..., normalized_size / tp]``, this rank's slice of the normalised dimension.
+        x: ``[..., normalized_size / tp]``, this rank's slice of the normalised dimension (any
+            float dtype; statistics and arithmetic in fp32).
         weight, bias: ``[normalized_size / tp]`` slices of the gain and shift, or None.
         normalized_size: FULL size of the normalised dimension.
         eps: added to the variance.
@@ -388,17 +463,7 @@ def sharded_layer_norm(
     Returns:
         ``[..., normalized_size / tp]`` in ``x``'s dtype.
     """
-    xf = x.float()
-    stats = torch.stack([xf.sum(dim=-1), (xf * xf).sum(dim=-1)], dim=-1)  # (..., 2)
-    stats = mappings.sum_across_tp_region(stats, tp_group) / normalized_size
-    mean, mean_sq = stats.unbind(-1)  # (...), (...)
-    var = (mean_sq - mean * mean).clamp_min(0.0)
-    y = (xf - mean.unsqueeze(-1)) * torch.rsqrt(var + eps).unsqueeze(-1)
-    if weight is not None:
-        y = y * weight.float()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
+    return _ShardedLayerNormFunction.apply(x, weight, bias, normalized_size, eps, tp_group)
 
 
 class ShardedLayerNorm(nn.Module):

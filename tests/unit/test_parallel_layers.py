@@ -194,3 +194,33 @@ def test_mask_padded_vocab():
     assert torch.all(masked[:, 13:] == float("-inf")) and torch.all(masked[:, :13] == 0)
     assert torch.all(logits == 0)  # the input is untouched
     assert mask_padded_vocab(logits, None, 16) is logits
+
+
+def test_sharded_layer_norm_saves_only_input_weight_and_per_token_statistics():
+    # The old composed path saved several fp32 copies of the [..., n / tp] activation (the fp32
+    # cast, the centred values, the normalised values); backward needs x, the gain, mean and rstd.
+    x = torch.randn(4, 8, 64, generator=gen(7)).bfloat16().requires_grad_()
+    w, b = torch.ones(64, requires_grad=True), torch.zeros(64, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = sharded_layer_norm(x, w, b, normalized_size=64, eps=1e-5, tp_group=None)
+    assert y.dtype == torch.bfloat16
+    big = [t for t in saved if t.numel() == x.numel()]
+    assert len(big) == 1 and big[0].dtype == torch.bfloat16  # the input itself, in its own dtype
+    assert sum(t.numel() for t in saved) == x.numel() + 64 + 2 * 4 * 8  # + gain + mean, rstd
+
+
+def test_sharded_layer_norm_compiles_as_one_graph():
+    fn = torch.compile(
+        lambda x, w, b: sharded_layer_norm(x, w, b, normalized_size=24, eps=1e-5, tp_group=None),
+        fullgraph=True,
+        backend="aot_eager",
+    )
+    x, w, b = _ln_inputs()
+    ins = [t.clone().requires_grad_() for t in (x, w, b)]
+    refs = [t.clone().requires_grad_() for t in (x, w, b)]
+    grad_out = torch.randn(x.shape, generator=gen(4))
+    (fn(*ins) * grad_out).sum().backward()
+    (F.layer_norm(refs[0], (24,), refs[1], refs[2], 1e-5) * grad_out).sum().backward()
+    for a, r in zip(ins, refs):
+        torch.testing.assert_close(a.grad, r.grad)
