@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from megaformer.parallel import mappings
+from megaformer.parallel.grads import DEFERRED_ATTR
 from megaformer.parallel.utils import (
     divide,
     mark_no_weight_decay,
@@ -244,8 +245,16 @@ def sequence_region_param(
     rank's tokens. :func:`~megaformer.parallel.mappings.copy_to_tp_region` (forward identity,
     backward all-reduce) makes autograd sum those parts, so the replicas receive the same, full
     gradient and stay identical. Without sequence parallelism the parameter is returned as is.
+
+    A parameter marked by :func:`megaformer.parallel.grads.defer_sequence_parallel_grads` (or a
+    view of one, e.g. a slice of the position table) is returned as is: its partial gradient is
+    summed over the TP group once per step, coalesced with the others, by
+    :func:`megaformer.parallel.grads.reduce_sequence_parallel_grads`.
     """
     if not sequence_parallel:
+        return param
+    owner = param if param._base is None else param._base
+    if getattr(owner, DEFERRED_ATTR, False):
         return param
     return mappings.copy_to_tp_region(param, tp_group)
 
@@ -272,14 +281,33 @@ def mask_padded_vocab(
     return out
 
 
+def _shifted_exp(
+    logits_local: torch.Tensor, row_max: torch.Tensor, valid: int, inplace: bool
+) -> torch.Tensor:
+    """``exp(logits − row_max)`` in fp32 with the padding columns (``>= valid``) at 0:
+    ``[..., V/tp]``. In place in ``logits_local`` when ``inplace`` (fp32 logits only)."""
+    if inplace:
+        x = logits_local.sub_(row_max.unsqueeze(-1))  # (..., V/tp), reusing the caller's buffer
+    else:
+        x = logits_local.float() - row_max.unsqueeze(-1)  # (..., V/tp), the one large allocation
+    x[..., valid:] = -torch.inf  # padding: exp(-inf) = 0, no probability mass, no gradient
+    return x
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross-entropy over vocabulary-sharded logits, without materialising the full vocabulary.
 
     Forward: global max (all-reduce MAX), the target logit (from the one rank that owns it) and the
     sum of exponentials, the last two in one all-reduce SUM: two reductions of ``[N]``-sized values.
-    Backward: ``softmax - one_hot(target)`` on this rank's slice, computed in place in the saved
-    local softmax. At most one ``[N, V/tp]`` fp32 buffer is allocated (none with ``inplace``), which
-    matters on CPU, where the logits are the largest tensor of the step.
+    Backward: ``softmax - one_hot(target)`` on this rank's slice.
+
+    What is kept for backward depends on the logits' dtype. fp32: the local softmax, computed in
+    the one ``[N, V/tp]`` fp32 buffer (none with ``inplace``, which matters on CPU, where the logits
+    are the largest tensor of the step), and backward writes the gradient into it. bf16 / fp16:
+    the logits themselves (half the bytes of an fp32 softmax) and the per-token fp32 ``row_max`` and
+    ``sum_exp``; backward recomputes the softmax with the very same fp32 operations, so the gradient
+    is bitwise that of the saved-softmax path, and no fp32 ``[N, V/tp]`` tensor lives between
+    forward and backward.
     """
 
     @staticmethod
@@ -295,11 +323,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             row_max = logits_local.new_full(logits_local.shape[:-1], -torch.inf, dtype=torch.float32)
         if tp_size > 1:
             dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        if inplace and logits_local.dtype == torch.float32:
-            x = logits_local.sub_(row_max.unsqueeze(-1))  # (..., V/tp), reusing the caller's buffer
-        else:
-            x = logits_local.float() - row_max.unsqueeze(-1)  # (..., V/tp), the one large allocation
-        x[..., valid:] = -torch.inf  # padding: exp(-inf) = 0, no probability mass, no gradient
+        low_precision = logits_local.dtype != torch.float32
+        x = _shifted_exp(logits_local, row_max, valid, inplace and not low_precision)
 
         owned = (labels >= start) & (labels < start + per_partition)
         local_labels = (labels - start).masked_fill(~owned, 0)
@@ -314,19 +339,27 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             target, sum_exp = packed.unbind(-1)
         loss = torch.log(sum_exp) - target  # (...) fp32 nats
 
-        softmax = exp_x.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_labels, owned)
-        ctx.input_dtype = logits_local.dtype
+        ctx.input_dtype, ctx.valid, ctx.low_precision = logits_local.dtype, valid, low_precision
         ctx.backward_done = False
+        if low_precision:
+            ctx.save_for_backward(logits_local, row_max, sum_exp, local_labels, owned)
+        else:
+            ctx.save_for_backward(exp_x.div_(sum_exp.unsqueeze(-1)), local_labels, owned)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        if ctx.backward_done:
-            raise RuntimeError("vocab_parallel_cross_entropy: backward reuses its buffer; run it only once")
-        ctx.backward_done = True
-        softmax, local_labels, owned = ctx.saved_tensors
-        grad = softmax.mul_(grad_loss.unsqueeze(-1))  # (..., V/tp), in place in the saved buffer
+        if ctx.low_precision:
+            logits_local, row_max, sum_exp, local_labels, owned = ctx.saved_tensors
+            softmax = _shifted_exp(logits_local, row_max, ctx.valid, False).exp_().div_(sum_exp.unsqueeze(-1))
+        else:
+            if ctx.backward_done:
+                raise RuntimeError(
+                    "vocab_parallel_cross_entropy: backward reuses its buffer; run it only once"
+                )
+            ctx.backward_done = True
+            softmax, local_labels, owned = ctx.saved_tensors
+        grad = softmax.mul_(grad_loss.unsqueeze(-1))  # (..., V/tp), in place in the softmax buffer
         one_hot_part = (grad_loss * owned.to(grad.dtype)).unsqueeze(-1)  # (..., 1)
         grad.scatter_add_(-1, local_labels.unsqueeze(-1), -one_hot_part)
         return grad.to(ctx.input_dtype), None, None, None, None
