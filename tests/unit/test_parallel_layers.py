@@ -224,3 +224,29 @@ def test_sharded_layer_norm_compiles_as_one_graph():
     (F.layer_norm(refs[0], (24,), refs[1], refs[2], 1e-5) * grad_out).sum().backward()
     for a, r in zip(ins, refs):
         torch.testing.assert_close(a.grad, r.grad)
+
+
+def test_bf16_cross_entropy_saves_no_fp32_softmax_and_matches_the_softmax_path_bitwise():
+    vocab, padded = 13, 16
+    logits = (torch.randn(4, 6, padded, generator=gen(8)) * 3).bfloat16()
+    labels = torch.randint(0, vocab, (4, 6), generator=gen(9))
+    weights = torch.rand(4, 6, generator=gen(10))
+    x = logits.clone().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = vocab_parallel_cross_entropy(x, labels, None, vocab)
+    assert not [t for t in saved if t.dtype == torch.float32 and t.shape[-1] == padded]
+    (loss * weights).sum().backward()
+    # The saved-softmax path's arithmetic (what the fp32-softmax implementation computed).
+    row_max = logits[..., :vocab].max(dim=-1).values.float()
+    soft = logits.float() - row_max.unsqueeze(-1)
+    soft[..., vocab:] = -torch.inf
+    soft = soft.exp_()
+    soft.div_(soft.sum(dim=-1, keepdim=True))
+    grad = soft.mul_(weights.unsqueeze(-1))
+    grad.scatter_add_(-1, labels.unsqueeze(-1), -weights.unsqueeze(-1))
+    assert torch.equal(x.grad, grad.bfloat16())
+    ref = F.cross_entropy(
+        logits[..., :vocab].float().reshape(-1, vocab), labels.reshape(-1), reduction="none"
+    )
+    torch.testing.assert_close(loss, ref.view(4, 6))
