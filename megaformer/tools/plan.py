@@ -356,8 +356,8 @@ def describe(plan: Plan) -> str:
     )
     lines.append(
         f"model FLOPs per step {plan.flops_per_step:.3e}; at MFU {plan.mfu:.0%} of "
-        f"{plan.device.peak_tflops:.1f} TFLOP/s per device: step {plan.step_time_s:.2f} s, "
-        f"{t.steps:,} steps = {plan.device_hours:,.0f} device-hours "
+        f"{plan.device.peak_tflops:.4g} TFLOP/s per device: step {plan.step_time_s:.2f} s, "
+        f"{t.steps:,} steps = {plan.device_hours:,.4g} device-hours "
         f"({plan.device_hours / plan.world:,.1f} h wall)"
     )
     return "\n".join(lines)
