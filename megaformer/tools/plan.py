@@ -15,7 +15,8 @@ What is counted, per rank (``Ψ`` = this rank's parameters: its TP shard of its 
 - model states (DeepSpeed 0.19, as configured by :mod:`megaformer.training.deepspeed_config`):
   fp32: weights 4Ψ, gradients 4Ψ, Adam m and v 8Ψ, and under ZeRO ≥ 1 DeepSpeed's fp32 partition
   copy of the weights and of the gradients (4 + 4)Ψ/dp; bf16: bf16 weights 2Ψ, fp32 gradient
-  accumulation 4Ψ, fp32 master + m + v 12Ψ/dp (ZeRO ≥ 1; × dp without); fp16: fp16 weights and
+  accumulation 4Ψ, fp32 master + m + v 12Ψ/dp (ZeRO ≥ 1; × dp without); on CPU also the unfused
+  AdamW step's full-size temporary 4Ψ/dp and the ZeRO reduction bucket; fp16: fp16 weights and
   gradients 2Ψ + 2Ψ, fp32 master, m, v and gradient 16Ψ/dp. ZeRO-2 divides the gradients, ZeRO-3
   everything by dp.
 - activations kept for backward per block and micro-batch, summed from what each operation of
@@ -42,6 +43,13 @@ What is counted, per rank (``Ψ`` = this rank's parameters: its TP shard of its 
 
 Not counted: allocator fragmentation (keep 20 % headroom, which :data:`HEADROOM` applies to the
 verdict), the data loader's worker processes, temporaries of the backward beyond one block.
+
+On CPU the prediction is of live memory. glibc's malloc keeps freed blocks of the backward's
+transients in its arenas (its mmap threshold grows with every large free), so a process's peak
+RSS exceeds its live peak: a 204M-parameter fp32 model (one process, seq 2048, no recompute) had
+5.8 GiB resident after its second backward with 3.3 GiB live, and 3.4 GiB with
+``MALLOC_MMAP_THRESHOLD_=65536`` (large tensors then come from mmap and return to the system on
+free). Set it for CPU runs whose memory is tight (BENCHMARKS.md, 355M at tp 2 × pp 2).
 """
 
 from __future__ import annotations
@@ -131,13 +139,17 @@ def stage_bounds(counts: list[int], pp: int, method: str = "parameters") -> list
     return [(parts[i], parts[i + 1]) for i in range(pp)]
 
 
-def model_state_bytes(params: int, precision: str, zero: int, dp: int) -> tuple[float, float, float]:
+def model_state_bytes(
+    params: int, precision: str, zero: int, dp: int, cpu: bool = False
+) -> tuple[float, float, float]:
     """(weights, gradients, optimizer state) bytes on one rank holding ``params`` parameters (see
     the module docstring for DeepSpeed 0.19's buffers per precision and ZeRO stage)."""
     shard = dp if zero >= 1 else 1
     if precision == "fp32":
         weights, grads = 4.0 * params, 4.0 * params
         optim = 8.0 * params / shard + (8.0 * params / dp if zero >= 1 else 0.0)
+        if cpu:  # the unfused AdamW step's full-size temporary (sqrt of v); CUDA's fused step has none
+            optim += 4.0 * params / shard
     elif precision == "bf16":
         weights, grads, optim = 2.0 * params, 4.0 * params, 12.0 * params / shard
     else:  # fp16
@@ -264,19 +276,32 @@ def make_plan(cfg: RunConfig, device: Device, world: int, mfu: float = 0.4) -> P
     stages = []
     for stage, (lo, hi) in enumerate(stage_bounds(counts, pp, par.partition_method)):
         params = sum(counts[lo:hi])
-        weights, grads, optim = model_state_bytes(
-            params, t.precision if not device.cpu else "fp32", t.zero_stage, dp
-        )
+        precision = t.precision if not device.cpu else "fp32"
+        weights, grads, optim = model_state_bytes(params, precision, t.zero_stage, dp, device.cpu)
         blocks = sum(1 for i in range(lo, hi) if 1 <= i <= m.num_layers)
         in_flight = min(pp - stage, gas)
         acts = in_flight * blocks * block_bytes
         acts += one_block  # the backward's working set: one block (recomputed, under full recompute)
         acts += in_flight * t.micro_batch_size * m.seq_len * m.hidden_size * 4  # embedding / stage I/O
         logits = logits_bytes(cfg, device) if hi == len(counts) else 0.0
-        buffers = CPU_PROCESS_BASE_GIB * GIB if device.cpu else 2.0 * GIB
+        buffers = CPU_PROCESS_BASE_GIB * GIB + _bucket_bytes(cfg) if device.cpu else 2.0 * GIB
         stages.append(StagePlan(stage, (lo, hi), params, weights, grads, optim, acts, logits, buffers))
     flops = model_flops_per_token(m, m.padded_vocab_size(tp)) * t.global_batch_size * m.seq_len
     return Plan(cfg, device, world, dp, gas, stages, flops, mfu)
+
+
+def _bucket_bytes(cfg: RunConfig) -> float:
+    """DeepSpeed's ZeRO gradient-reduction bucket (fp32 on CPU): ``reduce_bucket_size`` elements
+    from ``train.deepspeed_config`` (DeepSpeed's default 5e8 without one); 0 without ZeRO."""
+    import json
+
+    if cfg.train.zero_stage == 0:
+        return 0.0
+    size = 5e8
+    if cfg.train.deepspeed_config:
+        with open(cfg.train.deepspeed_config) as f:
+            size = json.load(f).get("zero_optimization", {}).get("reduce_bucket_size", size)
+    return 4.0 * size
 
 
 def _with(cfg: RunConfig, **train) -> RunConfig:
