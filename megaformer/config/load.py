@@ -415,7 +415,26 @@ def _check_heldout(d) -> None:
     )
 
 
-VALIDATORS: list[Callable[[RunConfig], None]] = [check_model, check_parallel, check_train, check_data]
+def check_recompute(cfg: RunConfig) -> None:
+    t = cfg.train
+    _require(
+        t.recompute in ("none", "selective", "full"),
+        f"train.recompute='{t.recompute}': none, selective (the attention core only) or full (every block).",
+    )
+    _require(
+        not (t.activation_checkpointing and t.recompute == "selective"),
+        "train.activation_checkpointing=true means train.recompute=full, but train.recompute=selective; "
+        "set train.activation_checkpointing=false to recompute the attention core only.",
+    )
+
+
+VALIDATORS: list[Callable[[RunConfig], None]] = [
+    check_model,
+    check_parallel,
+    check_train,
+    check_recompute,
+    check_data,
+]
 
 
 def data_parallel_size(cfg: RunConfig, world_size: int) -> int:

@@ -240,7 +240,20 @@ class TrainConfig:
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in the backward pass instead of storing them
     (never the embedding); under tensor parallelism without sequence parallelism the saved block
-    inputs are partitioned across the TP group."""
+    inputs are partitioned across the TP group. Kept for existing configs: true means
+    train.recompute=full."""
+    recompute: str = "none"
+    """Activation recomputation: none | selective | full. full = recompute each block (as
+    train.activation_checkpointing=true, about one more forward, ~33% more compute); selective =
+    recompute only the attention core softmax(QKᵀ)V in backward (Korthikanti et al. 2022, Sec. 5,
+    Megatron's selective recompute): the [B, heads, T, T] scores, probabilities and dropout mask
+    are not stored, for a few % of compute; with a flash / memory-efficient attention kernel
+    (bf16/fp16 on GPU) they are not stored anyway and selective saves little."""
+    tf32: bool = True
+    """Let fp32 matmuls and convolutions use TF32 tensor cores on Ampere and newer GPUs
+    (torch.backends.cuda.matmul.allow_tf32, cudnn.allow_tf32): ~8x the fp32 matmul rate with a
+    10-bit mantissa in the products (fp32 accumulation). No effect on CPUs or V100, nor on bf16 /
+    fp16 runs' half-precision matmuls. false keeps full fp32 products."""
     diagnostics_interval: int = 0
     """Every this many steps: per-layer gradient norms (grads/fc2_l1/layer_NN, grads/l2/<op>/layer_NN)
     and learned scales (scales/<op>_mean/layer_NN, histograms) to TensorBoard; 0: off."""
@@ -250,6 +263,11 @@ class TrainConfig:
     """Stop the run, save it and record diverged_at_step / diverged_at_lr in summary.json when the
     training loss is not finite or exceeds this multiple of its running minimum (e.g. 2.0; reads
     the loss every step). 0: off, a diverging run continues (its non-finite steps counted)."""
+
+    @property
+    def recompute_mode(self) -> str:
+        """The effective recomputation: 'full' when activation_checkpointing is set, else recompute."""
+        return "full" if self.activation_checkpointing else self.recompute
 
 
 @dataclass(frozen=True)

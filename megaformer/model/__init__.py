@@ -17,6 +17,7 @@ from megaformer.model.normformer import (
     ReplicatedLayerNorm,
     deepnorm_alpha,
     deepnorm_beta,
+    set_selective_recompute,
     sinusoidal_positions,
     tied_output_logits,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "layer_prefixes",
     "model_layers",
     "param_groups",
+    "set_selective_recompute",
     "sinusoidal_positions",
     "tied_output_logits",
     "vocab_param_names",

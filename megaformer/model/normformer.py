@@ -165,9 +165,9 @@ class QKVLayerNorm(nn.Module):
     different function.)
 
     Under tensor parallelism each rank holds the q, k, v features of its own heads, so, as for
-    FFN_LN (:func:`~megaformer.parallel.layers.sharded_layer_norm`), the per-token sum and sum of
-    squares of each of q, k and v (fp32) are summed across the TP group (one all-reduce for the
-    three, forward and backward): the function is the same at every TP degree. The variance is
+    FFN_LN (:func:`~megaformer.parallel.layers.sharded_layer_norm`), the per-token statistics of
+    each of q, k and v (fp32) are reduced across the TP group (forward and backward): the function
+    is the same at every TP degree. The variance is
     computed in two passes (the mean first, then the mean of squared deviations, each summed across
     the group), never as ``E[x²] − E[x]²``, which loses every digit in fp32 when the mean is large
     against the spread. Without a TP group ``F.layer_norm`` does it in one fused kernel.
@@ -449,6 +449,9 @@ class NormFormerBlock(nn.Module):
         self.fc2 = RowParallelLinear(
             ffn, d, tp_group=tp_group, init_std=residual_std, seed=seed_of("ffn.fc2"), sequence_parallel=sp
         )
+        # Selective recomputation of the attention core (train.recompute=selective; set by
+        # megaformer.model.set_selective_recompute after the model is built).
+        self.recompute_core_attention = False
         if config.resid_scale:
             lam = nn.Parameter(torch.ones(d))  # paper Sec. 2: λ_resid initialised to 1
             self.resid_scale = mark_no_weight_decay(mark_replicated(lam))
@@ -471,13 +474,10 @@ class NormFormerBlock(nn.Module):
             qkv = self.qkv_ln(qkv)  # statistics over all heads' q (k, v), reduced across TP ranks
         B, T, _ = qkv.shape  # noqa: N806  (batch size, sequence length)
         q, k, v = qkv.view(B, T, nh, 3, hs).permute(3, 0, 2, 1, 4).unbind(0)  # 3 × (B, nh, T, hs)
-        dropout_p = self.config.attention_dropout if self.training else 0.0
-        if dropout_p > 0.0:
-            # The local heads differ on every TP rank: independent masks.
-            with self.dropout_rng.fork("sharded"):
-                y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        if self.recompute_core_attention and self.training and torch.is_grad_enabled():
+            y = self._recomputed_core_attention(q, k, v)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+            y = self._core_attention(q, k, v)  # (B, nh, T, hs)
         y = y.transpose(1, 2)  # (B, T, nh, hs)
         if self.head_scale is not None:
             # HeadScale scales each head's output BEFORE W_O (paper Eq. for HeadScaleMHA); fairseq
@@ -485,6 +485,37 @@ class NormFormerBlock(nn.Module):
             y = y * self.head_scale.view(nh, 1)  # (B, T, nh, hs)
         y = y.reshape(B, T, nh * hs)  # (B, T, d/tp)
         return self.out_proj(y)  # (B, T, d), reduced across TP ranks
+
+    def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal ``softmax(q kᵀ / sqrt(hs)) v`` with attention dropout: 3 × ``[B, nh, T, hs]`` ->
+        ``[B, nh, T, hs]``."""
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        if dropout_p > 0.0:
+            # The local heads differ on every TP rank: independent masks.
+            with self.dropout_rng.fork("sharded"):
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def _recomputed_core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """:meth:`_core_attention` under selective recomputation (``train.recompute=selective``):
+        only q, k, v are kept for backward, which reruns the core (Korthikanti et al. 2022, Sec. 5).
+        The recomputation replays this call's attention-dropout masks: the dropout generator states
+        are snapshotted before the first run and put back for the rerun, then advanced again."""
+        snapshot = self.dropout_rng.state_dict() if self.config.attention_dropout > 0.0 else None
+        runs = []
+
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if not runs or snapshot is None:  # the forward itself (or nothing random to replay)
+                runs.append(1)
+                return self._core_attention(q, k, v)
+            after = self.dropout_rng.state_dict()
+            self.dropout_rng.load_state_dict(snapshot)
+            try:
+                return self._core_attention(q, k, v)
+            finally:
+                self.dropout_rng.load_state_dict(after)
+
+        return torch.utils.checkpoint.checkpoint(run, q, k, v, use_reentrant=False, preserve_rng_state=False)
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
         """GELU (erf form) or squared ReLU (So et al. 2021, the paper's 2.7B model)."""
@@ -518,6 +549,16 @@ class NormFormerBlock(nn.Module):
             # ResScale weights only the FFN residual (as fairseq)
             h = sequence_region_param(self.resid_scale, self.tp_group, self.sequence_parallel) * h
         return h + f
+
+
+def set_selective_recompute(model: nn.Module, enabled: bool = True) -> int:
+    """Turn selective recomputation of the attention core on (or off) in every
+    :class:`NormFormerBlock` of ``model`` (a ``NormFormerLM`` or a pipeline stage). Returns how
+    many blocks were set."""
+    blocks = [m for m in model.modules() if isinstance(m, NormFormerBlock)]
+    for block in blocks:
+        block.recompute_core_attention = enabled
+    return len(blocks)
 
 
 class FinalNorm(nn.Module):

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from megaformer.parallel import mappings
+from megaformer.parallel.grads import DEFERRED_ATTR
 from megaformer.parallel.utils import (
     divide,
     mark_no_weight_decay,
@@ -91,7 +92,7 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel:
             x = mappings.gather_from_sequence_region(x, self.tp_group)  # (B, T, in_features)
         else:
-            x = mappings.copy_to_tp_region(x, self.tp_group)
+            x = mappings.copy_to_tp_region(x, self.tp_group, grad_is_private=True)  # F.linear consumes it
         y = F.linear(x, self.weight, self.bias)  # (..., out_features / tp)
         if self.gather_output:
             y = mappings.gather_from_tp_region(y, self.tp_group)  # (..., out_features)
@@ -244,8 +245,16 @@ def sequence_region_param(
     rank's tokens. :func:`~megaformer.parallel.mappings.copy_to_tp_region` (forward identity,
     backward all-reduce) makes autograd sum those parts, so the replicas receive the same, full
     gradient and stay identical. Without sequence parallelism the parameter is returned as is.
+
+    A parameter marked by :func:`megaformer.parallel.grads.defer_sequence_parallel_grads` (or a
+    view of one, e.g. a slice of the position table) is returned as is: its partial gradient is
+    summed over the TP group once per step, coalesced with the others, by
+    :func:`megaformer.parallel.grads.reduce_sequence_parallel_grads`.
     """
     if not sequence_parallel:
+        return param
+    owner = param if param._base is None else param._base
+    if getattr(owner, DEFERRED_ATTR, False):
         return param
     return mappings.copy_to_tp_region(param, tp_group)
 
@@ -272,14 +281,33 @@ def mask_padded_vocab(
     return out
 
 
+def _shifted_exp(
+    logits_local: torch.Tensor, row_max: torch.Tensor, valid: int, inplace: bool
+) -> torch.Tensor:
+    """``exp(logits − row_max)`` in fp32 with the padding columns (``>= valid``) at 0:
+    ``[..., V/tp]``. In place in ``logits_local`` when ``inplace`` (fp32 logits only)."""
+    if inplace:
+        x = logits_local.sub_(row_max.unsqueeze(-1))  # (..., V/tp), reusing the caller's buffer
+    else:
+        x = logits_local.float() - row_max.unsqueeze(-1)  # (..., V/tp), the one large allocation
+    x[..., valid:] = -torch.inf  # padding: exp(-inf) = 0, no probability mass, no gradient
+    return x
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross-entropy over vocabulary-sharded logits, without materialising the full vocabulary.
 
     Forward: global max (all-reduce MAX), the target logit (from the one rank that owns it) and the
     sum of exponentials, the last two in one all-reduce SUM: two reductions of ``[N]``-sized values.
-    Backward: ``softmax - one_hot(target)`` on this rank's slice, computed in place in the saved
-    local softmax. At most one ``[N, V/tp]`` fp32 buffer is allocated (none with ``inplace``), which
-    matters on CPU, where the logits are the largest tensor of the step.
+    Backward: ``softmax - one_hot(target)`` on this rank's slice.
+
+    What is kept for backward depends on the logits' dtype. fp32: the local softmax, computed in
+    the one ``[N, V/tp]`` fp32 buffer (none with ``inplace``, which matters on CPU, where the logits
+    are the largest tensor of the step), and backward writes the gradient into it. bf16 / fp16:
+    the logits themselves (half the bytes of an fp32 softmax) and the per-token fp32 ``row_max`` and
+    ``sum_exp``; backward recomputes the softmax with the very same fp32 operations, so the gradient
+    is bitwise that of the saved-softmax path, and no fp32 ``[N, V/tp]`` tensor lives between
+    forward and backward.
     """
 
     @staticmethod
@@ -295,11 +323,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             row_max = logits_local.new_full(logits_local.shape[:-1], -torch.inf, dtype=torch.float32)
         if tp_size > 1:
             dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        if inplace and logits_local.dtype == torch.float32:
-            x = logits_local.sub_(row_max.unsqueeze(-1))  # (..., V/tp), reusing the caller's buffer
-        else:
-            x = logits_local.float() - row_max.unsqueeze(-1)  # (..., V/tp), the one large allocation
-        x[..., valid:] = -torch.inf  # padding: exp(-inf) = 0, no probability mass, no gradient
+        low_precision = logits_local.dtype != torch.float32
+        x = _shifted_exp(logits_local, row_max, valid, inplace and not low_precision)
 
         owned = (labels >= start) & (labels < start + per_partition)
         local_labels = (labels - start).masked_fill(~owned, 0)
@@ -314,19 +339,27 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             target, sum_exp = packed.unbind(-1)
         loss = torch.log(sum_exp) - target  # (...) fp32 nats
 
-        softmax = exp_x.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_labels, owned)
-        ctx.input_dtype = logits_local.dtype
+        ctx.input_dtype, ctx.valid, ctx.low_precision = logits_local.dtype, valid, low_precision
         ctx.backward_done = False
+        if low_precision:
+            ctx.save_for_backward(logits_local, row_max, sum_exp, local_labels, owned)
+        else:
+            ctx.save_for_backward(exp_x.div_(sum_exp.unsqueeze(-1)), local_labels, owned)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        if ctx.backward_done:
-            raise RuntimeError("vocab_parallel_cross_entropy: backward reuses its buffer; run it only once")
-        ctx.backward_done = True
-        softmax, local_labels, owned = ctx.saved_tensors
-        grad = softmax.mul_(grad_loss.unsqueeze(-1))  # (..., V/tp), in place in the saved buffer
+        if ctx.low_precision:
+            logits_local, row_max, sum_exp, local_labels, owned = ctx.saved_tensors
+            softmax = _shifted_exp(logits_local, row_max, ctx.valid, False).exp_().div_(sum_exp.unsqueeze(-1))
+        else:
+            if ctx.backward_done:
+                raise RuntimeError(
+                    "vocab_parallel_cross_entropy: backward reuses its buffer; run it only once"
+                )
+            ctx.backward_done = True
+            softmax, local_labels, owned = ctx.saved_tensors
+        grad = softmax.mul_(grad_loss.unsqueeze(-1))  # (..., V/tp), in place in the softmax buffer
         one_hot_part = (grad_loss * owned.to(grad.dtype)).unsqueeze(-1)  # (..., 1)
         grad.scatter_add_(-1, local_labels.unsqueeze(-1), -one_hot_part)
         return grad.to(ctx.input_dtype), None, None, None, None
@@ -362,6 +395,79 @@ def vocab_parallel_cross_entropy(
     return _VocabParallelCrossEntropy.apply(logits_local, labels, tp_group, vocab_size, inplace)
 
 
+def _merged_statistics(
+    xf: torch.Tensor, normalized_size: int, eps: float, group: ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token ``(mean, rstd)`` (fp32, ``xf.shape[:-1]``) over the full, sharded last dimension.
+
+    Each rank computes its shard's count ``k``, mean and M2 (sum of squared deviations, two passes
+    over its own slice), then one all-gather of the ``[2, ...]`` per-shard values and the merge of
+    Chan, Golub & LeVeque (1979) with equal counts: ``mean = mean_r(mean_r)``, ``M2 = Σ_r M2_r +
+    k·Σ_r (mean_r − mean)²``. Every rank merges the same gathered values in the same order, so
+    every rank gets bit-identical statistics. Never ``E[x²] − E[x]²``, which cancels catastrophically
+    in fp32 when ``|mean| ≫ std``.
+    """
+    local_mean = xf.mean(dim=-1)  # (...)
+    local_m2 = (xf - local_mean.unsqueeze(-1)).square().sum(dim=-1)  # (...)
+    if tp_world_size(group) == 1:
+        mean, m2 = local_mean, local_m2
+    else:
+        stats = mappings.all_gather_stacked(torch.stack([local_mean, local_m2]), group)  # (tp, 2, ...)
+        means, m2s = stats.unbind(1)  # (tp, ...) each
+        mean = means.mean(dim=0)
+        m2 = m2s.sum(dim=0) + xf.shape[-1] * (means - mean).square().sum(dim=0)
+    rstd = torch.rsqrt(m2 / normalized_size + eps)
+    return mean, rstd
+
+
+class _ShardedLayerNormFunction(torch.autograd.Function):
+    """LayerNorm over a last dimension sharded across ``group``: forward and an explicit backward.
+
+    Saves only the input (in its own dtype), the optional weight and the per-token fp32 ``mean`` and
+    ``rstd``; the normalised ``x̂`` is recomputed in backward. Communication per call: forward one
+    all-gather of ``[2, tokens]`` per-shard statistics, backward one all-reduce of ``[tokens, 2]``
+    (the two row sums of the input gradient). The arithmetic is plain tensor code without
+    data-dependent control flow, so ``torch.compile`` traces it (the collectives are c10d ops).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, normalized_size, eps, group):
+        xf = x.float()
+        mean, rstd = _merged_statistics(xf, normalized_size, eps, group)
+        y = (xf - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)  # x̂, (..., n / tp)
+        if weight is not None:
+            y = y * weight.float()
+        if bias is not None:
+            y = y + bias.float()
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.normalized_size, ctx.group, ctx.has_bias = normalized_size, group, bias is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight, mean, rstd = ctx.saved_tensors
+        xhat = (x.float() - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)  # (..., n / tp)
+        dy = grad_y.float()
+        g = dy * weight.float() if weight is not None else dy  # dL/dx̂
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            # dL/dx = rstd · (g − mean(g) − x̂ · mean(g · x̂)), both means over the FULL dimension:
+            # one all-reduce of the two per-token row sums.
+            sums = torch.stack([g.sum(dim=-1), (g * xhat).sum(dim=-1)], dim=-1)  # (..., 2)
+            if tp_world_size(ctx.group) > 1:
+                dist.all_reduce(sums, group=ctx.group)
+            sums = sums / ctx.normalized_size
+            grad_x = rstd.unsqueeze(-1) * (g - sums[..., 0:1] - xhat * sums[..., 1:2])
+            grad_x = grad_x.to(x.dtype)
+        lead = tuple(range(dy.ndim - 1))
+        if weight is not None and ctx.needs_input_grad[1]:
+            grad_w = (dy * xhat).sum(dim=lead).to(weight.dtype)  # this rank's shard of the gain
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = dy.sum(dim=lead).to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
 def sharded_layer_norm(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -373,14 +479,16 @@ def sharded_layer_norm(
 ) -> torch.Tensor:
     """LayerNorm (Ba et al. 2016) over a last dimension sharded across ``tp_group``, any TP degree.
 
-    Per token, each rank sums its slice and its squares in fp32; one all-reduce of those two values
-    gives the full mean and variance (``var = E[x²] − E[x]²``, clamped at 0). The collective is
-    :func:`~megaformer.parallel.mappings.sum_across_tp_region`, whose backward all-reduces too, so
-    the gradient is that of the unsharded LayerNorm. Always takes this composed path (also with
-    ``tp_group=None``), which is what tests compare against ``torch.nn.functional.layer_norm``.
+    Statistics: per token, each rank's shard mean and M2 (two passes over its slice, fp32) merged
+    across the group with Chan et al.'s pairwise formula (one all-gather), which is as accurate as
+    a two-pass LayerNorm over the whole row, whatever ``|mean| / std``. Backward all-reduces the
+    two per-token sums of the input gradient (one collective), so the gradient is that of the
+    unsharded LayerNorm. Saves the input, ``mean`` and ``rstd`` only. Always takes this path (also
+    with ``tp_group=None``), which is what tests compare against ``torch.nn.functional.layer_norm``.
 
     Args:
-        x: ``[..., normalized_size / tp]``, this rank's slice of the normalised dimension.
+        x: ``[..., normalized_size / tp]``, this rank's slice of the normalised dimension (any
+            float dtype; statistics and arithmetic in fp32).
         weight, bias: ``[normalized_size / tp]`` slices of the gain and shift, or None.
         normalized_size: FULL size of the normalised dimension.
         eps: added to the variance.
@@ -388,17 +496,7 @@ def sharded_layer_norm(
     Returns:
         ``[..., normalized_size / tp]`` in ``x``'s dtype.
     """
-    xf = x.float()
-    stats = torch.stack([xf.sum(dim=-1), (xf * xf).sum(dim=-1)], dim=-1)  # (..., 2)
-    stats = mappings.sum_across_tp_region(stats, tp_group) / normalized_size
-    mean, mean_sq = stats.unbind(-1)  # (...), (...)
-    var = (mean_sq - mean * mean).clamp_min(0.0)
-    y = (xf - mean.unsqueeze(-1)) * torch.rsqrt(var + eps).unsqueeze(-1)
-    if weight is not None:
-        y = y * weight.float()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
+    return _ShardedLayerNormFunction.apply(x, weight, bias, normalized_size, eps, tp_group)
 
 
 class ShardedLayerNorm(nn.Module):

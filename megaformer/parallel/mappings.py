@@ -41,12 +41,49 @@ from torch.distributed import ProcessGroup
 
 from megaformer.parallel.utils import divide, tp_world_size
 
+# torch >= 2.10 names the single-tensor collectives ``all_gather_single`` / ``reduce_scatter_single``
+# (the ``*_into_tensor`` / ``*_tensor`` names are deprecated aliases). Both NCCL and gloo implement
+# them (gloo checked on torch 2.13: ``tests/distributed/test_tp_layers.py`` runs every mapping on it),
+# so there is no list-based fallback: one flat buffer, one collective, no ``torch.cat``.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_reduce_(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Sum ``x`` over ``group`` in place when it is contiguous (else on a contiguous copy); returns
+    the reduced tensor. Callers pass only buffers that nothing else reads."""
+    x = x.contiguous()
+    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+    return x
+
 
 def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    # Reduce a private copy: the caller's tensor may be saved by autograd elsewhere.
-    out = x.contiguous().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-    return out
+    # Reduce a private copy: the caller's tensor may be read by autograd or by another branch.
+    return _all_reduce_(x.clone(memory_format=torch.contiguous_format), group)
+
+
+def _reduce_in_place_forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Forward all-reduce without a copy: the input (a fresh matmul output in every caller) is
+    reduced in place and marked dirty, so autograd raises, instead of computing a wrong gradient,
+    if anything had saved it. A leaf that requires grad, a view, or a non-contiguous input is
+    reduced on a copy instead."""
+    if x.is_contiguous() and x._base is None and not (x.is_leaf and x.requires_grad):
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+        ctx.mark_dirty(x)
+        return x
+    return _all_reduce(x, group)
+
+
+def all_gather_stacked(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Every rank's ``x`` stacked along a new leading dimension in rank order: ``[n, *x.shape]``.
+
+    One ``all_gather_single`` into one contiguous buffer. No autograd (use the mappings below).
+    """
+    x = x.contiguous()
+    n = dist.get_world_size(group)
+    out = x.new_empty(n * x.numel())  # flat: gloo takes only the concatenated form, not a stack
+    _all_gather_single(out, x.view(-1), group=group)
+    return out.view(n, *x.shape)
 
 
 def _split_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -56,10 +93,7 @@ def _split_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 
 def _gather_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, dim=-1)
+    return _gather_dim(x, -1, group)
 
 
 def _split_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
@@ -68,36 +102,44 @@ def _split_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
 
 
 def _gather_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, dim=dim)
+    """Concatenate every rank's ``x`` along ``dim``: gathered rank-major along a new dim 0 (one
+    contiguous buffer), then the rank dimension moved next to ``dim`` and merged with it. The
+    rearrangement is a view when every dimension before ``dim`` has size 1 (e.g. batch 1 along the
+    sequence), one copy otherwise."""
+    dim = dim % x.ndim
+    stacked = all_gather_stacked(x, group)  # (n, *x.shape)
+    return stacked.movedim(0, dim).flatten(dim, dim + 1)  # (..., n · x.shape[dim], ...)
 
 
 def _reduce_scatter_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    """Sum ``x`` over ``group`` and keep this rank's ``1/n`` slice of ``dim``: the slices are laid
+    out rank-major along a new dim 0 (a view when the dimensions before ``dim`` have size 1, one
+    copy otherwise), then one ``reduce_scatter_single``."""
+    dim = dim % x.ndim
     world_size = dist.get_world_size(group)
     size = divide(x.shape[dim], world_size)
-    chunks = [c.contiguous() for c in x.split(size, dim=dim)]
-    out = torch.empty_like(chunks[0])
-    dist.reduce_scatter(out, chunks, op=dist.ReduceOp.SUM, group=group)
+    chunks = x.unflatten(dim, (world_size, size)).movedim(dim, 0).contiguous()  # (n, ..., size, ...)
+    out = chunks.new_empty(chunks.shape[1:])
+    _reduce_scatter_single(out.view(-1), chunks.view(-1), op=dist.ReduceOp.SUM, group=group)
     return out
 
 
 class _CopyToTPRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, grad_is_private: bool) -> torch.Tensor:
+        ctx.group, ctx.grad_is_private = group, grad_is_private
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _all_reduce(grad, ctx.group), None
+        reduce = _all_reduce_ if ctx.grad_is_private else _all_reduce
+        return reduce(grad, ctx.group), None, None
 
 
 class _ReduceFromTPRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        return _all_reduce(x, group)
+        return _reduce_in_place_forward(ctx, x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -108,7 +150,7 @@ class _SumAcrossTPRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        return _all_reduce(x, group)
+        return _reduce_in_place_forward(ctx, x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -172,22 +214,31 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
         return _gather_dim(grad, ctx.dim, ctx.group), None, None
 
 
-def copy_to_tp_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+def copy_to_tp_region(
+    x: torch.Tensor, group: ProcessGroup | None, *, grad_is_private: bool = False
+) -> torch.Tensor:
     """Enter a TP region with a replicated input: forward identity, backward all-reduce.
 
     Use before a column-parallel matmul: each rank's backward yields only its shard's part of
     ``dL/dx``; the all-reduce sums them. Shape and dtype unchanged.
+
+    ``grad_is_private``: the gradient arriving in backward is a buffer nothing else reads (true when
+    the only consumer of the output is a matmul, whose input gradient is a fresh product), so it is
+    all-reduced in place. Otherwise (e.g. the output also feeds an addition, whose backward hands
+    the same gradient tensor to both branches) it is reduced on a copy.
     """
     if tp_world_size(group) == 1:
         return x
-    return _CopyToTPRegion.apply(x, group)
+    return _CopyToTPRegion.apply(x, group, grad_is_private)
 
 
 def reduce_from_tp_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Leave a TP region by summing partial results: forward all-reduce, backward identity.
 
     Use after a row-parallel matmul: the summed output is replicated, so its gradient already is
-    the same on every rank. Shape and dtype unchanged.
+    the same on every rank. Shape and dtype unchanged. The input is CONSUMED: a contiguous non-view
+    tensor is reduced in place and returned (Megatron's ``_reduce``); pass a buffer nothing else
+    reads, such as a matmul output. (Autograd raises if something had saved it for backward.)
     """
     if tp_world_size(group) == 1:
         return x
@@ -199,7 +250,8 @@ def sum_across_tp_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.T
 
     Forward all-reduce AND backward all-reduce: each rank's consumer contributes only part of the
     gradient of the sum, so the true gradient is the sum over ranks (used for the per-token
-    statistics of :class:`~megaformer.parallel.layers.ShardedLayerNorm`). Shape and dtype unchanged.
+    statistics of :class:`~megaformer.model.normformer.QKVLayerNorm`). Shape and dtype unchanged. The
+    input is consumed as in :func:`reduce_from_tp_region`.
     """
     if tp_world_size(group) == 1:
         return x
@@ -264,6 +316,7 @@ def reduce_scatter_to_sequence_region(
 
 
 __all__ = [
+    "all_gather_stacked",
     "copy_to_tp_region",
     "gather_from_sequence_region",
     "gather_from_tp_region",

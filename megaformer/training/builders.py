@@ -87,16 +87,19 @@ def build_model(cfg: RunConfig, layout: Layout, dropout_rng: DropoutRNG) -> torc
     """The model of this rank: :class:`~megaformer.model.NormFormerLM` at pp = 1, else this stage of
     the DeepSpeed ``PipelineModule`` cut from the same layer plan. Moved to ``layout.device``.
 
-    Activation checkpointing (``train.activation_checkpointing``) recomputes each block; under TP
-    without sequence parallelism the saved block inputs are partitioned across the TP group.
+    ``train.recompute`` (or ``train.activation_checkpointing``): ``full`` recomputes each block (under
+    TP without sequence parallelism the saved block inputs are partitioned across the TP group);
+    ``selective`` recomputes only each block's attention core. Also applies ``train.tf32``.
     """
-    from megaformer.model import NormFormerLM
+    from megaformer.model import NormFormerLM, set_selective_recompute
     from megaformer.pipeline import build_pipeline_module, checkpointed
 
     t, par = cfg.train, cfg.parallel
     tp_group = layout.tp_group
     sequence_parallel = par.sequence_parallel and par.tp_size > 1
-    if t.activation_checkpointing:
+    full = t.recompute_mode == "full"
+    configure_tf32(t.tf32)
+    if full:
         from deepspeed.runtime.activation_checkpointing import checkpointing
 
         # Sequence-parallel block inputs are already sliced and differ per rank: stored whole.
@@ -112,12 +115,14 @@ def build_model(cfg: RunConfig, layout: Layout, dropout_rng: DropoutRNG) -> torc
             cfg.model,
             topology=layout.state.topology(),
             partition_method=par.partition_method,
-            activation_checkpointing=t.activation_checkpointing,
+            activation_checkpointing=full,
             **common,
         )
     else:
-        ckpt = checkpointed(dropout_rng) if t.activation_checkpointing else None
+        ckpt = checkpointed(dropout_rng) if full else None
         model = NormFormerLM(cfg.model, checkpoint_fn=ckpt, **common)
+    if t.recompute_mode == "selective":
+        set_selective_recompute(model)
     return model.to(layout.device)
 
 
@@ -143,6 +148,22 @@ def count_parameters_global(model: torch.nn.Module, layout: Layout) -> int:
     return all_reduce_ints([count], group=state.pp_group)[0]
 
 
+def adamw_implementation(model: torch.nn.Module) -> dict[str, bool]:
+    """``torch.optim.AdamW``'s implementation switch for ``model``'s parameters: ``fused=True`` (one
+    kernel per step for all parameters) when they are all on CUDA, ``foreach=True`` (multi-tensor
+    ops; bitwise-equal to the per-parameter loop on CPU, a test) otherwise. DeepSpeed steps this
+    optimizer on its own fp32 master copies / ZeRO partitions, which live on the same device."""
+    on_cuda = all(p.device.type == "cuda" for p in model.parameters())
+    return {"fused": True} if on_cuda else {"foreach": True}
+
+
+def configure_tf32(enabled: bool) -> None:
+    """``train.tf32``: let fp32 matmuls and cuDNN convolutions use TF32 tensor cores (Ampere and
+    newer; no effect on CPUs and older GPUs)."""
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
 def build_optimizer(
     model: torch.nn.Module, cfg: RunConfig, start_step: int, schedule: Any = None
 ) -> tuple[Any, Any]:
@@ -154,7 +175,11 @@ def build_optimizer(
 
     t = cfg.train
     optimizer = torch.optim.AdamW(
-        param_groups(model, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps
+        param_groups(model, t.weight_decay),
+        lr=t.lr,
+        betas=(t.adam_beta1, t.adam_beta2),
+        eps=t.adam_eps,
+        **adamw_implementation(model),
     )
     scheduler = build_scheduler(optimizer, t, schedule)
     with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": intended

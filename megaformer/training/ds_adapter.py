@@ -19,6 +19,9 @@ process group starts:
   :meth:`Engine.before_optimizer_step` wraps it, for the per-layer gradient diagnostics;
 * the learning rate an update uses, read from the optimizer's ``param_groups`` (DeepSpeed does not
   step the scheduler after an fp16 overflow, so it lags the step counter);
+* sequence-parallel parameter gradients are summed over the TP group once per step, coalesced, by
+  wrapping ``DeepSpeedEngine.allreduce_gradients`` where the engine still holds whole gradients at
+  the accumulation boundary (:func:`_install_sequence_parallel_grad_reduction`);
 * checkpoint file names (:data:`MODEL_STATES_FILE`, :data:`LAYER_STATES_FILE`), read by
   :mod:`megaformer.tools.reshard`.
 
@@ -39,6 +42,7 @@ import torch.distributed as dist
 
 from megaformer.config import ConfigError
 from megaformer.parallel.comm import comm_device, mean_over_group
+from megaformer.parallel.grads import defer_sequence_parallel_grads, reduce_sequence_parallel_grads
 from megaformer.parallel.utils import grad_norm_squared
 
 TESTED_DEEPSPEED = "0.19"
@@ -175,6 +179,44 @@ class LossScaleExhaustedError(RuntimeError):
 _MIN_SCALE_MESSAGE = "loss scale already at minimum"  # DeepSpeed 0.19's DynamicLossScaler.update_scale
 
 
+def _install_sequence_parallel_grad_reduction(engine: Any, state: Any) -> bool:
+    """Sum sequence-parallel parameter gradients over the TP group once per step (Megatron's
+    coalesced LayerNorm-gradient all-reduce) instead of per parameter per micro-batch.
+
+    Installed only where DeepSpeed 0.19 reduces gradients at the accumulation boundary from the
+    parameters' whole gradients (``.grad``, or ``.grad_accum`` when it accumulates in fp32): no ZeRO
+    or ZeRO-1 without ``overlap_comm``, and not the BF16_Optimizer (which moves gradients into its
+    own fp32 buffers during backward). The TP sum runs just before DeepSpeed's data-parallel
+    reduction, hence before clipping and the optimizer. Elsewhere (ZeRO-2/3, overlap_comm, bf16
+    without ZeRO) the model keeps the per-micro-batch autograd all-reduce. Returns whether it was
+    installed.
+    """
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    module = engine.module
+    if state.tp_size == 1 or not any(getattr(m, "sequence_parallel", False) for m in module.modules()):
+        return False
+    opt = engine.optimizer
+    hooks_reduce = getattr(opt, "overlap_comm", False) or getattr(opt, "partition_gradients", False)
+    if engine.zero_optimization_stage() > 1 or hooks_reduce or isinstance(opt, BF16_Optimizer):
+        return False
+    params = defer_sequence_parallel_grads(module)
+    use_accum = getattr(opt, "use_grad_accum_attribute", False)
+
+    def grad_of(p: torch.nn.Parameter) -> torch.Tensor | None:
+        return getattr(p, "grad_accum", None) if use_accum else p.grad
+
+    original = engine.allreduce_gradients
+
+    def allreduce_gradients(*args: Any, **kwargs: Any) -> Any:
+        if engine.is_gradient_accumulation_boundary():
+            reduce_sequence_parallel_grads(params, state.tp_group, grad_of)
+        return original(*args, **kwargs)
+
+    engine.allreduce_gradients = allreduce_gradients
+    return True
+
+
 class Engine:
     """A DeepSpeed engine (plain or pipeline) behind the few calls the trainer makes.
 
@@ -197,6 +239,7 @@ class Engine:
         self._grad_norm: Any = None
         if pipelined and self._fp32_plain:
             _install_pipeline_fp32_clipping(engine, state)
+        self.coalesced_sp_grads = _install_sequence_parallel_grad_reduction(engine, state)
 
     @property
     def module(self) -> torch.nn.Module:

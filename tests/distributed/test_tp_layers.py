@@ -23,8 +23,10 @@ from megaformer.parallel import (
     RowParallelLinear,
     ShardedLayerNorm,
     VocabParallelEmbedding,
+    sharded_layer_norm,
     vocab_parallel_cross_entropy,
 )
+from megaformer.parallel.grads import defer_sequence_parallel_grads, reduce_sequence_parallel_grads
 from megaformer.parallel.mappings import (
     gather_from_sequence_region,
     reduce_scatter_to_sequence_region,
@@ -149,6 +151,48 @@ def _check_sharded_layer_norm(group) -> None:
     torch.testing.assert_close(_full_grad(ours.bias, group), ref.bias.grad, **TOL)
 
 
+def _ln_outputs(ln, x, w, b, grad_out) -> list[torch.Tensor]:
+    """``[y, dx, dw, db]`` of ``ln(x, w, b)`` back-propagating ``grad_out``."""
+    ins = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+    y = ln(*ins)
+    (y * grad_out).sum().backward()
+    return [y.detach()] + [t.grad for t in ins]
+
+
+def _check_layer_norm_precision(group) -> None:
+    """The FFN LayerNorm against an fp64 reference, rows of 1,024 values with std 1 and
+    |mean| / std = 1, 300, 3,000: the output and the gradients of x, the gain and the shift within
+    10x of ``F.layer_norm``'s own fp32 error (the issue's proof). ``E[x²] − E[x]²`` in fp32 fails
+    this (at TP = 2: 5.4e-2 at mean 300, 1.3e3 at mean 3,000, where F.layer_norm stays at 5.6e-5
+    and 5.0e-4). Each rank checks its own slice of the outputs and gradients."""
+    n = 1024
+    w = 1 + 0.5 * torch.randn(n, generator=_gen(30))
+    b = torch.randn(n, generator=_gen(31))
+    grad_out = torch.randn(4, 16, n, generator=_gen(32))
+    dims = (-1, -1, 0, 0)  # the dimension along which y, dx, dw, db are sharded
+
+    def sharded(x, w, b):
+        return sharded_layer_norm(x, w, b, normalized_size=n, eps=1e-5, tp_group=group)
+
+    for mean in (1.0, 300.0, 3000.0):
+        x = mean + torch.randn(4, 16, n, generator=_gen(33))
+        exact = _ln_outputs(
+            lambda x, w, b: F.layer_norm(x, (n,), w, b, 1e-5),
+            x.double(),
+            w.double(),
+            b.double(),
+            grad_out.double(),
+        )
+        torch_fp32 = _ln_outputs(lambda x, w, b: F.layer_norm(x, (n,), w, b, 1e-5), x, w, b, grad_out)
+        local = [_rank_slice(t, -1 if t.ndim > 1 else 0, group) for t in (x, w, b, grad_out)]
+        ours = _ln_outputs(sharded, *local)
+        for what, o, t, e, dim in zip(("y", "dx", "dw", "db"), ours, torch_fp32, exact, dims):
+            e_local = _rank_slice(e, dim, group)
+            ours_err = float((o.double() - e_local).abs().max())
+            torch_err = float((t.double() - e).abs().max())
+            assert ours_err <= 10 * torch_err, (mean, what, ours_err, torch_err)
+
+
 def _check_cross_entropy(group) -> None:
     vocab, padded = 13, 16  # at TP=2 rank 1 holds columns 8..15, three of them padding
     full = 3 * torch.randn(6, 5, padded, generator=_gen(10))
@@ -232,6 +276,33 @@ def _check_sequence_parallel_model(group) -> None:
     _check_model(group, sequence_parallel=True)
 
 
+def _check_sequence_parallel_grads_once_per_step(group) -> None:
+    """Deferred sequence-parallel gradients (partial sums left in .grad over two micro-batches, then
+    one coalesced all-reduce) equal the per-parameter autograd all-reduces, with far fewer
+    collectives in backward."""
+    config = dataclasses.replace(TINY, resid_scale=True, position_embedding="learned")
+    batches = [torch.randint(0, TINY.vocab_size, (2, 16), generator=_gen(40 + i)) for i in range(4)]
+    grads, reduces = [], []
+    for deferred in (False, True):
+        model = NormFormerLM(config, tp_group=group, seed=3, sequence_parallel=True)
+        params = defer_sequence_parallel_grads(model) if deferred else []
+        calls = []
+        real = dist.all_reduce
+        dist.all_reduce = lambda *a, _calls=calls, _real=real, **k: _calls.append(1) or _real(*a, **k)
+        try:
+            for tokens, labels in (batches[:2], batches[2:]):  # two micro-batches, one step
+                model(tokens, labels).backward()
+        finally:
+            dist.all_reduce = real
+        if deferred:
+            assert params and reduce_sequence_parallel_grads(params, group) == 1
+        grads.append([p.grad.clone() for p in model.parameters()])
+        reduces.append(len(calls))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # summation order differs
+    assert reduces[1] < reduces[0], reduces
+
+
 def _check_sequence_mappings(group) -> None:
     """scatter / gather / reduce-scatter along dim 1, forward and backward, against explicit slicing."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
@@ -295,10 +366,12 @@ CHECKS = {
     "linear": _check_linear_layers,
     "embedding": _check_embedding,
     "layer_norm": _check_sharded_layer_norm,
+    "layer_norm_precision": _check_layer_norm_precision,
     "cross_entropy": _check_cross_entropy,
     "model": _check_model,
     "sequence_mappings": _check_sequence_mappings,
     "sequence_parallel_model": _check_sequence_parallel_model,
+    "sequence_parallel_grads": _check_sequence_parallel_grads_once_per_step,
     "dropout_rng": _check_dropout_rng,
     "parallel_state": lambda group: _check_parallel_state(),
 }

@@ -194,3 +194,59 @@ def test_mask_padded_vocab():
     assert torch.all(masked[:, 13:] == float("-inf")) and torch.all(masked[:, :13] == 0)
     assert torch.all(logits == 0)  # the input is untouched
     assert mask_padded_vocab(logits, None, 16) is logits
+
+
+def test_sharded_layer_norm_saves_only_input_weight_and_per_token_statistics():
+    # The old composed path saved several fp32 copies of the [..., n / tp] activation (the fp32
+    # cast, the centred values, the normalised values); backward needs x, the gain, mean and rstd.
+    x = torch.randn(4, 8, 64, generator=gen(7)).bfloat16().requires_grad_()
+    w, b = torch.ones(64, requires_grad=True), torch.zeros(64, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = sharded_layer_norm(x, w, b, normalized_size=64, eps=1e-5, tp_group=None)
+    assert y.dtype == torch.bfloat16
+    big = [t for t in saved if t.numel() == x.numel()]
+    assert len(big) == 1 and big[0].dtype == torch.bfloat16  # the input itself, in its own dtype
+    assert sum(t.numel() for t in saved) == x.numel() + 64 + 2 * 4 * 8  # + gain + mean, rstd
+
+
+def test_sharded_layer_norm_compiles_as_one_graph():
+    fn = torch.compile(
+        lambda x, w, b: sharded_layer_norm(x, w, b, normalized_size=24, eps=1e-5, tp_group=None),
+        fullgraph=True,
+        backend="aot_eager",
+    )
+    x, w, b = _ln_inputs()
+    ins = [t.clone().requires_grad_() for t in (x, w, b)]
+    refs = [t.clone().requires_grad_() for t in (x, w, b)]
+    grad_out = torch.randn(x.shape, generator=gen(4))
+    (fn(*ins) * grad_out).sum().backward()
+    (F.layer_norm(refs[0], (24,), refs[1], refs[2], 1e-5) * grad_out).sum().backward()
+    for a, r in zip(ins, refs):
+        torch.testing.assert_close(a.grad, r.grad)
+
+
+def test_bf16_cross_entropy_saves_no_fp32_softmax_and_matches_the_softmax_path_bitwise():
+    vocab, padded = 13, 16
+    logits = (torch.randn(4, 6, padded, generator=gen(8)) * 3).bfloat16()
+    labels = torch.randint(0, vocab, (4, 6), generator=gen(9))
+    weights = torch.rand(4, 6, generator=gen(10))
+    x = logits.clone().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = vocab_parallel_cross_entropy(x, labels, None, vocab)
+    assert not [t for t in saved if t.dtype == torch.float32 and t.shape[-1] == padded]
+    (loss * weights).sum().backward()
+    # The saved-softmax path's arithmetic (what the fp32-softmax implementation computed).
+    row_max = logits[..., :vocab].max(dim=-1).values.float()
+    soft = logits.float() - row_max.unsqueeze(-1)
+    soft[..., vocab:] = -torch.inf
+    soft = soft.exp_()
+    soft.div_(soft.sum(dim=-1, keepdim=True))
+    grad = soft.mul_(weights.unsqueeze(-1))
+    grad.scatter_add_(-1, labels.unsqueeze(-1), -weights.unsqueeze(-1))
+    assert torch.equal(x.grad, grad.bfloat16())
+    ref = F.cross_entropy(
+        logits[..., :vocab].float().reshape(-1, vocab), labels.reshape(-1), reduction="none"
+    )
+    torch.testing.assert_close(loss, ref.view(4, 6))

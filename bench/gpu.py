@@ -1,0 +1,209 @@
+"""One-GPU training throughput of the paper's recipes: tokens/s, TFLOP/s, MFU and peak memory.
+
+    .venv/bin/python bench/gpu.py [--sizes 125m,355m,1.3b] [--steps 10] [--out bench/results/gpu.json]
+
+For each recipe (``configs/paper/{size}-normformer.yaml``, and the 125M baseline for NormFormer's
+overhead over Pre-LN), bf16, one process on one GPU (NCCL), the cases ZeRO 0 / 1 × recompute
+none / selective / full, each in a fresh process (so its peak memory is its own): the model,
+optimizer and DeepSpeed engine are built by the trainer's own builders
+(:mod:`megaformer.training.builders`, :func:`megaformer.training.ds_adapter.initialize`), the
+batches are random tokens already on the device (the loader is not measured), dropout as in the
+recipe. After 3 warm-up steps, ``--steps`` steps are timed between two ``cuda.synchronize``;
+micro-batch = the recipe's, or what the planner (:mod:`megaformer.tools.plan`) says fits, with 4
+accumulation steps. MFU = model FLOPs (:func:`megaformer.training.flops.model_flops_per_token`,
+recomputation not counted) per second over the GPU's datasheet bf16 peak. Cases that run out of
+memory are reported as such.
+
+``--smoke`` runs a tiny model on the CPU (gloo, fp32) through the same code, to check the script
+where no GPU is available; its figures mean nothing. Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+CASES = [(zero, recompute) for zero in (0, 1) for recompute in ("none", "selective", "full")]
+SMOKE = [
+    "model.hidden_size=64",
+    "model.num_layers=2",
+    "model.num_attention_heads=2",
+    "model.ffn_hidden_size=256",
+    "model.seq_len=128",
+    "train.precision=fp32",
+    "train.micro_batch_size=2",
+]
+
+
+def _micro_batch(cfg, smoke: bool) -> int:
+    """The recipe's micro-batch if the planner says it fits this GPU, else the largest that does."""
+    import dataclasses
+
+    import torch
+
+    from megaformer.tools import plan as planner
+
+    if smoke:
+        return cfg.train.micro_batch_size
+    props = torch.cuda.get_device_properties(0)
+    device = planner.Device(props.name, props.total_memory / planner.GIB, 989.0)
+    for micro in (cfg.train.micro_batch_size, 16, 8, 4, 2, 1):
+        trial = dataclasses.replace(
+            cfg, train=dataclasses.replace(cfg.train, micro_batch_size=micro, global_batch_size=4 * micro)
+        )
+        if planner.make_plan(trial, device, 1).fits:
+            return micro
+    return 1
+
+
+def run_case(recipe: str, zero: int, recompute: str, steps: int, smoke: bool) -> dict:
+    """Train ``steps`` timed steps of one case in this process; returns its figures."""
+    import torch
+
+    from megaformer.config import load_config
+    from megaformer.parallel.rng import DropoutRNG
+    from megaformer.training.builders import build_layout, build_model, build_optimizer
+    from megaformer.training.deepspeed_config import build_deepspeed_config
+    from megaformer.training.ds_adapter import initialize
+    from megaformer.training.flops import PEAK_TFLOPS, model_flops_per_token
+
+    overrides = [
+        f"train.zero_stage={zero}",
+        f"train.recompute={recompute}",
+        "train.activation_checkpointing=false",
+    ]
+    overrides += (
+        SMOKE + ["train.deepspeed_config=configs/deepspeed/cpu-engine.json"]
+        if smoke
+        else ["train.precision=bf16"]
+    )
+    cfg = load_config(recipe, overrides)
+    micro = _micro_batch(cfg, smoke)
+    cfg = load_config(
+        recipe, [*overrides, f"train.micro_batch_size={micro}", f"train.global_batch_size={4 * micro}"]
+    )
+    layout = build_layout(cfg, 1)
+    model = build_model(cfg, layout, DropoutRNG(cfg.train.seed, device=layout.device))
+    optimizer, scheduler = build_optimizer(model, cfg, 0)
+    engine = initialize(
+        model, optimizer, scheduler, build_deepspeed_config(cfg, 1), layout.state, pipelined=False
+    )
+    m = cfg.model
+    gen = torch.Generator(device=layout.device).manual_seed(0)
+
+    def batches():
+        while True:
+            x = torch.randint(0, m.vocab_size, (micro, m.seq_len + 1), device=layout.device, generator=gen)
+            yield x[:, :-1], x[:, 1:]
+
+    it = batches()
+    sync = torch.cuda.synchronize if layout.device.type == "cuda" else (lambda: None)
+    for _ in range(3):
+        loss = engine.train_step(it)
+    sync()
+    if layout.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = engine.train_step(it)
+    sync()
+    step_s = (time.perf_counter() - t0) / steps
+    tokens_per_s = cfg.train.global_batch_size * m.seq_len / step_s
+    tflops = model_flops_per_token(m, m.padded_vocab_size(1)) * tokens_per_s / 1e12
+    name = torch.cuda.get_device_name(0) if layout.device.type == "cuda" else "cpu"
+    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    return {
+        "recipe": Path(recipe).stem,
+        "zero": zero,
+        "recompute": recompute,
+        "micro_batch": micro,
+        "step_s": step_s,
+        "tokens_per_s": tokens_per_s,
+        "tflops": tflops,
+        "mfu": tflops / peak if peak else None,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 1024**3
+        if layout.device.type == "cuda"
+        else None,
+        "loss": float(loss),
+        "device": name,
+    }
+
+
+def _spawn(recipe: str, zero: int, recompute: str, steps: int, smoke: bool) -> dict:
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    env.setdefault("MASTER_PORT", "29533")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, __file__, "--case", recipe, str(zero), recompute, str(steps)] + (
+        ["--smoke"] if smoke else []
+    )
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    oom = "out of memory" in proc.stderr.lower()
+    return {
+        "recipe": Path(recipe).stem,
+        "zero": zero,
+        "recompute": recompute,
+        "error": "OOM" if oom else proc.stderr[-800:],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="125m,355m,1.3b")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "gpu.json"))
+    parser.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script only")
+    parser.add_argument("--case", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.case:
+        recipe, zero, recompute, steps = args.case
+        print(
+            "RESULT " + json.dumps(run_case(recipe, int(zero), recompute, int(steps), args.smoke)), flush=True
+        )
+        os._exit(0)  # skip gloo/NCCL teardown races at exit
+    import torch
+
+    if not torch.cuda.is_available() and not args.smoke:
+        print("no CUDA device: nothing to measure (use --smoke to check the script on CPU)")
+        return 1
+    rows = []
+    sizes = args.sizes.split(",")
+    for size in sizes:
+        for zero, recompute in CASES if not args.smoke else CASES[:2]:
+            rows.append(
+                _spawn(f"configs/paper/{size}-normformer.yaml", zero, recompute, args.steps, args.smoke)
+            )
+    if "125m" in sizes:  # NormFormer's step-time overhead over Pre-LN at the 125M shape, ZeRO 1, no recompute
+        rows.append(_spawn("configs/paper/125m-baseline.yaml", 1, "none", args.steps, args.smoke))
+    print(f"{'recipe':18s} ZeRO recompute  micro  step s  tokens/s  TFLOP/s   MFU  peak GiB")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['recipe']:18s} {r['zero']:4d} {r['recompute']:9s}  {r['error'][:60]}")
+            continue
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+        mem = f"{r['peak_memory_gib']:.1f}" if r["peak_memory_gib"] is not None else "-"
+        print(
+            f"{r['recipe']:18s} {r['zero']:4d} {r['recompute']:9s} {r['micro_batch']:5d} {r['step_s']:7.3f} "
+            f"{r['tokens_per_s']:9,.0f} {r['tflops']:8.1f} {mfu:>5s} {mem:>9s}"
+        )
+    ok = {(r["recipe"], r["zero"], r["recompute"]): r for r in rows if "error" not in r}
+    nf, base = ok.get(("125m-normformer", 1, "none")), ok.get(("125m-baseline", 1, "none"))
+    if nf and base:
+        print(f"NormFormer / Pre-LN step time at 125M: {nf['step_s'] / base['step_s']:.3f}x")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

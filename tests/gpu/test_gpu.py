@@ -1,0 +1,115 @@
+"""On one GPU: bf16 and fp16 training through the launcher (the loss falls; fp16's loss scale moves),
+every ZeRO stage × recompute choice that fits one GPU, flash attention chosen in bf16, the
+sharded LayerNorm compiled (fused by Inductor) against an fp64 reference, fused AdamW."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megaformer.config import load_config
+from megaformer.config.schema import ModelConfig
+from megaformer.model import NormFormerLM
+from megaformer.parallel import sharded_layer_norm
+from tests.distributed.conftest import read_scalars, run_pretrain
+
+pytestmark = pytest.mark.gpu
+
+CONFIG = "configs/normformer-quickstart.yaml"
+SMALL = [
+    "model.hidden_size=256",
+    "model.num_layers=4",
+    "model.num_attention_heads=4",
+    "model.seq_len=256",
+    "train.micro_batch_size=8",
+    "train.global_batch_size=16",
+    "train.lr=1e-3",
+    "train.warmup_steps=5",
+    "train.log_interval=1",
+    "train.eval_interval=1000",
+    "train.eval_batches=1",
+    "train.save_interval=0",
+    "train.deepspeed_config=",
+    "data.valid_fraction=0.02",
+]
+
+
+def _train(prefix, out, extra, steps=40):
+    proc = run_pretrain(
+        CONFIG,
+        [*SMALL, f"train.steps={steps}", f"data.prefix={prefix}", f"output.dir={out}", *extra],
+        nproc=1,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return read_scalars(str(out / "tensorboard"))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_training_on_one_gpu_lowers_the_loss(precision, gutenberg_prefix, tmp_path):
+    extra = [f"train.precision={precision}", "train.zero_stage=1"]
+    if precision == "fp16":  # start at 2^32 (overflows, the scaler halves it), grow back every 10 steps
+        engine = tmp_path / "fp16.json"
+        engine.write_text(
+            json.dumps({"fp16": {"loss_scale": 0, "initial_scale_power": 32, "loss_scale_window": 10}})
+        )
+        extra.append(f"train.deepspeed_config={engine}")
+    scalars = _train(gutenberg_prefix, tmp_path, extra)
+    loss = scalars["train/loss"]
+    first, last = sum(loss[s] for s in range(1, 6)) / 5, sum(loss[s] for s in range(36, 41)) / 5
+    assert last < first - 1.0, (first, last)
+    if precision == "fp16":  # dynamic loss scaling: down after overflows, up after 10 clean steps
+        scale = [scalars["train/loss_scale"][s] for s in sorted(scalars["train/loss_scale"])]
+        steps = list(itertools.pairwise(scale))
+        assert any(b < a for a, b in steps) and any(b > a for a, b in steps), scale
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_every_one_gpu_layout_trains(zero, recompute, gutenberg_prefix, tmp_path):
+    scalars = _train(
+        gutenberg_prefix,
+        tmp_path,
+        ["train.precision=bf16", f"train.zero_stage={zero}", f"train.recompute={recompute}"],
+        10,
+    )
+    assert sorted(scalars["train/loss"]) == list(range(1, 11))
+    assert scalars["train/loss"][10] < scalars["train/loss"][1]
+
+
+def test_flash_attention_is_chosen_in_bf16():
+    cfg = ModelConfig(vocab_size=1000, hidden_size=256, num_layers=1, num_attention_heads=4, seq_len=512)
+    model = NormFormerLM(cfg).cuda().to(torch.bfloat16).train()
+    tokens = torch.randint(0, 1000, (2, 512), device="cuda")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        model(tokens, tokens).backward()
+        torch.cuda.synchronize()
+    names = {e.name.lower() for e in prof.events()}
+    assert any("flash" in n for n in names), sorted(n for n in names if "attention" in n or "fmha" in n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_sharded_layer_norm_against_fp64(dtype):
+    n = 4096
+    x = (3000 + torch.randn(16, 256, n, device="cuda")).to(dtype)
+    w = 1 + 0.5 * torch.randn(n, device="cuda")
+    b = torch.randn(n, device="cuda")
+    fused = torch.compile(
+        lambda x, w, b: sharded_layer_norm(x, w, b, normalized_size=n, eps=1e-5, tp_group=None)
+    )
+    exact = F.layer_norm(x.double(), (n,), w.double(), b.double(), 1e-5)
+    ours = (fused(x, w, b).double() - exact).abs().max()
+    torch_err = (F.layer_norm(x, (n,), w.to(dtype), b.to(dtype), 1e-5).double() - exact).abs().max()
+    assert ours <= 10 * torch_err, (float(ours), float(torch_err))
+
+
+def test_adamw_is_fused_on_cuda():
+    from megaformer.training.builders import build_optimizer
+
+    cfg = load_config(CONFIG, SMALL)
+    model = NormFormerLM(cfg.model).cuda()
+    optimizer, _ = build_optimizer(model, cfg, 0)
+    assert optimizer.defaults["fused"] is True

@@ -1,0 +1,89 @@
+"""The memory / throughput planner (python -m megaformer.tools.plan): its parameter counts are the
+model's, its activation coefficients are the ones measured on the block, every shipped recipe's
+layout fits the devices its header names (the recipes follow the planner), and it suggests a
+layout that fits where a config does not."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megaformer.config import load_config
+from megaformer.model import NormFormerLM, count_parameters
+from megaformer.tools import plan as planner
+from tests.unit.test_recipes import RECIPES, _layouts, _path
+
+GIB = 1024**3
+
+
+@pytest.mark.parametrize("name", ["125m-baseline", "355m-normformer", "1.3b-normformer", "2.7b-baseline"])
+def test_parameter_counts_are_the_models(name):
+    cfg = load_config(_path(name))
+    with torch.device("meta"):
+        n = count_parameters(NormFormerLM(cfg.model))
+    counts = planner.layer_param_counts(cfg.model, 1)
+    assert sum(counts[:-1]) == n  # the tied output projection is the embedding itself
+    # at tp 2 the sharded matrices halve and the replicated vectors do not
+    half = planner.layer_param_counts(cfg.model, 2)
+    assert half[1] < counts[1] / 2 + 10 * cfg.model.hidden_size
+
+
+@pytest.mark.parametrize(("nf", "coefficient"), [(False, 36), (True, 48)])
+def test_block_activations_are_the_measured_coefficients(nf, coefficient):
+    """test_recipes.py measures what a bf16 block keeps (36 / 48 bytes per token and unit of width)."""
+    overrides = ["train.micro_batch_size=1", "model.hidden_dropout=0.1", "model.resid_scale=false"]
+    cfg = load_config(_path("355m-normformer" if nf else "355m-baseline"), overrides)
+    got = planner.block_activation_bytes(cfg, planner.DEVICES["a100-80gb"])
+    per = cfg.model.seq_len * cfg.model.hidden_size
+    assert got == coefficient * per
+    selective = planner.block_activation_bytes(cfg, planner.DEVICES["a100-80gb"], "selective")
+    full = planner.block_activation_bytes(cfg, planner.DEVICES["a100-80gb"], "full")
+    assert full == 2 * per < selective == (coefficient - 2) * per
+
+
+@pytest.mark.parametrize("hw", ["A100", "V100"])
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_recipe_layout_fits_the_device_its_header_names(name, hw):
+    world, overrides, _, _ = _layouts(name)[hw]
+    cfg = load_config(_path(name), overrides)
+    device = planner.DEVICES["a100-40gb" if hw == "A100" else "v100-32gb"]
+    plan = planner.make_plan(cfg, device, world)
+    assert plan.fits, planner.describe(plan)
+
+
+@pytest.mark.parametrize(
+    ("path", "gpu", "world"),
+    [
+        ("configs/normformer-1.3b-3d-v100.yaml", "v100-32gb", 16),
+        ("configs/normformer-2.7b-3d-a100.yaml", "a100-40gb", 16),
+        ("configs/normformer-350m-zero2.yaml", "v100-32gb", 8),
+    ],
+)
+def test_3d_layouts_fit(path, gpu, world):
+    cfg = load_config(path)
+    plan = planner.make_plan(cfg, planner.DEVICES[gpu], world)
+    assert plan.fits, planner.describe(plan)
+
+
+def test_a_layout_that_does_not_fit_gets_a_suggestion_that_does():
+    cfg = load_config(_path("2.7b-normformer"), ["train.micro_batch_size=16"])
+    device = planner.DEVICES["v100-32gb"]
+    assert not planner.make_plan(dataclasses.replace(cfg), device, 8).fits
+    alt = planner.suggest_layout(cfg, device, 8, gpus_per_node=8)
+    assert alt is not None and alt.fits and alt.peak <= 0.8 * 32 * GIB
+    assert alt.cfg.model == cfg.model and alt.cfg.train.global_batch_size == cfg.train.global_batch_size
+
+
+def test_command_prints_memory_flops_time_and_the_recipe_devices(capsys):
+    rc = planner.main(
+        [_path("1.3b-normformer"), "--gpu", "a100-40gb", "--nodes", "2", "--gpus-per-node", "8"]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0 and "fits" in out and "device-hours" in out and "model FLOPs per step" in out
+    for name in ("V100-SXM2-32GB", "A100-SXM4-40GB", "A100-SXM4-80GB"):
+        assert name in out
+    # 286,102 steps of 1M tokens at 9.5e15 FLOPs per step, 16 A100s at 40 % MFU
+    plan = planner.make_plan(load_config(_path("1.3b-normformer")), planner.DEVICES["a100-40gb"], 16)
+    assert plan.step_time_s == pytest.approx(plan.flops_per_step / (16 * 312e12 * 0.4))
