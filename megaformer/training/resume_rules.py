@@ -32,10 +32,16 @@ MAY_CHANGE = frozenset(
         "train.extend_steps",
         "train.resume",
         "train.init_from",
+        "train.diagnostics_interval",
+        "train.recompute",
+        "train.activation_checkpointing",
         "data.num_workers",
         "data.index_cache_dir",
         "output.dir",
         "output.overwrite",
+        "output.wandb_project",
+        "output.wandb_entity",
+        "output.wandb_run_name",
     }
 )
 """Keys that may differ between the saved config and a resumed run's (``train.steps`` apart)."""
@@ -52,9 +58,12 @@ def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def config_changes(saved: dict, cfg: RunConfig) -> dict[str, tuple[Any, Any]]:
-    """``{"section.key": (saved value, new value)}`` for every key that differs (a key missing on
-    one side, e.g. from an older version, shows as None there)."""
+    """``{"section.key": (saved value, new value)}`` for every key that differs. A key the saved
+    config lacks (written by an older megaformer) counts as its default value there, so a new key
+    left at its default does not stop the resume; a key only the saved config has shows None now."""
+    default = _flat(to_dict(RunConfig()))
     old, new = _flat(saved), _flat(to_dict(cfg))
+    old = {k: old.get(k, default.get(k)) for k in set(old) | set(new)}
     return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
 
 

@@ -96,3 +96,21 @@ def test_init_from_at_or_past_train_steps_is_refused_before_the_run(tmp_path):
     check_init_from_steps(
         load_config(CONFIG, [f"train.init_from={tag.parent}", "train.steps=30", "train.warmup_steps=2"])
     )
+
+
+def test_a_key_newer_than_the_checkpoint_counts_as_its_default():
+    # A checkpoint written before a key existed must resume when the key is left at its default,
+    # and still be refused when the key is set to something else.
+    from megaformer.config import ConfigError, load_config, to_dict
+    from megaformer.training.resume_rules import check_resume_config
+
+    cfg = load_config("configs/normformer-quickstart.yaml", [])
+    saved = to_dict(cfg)
+    del saved["model"]["norm_scheme"]
+    assert check_resume_config(saved, cfg, 5, "ckpt") == []
+    changed = load_config("configs/normformer-quickstart.yaml", ["model.qkv_ln=true"])
+    saved_without = to_dict(cfg)
+    del saved_without["model"]["qkv_ln"]
+    assert check_resume_config(saved_without, cfg, 5, "ckpt") == []
+    with pytest.raises(ConfigError, match=r"model\.qkv_ln: saved False, now True"):
+        check_resume_config(saved_without, changed, 5, "ckpt")
