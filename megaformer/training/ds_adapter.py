@@ -193,8 +193,10 @@ def _install_sequence_parallel_grad_reduction(engine: Any, state: Any) -> bool:
     """
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
+    if state.tp_size == 1:  # nothing is sequence parallel without a TP group
+        return False
     module = engine.module
-    if state.tp_size == 1 or not any(getattr(m, "sequence_parallel", False) for m in module.modules()):
+    if not any(getattr(m, "sequence_parallel", False) for m in module.modules()):
         return False
     opt = engine.optimizer
     hooks_reduce = getattr(opt, "overlap_comm", False) or getattr(opt, "partition_gradients", False)

@@ -184,7 +184,9 @@ def test_generate_samples_text_from_a_tp2_checkpoint(runs, tmp_path):
         [sys.executable, "-m", "megaformer.tools.generate", "--checkpoint", str(damaged)],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert bad.returncode == 2 and f"{truncated}: not a readable checkpoint file" in bad.stderr, bad.stderr
+    # named by the checkpoint's manifest check (issue 12), before any attempt to unpickle it
+    assert bad.returncode == 2 and f"{truncated}: 5,000 bytes, the manifest says" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr, bad.stderr
 
 
 # model.norm_scheme / model.qkv_ln through the launcher: each at TP = 2 repeats its TP = 1 run.
