@@ -256,12 +256,17 @@ def export(
         ExportError: an existing non-empty ``output`` without ``overwrite``, a model ``--format gpt2``
             cannot express, bad tokenizer files.
         ReshardError: the checkpoint cannot be read (names the file).
+        CheckpointError: a file differs from the checkpoint's manifest (names it and the newest
+            intact ``global_stepN``).
     """
     from megaformer.tools.reshard import consolidate, resolve_tag_dir
+    from megaformer.training.ckpt_integrity import verify
 
     if os.path.isdir(output) and os.listdir(output) and not overwrite:
         raise ExportError(f"{output}: exists and is not empty; pass --overwrite or another --output")
-    full, run_config, extra = consolidate(resolve_tag_dir(checkpoint, tag))
+    tag_dir = resolve_tag_dir(checkpoint, tag)
+    verify(tag_dir)  # a damaged file is named (with the newest intact checkpoint) before loading
+    full, run_config, extra = consolidate(tag_dir)
     config = ModelConfig(**run_config["model"])
     info = {"step": extra.get("step"), "checkpoint": os.path.abspath(checkpoint)}
     return write_hf_dir(
@@ -320,6 +325,7 @@ def write_hf_dir(
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns 0, or 2 for a bad checkpoint, option or tokenizer."""
     from megaformer.tools.reshard import ReshardError
+    from megaformer.training.ckpt_integrity import CheckpointError
 
     p = argparse.ArgumentParser(
         prog="python -m megaformer.tools.export_hf",
@@ -349,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             merge_file=args.merge_file,
             overwrite=args.overwrite,
         )
-    except (ExportError, ReshardError) as e:
+    except (ExportError, ReshardError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.output} ({cfg['architectures'][0]}, step {cfg['megaformer']['step']})")

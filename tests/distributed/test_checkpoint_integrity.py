@@ -86,8 +86,9 @@ def test_manifest_lists_every_file_and_latest_moves_last(run12):
 
 @pytest.mark.parametrize("case", CASES)
 def test_damage_is_named_with_the_way_out(run12, tmp_path, case, capsys):
-    """Preflight (resume / init_from), the full check, reshard and generate: each names the file."""
-    from megaformer.tools import generate, reshard
+    """Preflight (resume / init_from), the full check, reshard, generate and export_hf: each names
+    the file."""
+    from megaformer.tools import export_hf, generate, reshard
 
     ckpt = _copy(run12, tmp_path)
     name = _damage(ckpt, case)
@@ -99,8 +100,9 @@ def test_damage_is_named_with_the_way_out(run12, tmp_path, case, capsys):
     assert name in str(err.value) and way_out in str(err.value), err.value
     assert reshard.main(["--input", str(ckpt), "--output", str(tmp_path / "out"), "--tp", "1"]) == 2
     assert generate.main(["--checkpoint", str(ckpt), "--max-new-tokens", "2"]) == 2
+    assert export_hf.main(["--checkpoint", str(ckpt), "--output", str(tmp_path / "hf")]) == 2
     stderr = capsys.readouterr().err
-    assert stderr.count(way_out) == 2 and name in stderr and "Traceback" not in stderr, stderr
+    assert stderr.count(way_out) == 3 and name in stderr and "Traceback" not in stderr, stderr
     assert not (tmp_path / "out" / "latest").exists()
 
 
