@@ -25,13 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from megaformer.experiments.launcher import launch_run
 
 
 def valid_curve(tb_dir: str) -> list[tuple[int, float, float]]:
@@ -147,27 +145,9 @@ def train_one(config: str, out: Path, budget: float, overrides: Sequence[str], n
         if summary.get("budget_device_hours") == budget:
             print(f"[compare] {out.name}: done before, {summary['steps']} steps", flush=True)
             return summary
-    out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, NPROC_PER_NODE=str(nproc))
     # an unfinished run is started again from scratch (its summary decides what is reused)
     args = [f"train.budget_device_hours={budget}", "output.overwrite=true", *overrides, f"output.dir={out}"]
-    print(f"[compare] {out.name}: launch/pretrain.sh {config} {' '.join(args)}", flush=True)
-    with open(out / "train.log", "w", encoding="utf-8") as log:
-        proc = subprocess.run(
-            ["bash", str(REPO / "launch" / "pretrain.sh"), config, *args],
-            cwd=REPO,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    if proc.returncode != 0 or not summary_path.is_file():
-        # The run's own error line (a bad key, a missing dataset) is the useful part: show it.
-        errors = [ln for ln in (out / "train.log").read_text(errors="replace").splitlines() if "error" in ln]
-        why = f": {errors[-1].strip()}" if errors else ""
-        raise RuntimeError(
-            f"{config}: training failed (exit {proc.returncode}){why}; log: {out / 'train.log'}"
-        )
-    summary = json.loads(summary_path.read_text())
+    summary = launch_run(config, out, args, nproc, "compare")
     print(
         f"[compare] {out.name}: {summary['steps']} steps, valid loss {summary['final_valid_loss']:.4f}",
         flush=True,

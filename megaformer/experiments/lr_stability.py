@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from megaformer.experiments.launcher import launch_run
 
 
 def ramp_overrides(lr_ramp: float, factor: float, max_steps: int, seed: int) -> list[str]:
@@ -59,25 +57,9 @@ def run_one(config: str, out: Path, overrides: Sequence[str], nproc: int) -> dic
     summary_path, settings = out / "summary.json", out / "stability_overrides.json"
     if summary_path.is_file() and settings.is_file() and json.loads(settings.read_text()) == list(overrides):
         return json.loads(summary_path.read_text())
-    out.mkdir(parents=True, exist_ok=True)
-    args = [*overrides, f"output.dir={out}"]
-    print(f"[stability] {out}: launch/pretrain.sh {config} {' '.join(args)}", flush=True)
-    with open(out / "train.log", "w", encoding="utf-8") as log:
-        proc = subprocess.run(
-            ["bash", str(REPO / "launch" / "pretrain.sh"), config, *args],
-            cwd=REPO,
-            env=dict(os.environ, NPROC_PER_NODE=str(nproc)),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    if proc.returncode != 0 or not summary_path.is_file():
-        errors = [ln for ln in (out / "train.log").read_text(errors="replace").splitlines() if "error" in ln]
-        why = f": {errors[-1].strip()}" if errors else ""
-        raise RuntimeError(
-            f"{config}: training failed (exit {proc.returncode}){why}; log: {out / 'train.log'}"
-        )
+    summary = launch_run(config, out, [*overrides, f"output.dir={out}"], nproc, "stability")
     settings.write_text(json.dumps(list(overrides)))
-    return json.loads(summary_path.read_text())
+    return summary
 
 
 def summarize(results: dict[str, dict[int, float | None]]) -> dict[str, dict]:

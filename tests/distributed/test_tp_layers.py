@@ -16,7 +16,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from megaformer.config.schema import ModelConfig
 from megaformer.model import NormFormerLM
 from megaformer.parallel import (
     ColumnParallelLinear,
@@ -35,6 +34,7 @@ from megaformer.parallel.mappings import (
 from megaformer.parallel.rng import DropoutRNG
 from megaformer.parallel.state import ParallelState
 from tests.distributed.conftest import free_port
+from tests.tiny_model import TINY_MODEL
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -213,14 +213,7 @@ def _check_cross_entropy(group) -> None:
     assert torch.all(grad[..., vocab:] == 0)
 
 
-TINY = ModelConfig(
-    vocab_size=97,  # padded to 112 at TP=1, 128 at TP=2 and TP=4
-    make_vocab_size_divisible_by=16,
-    hidden_size=32,
-    num_layers=2,
-    num_attention_heads=4,
-    seq_len=16,
-)
+TINY = TINY_MODEL
 MODEL_VARIANTS = [
     TINY,  # NormFormer as in the paper: post-attn LN, HeadScale, FFN LN; tied, sinusoidal, GELU
     dataclasses.replace(

@@ -22,18 +22,11 @@ from megaformer.training.diagnostics import (
 )
 from megaformer.training.metrics import MetricsWriter, format_duration, format_step_line
 from megaformer.training.schedule import lr_at
+from tests.tiny_model import TINY_MODEL
 
 torch.set_num_threads(1)
 
-TINY = ModelConfig(
-    vocab_size=97,
-    make_vocab_size_divisible_by=16,
-    hidden_size=32,
-    num_layers=3,
-    num_attention_heads=4,
-    seq_len=16,
-    resid_scale=True,
-)
+TINY = dataclasses.replace(TINY_MODEL, num_layers=3, resid_scale=True)
 ONE = SimpleNamespace(tp_size=1, pp_size=1, tp_rank=0, dp_rank=0, tp_group=None, pp_group=None)
 
 

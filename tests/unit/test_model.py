@@ -14,18 +14,11 @@ import torch.nn.functional as F
 
 from megaformer.config.schema import ConfigError, ModelConfig
 from megaformer.model import NormFormerBlock, NormFormerLM, count_parameters, param_groups
+from tests.tiny_model import TINY_MODEL
 
 torch.set_num_threads(1)
 
-# vocab 97 with divisible_by 16 -> padded 112: the padding is exercised.
-TINY = ModelConfig(
-    vocab_size=97,
-    make_vocab_size_divisible_by=16,
-    hidden_size=32,
-    num_layers=2,
-    num_attention_heads=4,
-    seq_len=16,
-)
+TINY = TINY_MODEL
 ALL_OFF = dict(post_attn_ln=False, head_scale=False, ffn_ln=False, resid_scale=False)
 ALL_ON = dict(post_attn_ln=True, head_scale=True, ffn_ln=True, resid_scale=True)
 

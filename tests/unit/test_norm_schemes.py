@@ -14,21 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from megaformer.config import ConfigError, load_config
-from megaformer.config.schema import ModelConfig
 from megaformer.model import NormFormerBlock, NormFormerLM, count_parameters, deepnorm_beta
 from megaformer.tools.generate import generate
 from megaformer.tools.reshard import partition_dims
+from tests.tiny_model import TINY_MODEL
 
 torch.set_num_threads(1)
 
-TINY = ModelConfig(
-    vocab_size=97,
-    make_vocab_size_divisible_by=16,
-    hidden_size=32,
-    num_layers=2,
-    num_attention_heads=4,
-    seq_len=16,
-)
+TINY = TINY_MODEL
 NF_OFF = dict(post_attn_ln=False, head_scale=False, ffn_ln=False, resid_scale=False)
 POST_LN = dataclasses.replace(TINY, norm_scheme="post_ln", **NF_OFF)
 DEEPNORM = dataclasses.replace(TINY, norm_scheme="deepnorm", **NF_OFF)

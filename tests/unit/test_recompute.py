@@ -4,26 +4,20 @@ is validated (train.activation_checkpointing=true still means full)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from megaformer.config import ConfigError, load_config
-from megaformer.config.schema import ModelConfig
 from megaformer.model import NormFormerLM, set_selective_recompute
 from megaformer.parallel.rng import DropoutRNG
+from tests.tiny_model import TINY_MODEL
 
 torch.set_num_threads(1)
 
-CONFIG = ModelConfig(
-    vocab_size=97,
-    make_vocab_size_divisible_by=16,
-    hidden_size=32,
-    num_layers=2,
-    num_attention_heads=4,
-    seq_len=16,
-    hidden_dropout=0.1,
-    attention_dropout=0.2,  # the recomputation must replay the masks
-)
+# the recomputation must replay the dropout masks
+CONFIG = dataclasses.replace(TINY_MODEL, hidden_dropout=0.1, attention_dropout=0.2)
 
 
 def _step(selective: bool) -> tuple[list[float], list[torch.Tensor], int]:
