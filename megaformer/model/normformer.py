@@ -223,7 +223,7 @@ def _dropout(x: torch.Tensor, p: float, training: bool, rng: DropoutRNG, region:
     """``F.dropout`` drawing its mask from ``rng``'s ``region`` (no fork when it is a no-op)."""
     if not training or p == 0.0:
         return x
-    with rng.fork(region):
+    with rng.fork(region, x.device):
         return F.dropout(x, p=p, training=True)
 
 
@@ -492,7 +492,7 @@ class NormFormerBlock(nn.Module):
         dropout_p = self.config.attention_dropout if self.training else 0.0
         if dropout_p > 0.0:
             # The local heads differ on every TP rank: independent masks.
-            with self.dropout_rng.fork("sharded"):
+            with self.dropout_rng.fork("sharded", q.device):
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 

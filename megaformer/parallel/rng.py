@@ -12,10 +12,13 @@ second case (``tensor_parallel/random.py``); this is the same idea without a glo
 * ``"replicated"``: seeded by ``(seed, dp_rank, pp_rank)``: equal on the ranks of one TP group;
 * ``"sharded"``: seeded by ``(seed, dp_rank, pp_rank, tp_rank)``: different on every TP rank.
 
-``with rng.fork("sharded"): y = F.dropout(x, p)`` swaps the region's state into the default
-generator of ``device`` (CPU or the current CUDA device; ``F.dropout`` and the dropout inside
-``F.scaled_dot_product_attention`` draw from it), runs the block, saves the advanced state and
-restores the caller's, so the rest of the program's random stream is untouched.
+``with rng.fork("sharded", x.device): y = F.dropout(x, p)`` swaps the region's state into the
+default generator of the device the dropout runs on (CPU or the current CUDA device;
+``F.dropout`` and the dropout inside ``F.scaled_dot_product_attention`` draw from it), runs the
+block, saves the advanced state and restores the caller's, so the rest of the program's random
+stream is untouched. The states follow the device of the tensors they serve: built for the CPU (the
+default) and first used on CUDA (a model moved after it was built), they are re-seeded for CUDA's
+generator, so the masks a run draws and the states it saves and replays are the same generator's.
 """
 
 from __future__ import annotations
@@ -38,10 +41,13 @@ class DropoutRNG:
         tp_rank: this process's rank in its TP group (enters only the ``"sharded"`` seed).
         dp_rank, pp_rank: data- and pipeline-parallel ranks (different replicas and stages draw
             different masks).
-        device: where the dropout runs; its default generator is the one forked.
+        device: where the dropout is expected to run; :meth:`fork` given another device type
+            switches to it (see the module docstring).
 
     Raises:
         KeyError: :meth:`fork` with a region other than ``"replicated"`` / ``"sharded"``.
+        RuntimeError: :meth:`fork` on a device of another type after masks were drawn on the first
+            (their stream cannot continue on another generator).
     """
 
     def __init__(
@@ -60,13 +66,26 @@ class DropoutRNG:
             "sharded": derive_seed(seed, f"dropout.sharded.{base}.tp{tp_rank}"),
         }
         self._states = {region: self._initial_state(s) for region, s in self._seeds.items()}
+        self._drawn = False  # has any fork run yet (then the device is fixed)
 
     def _initial_state(self, seed: int) -> torch.Tensor:
         if self.device.type == "cuda":
-            gen = torch.Generator(device=self.device)
-        else:
-            gen = torch.Generator()
-        return gen.manual_seed(seed).get_state()
+            return cuda_philox_state(seed)
+        return torch.Generator().manual_seed(seed).get_state()
+
+    def _follow(self, device: torch.device) -> None:
+        """Serve ``device`` from now on: re-seed the states for its generator if nothing was drawn."""
+        if device.type == self.device.type:
+            if device.type == "cuda" and device.index is not None:
+                self.device = device  # same kind of state; the current CUDA device's generator
+            return
+        if self._drawn:
+            raise RuntimeError(
+                f"dropout masks were drawn on {self.device} and now on {device}: move the model to its "
+                "device before the first forward pass (DropoutRNG states are per generator)"
+            )
+        self.device = device
+        self._states = {region: self._initial_state(s) for region, s in self._seeds.items()}
 
     def _get(self) -> torch.Tensor:
         if self.device.type == "cuda":
@@ -80,10 +99,14 @@ class DropoutRNG:
             torch.set_rng_state(state)
 
     @contextlib.contextmanager
-    def fork(self, region: str) -> Iterator[None]:
-        """Run the block with ``region``'s generator state as the default generator of the device."""
+    def fork(self, region: str, device: torch.device | None = None) -> Iterator[None]:
+        """Run the block with ``region``'s generator state as the default generator of ``device``
+        (the device of the tensors the block draws masks for; default: :attr:`device`)."""
         if region not in self._states:
             raise KeyError(f"dropout RNG region {region!r}; use one of {REGIONS}")
+        if device is not None:
+            self._follow(torch.device(device))
+        self._drawn = True
         outer = self._get()
         self._set(self._states[region])
         try:
@@ -97,6 +120,15 @@ class DropoutRNG:
         return {region: state.clone() for region, state in self._states.items()}
 
     def load_state_dict(self, states: dict[str, torch.Tensor]) -> None:
-        """Restore states saved by :meth:`state_dict`."""
+        """Restore states saved by :meth:`state_dict` (on a generator of the same device type)."""
         for region in REGIONS:
             self._states[region] = states[region].clone()
+
+
+def cuda_philox_state(seed: int) -> torch.Tensor:
+    """``torch.Generator("cuda").manual_seed(seed).get_state()`` without a CUDA device: CUDA's
+    Philox generator state is 16 bytes, the seed (uint64) then the offset (int64, 0 after seeding),
+    little-endian (``at::CUDAGeneratorImpl::get_state``; ``tests/gpu`` compares it with the real one).
+    """
+    raw = (seed % 2**64).to_bytes(8, "little") + (0).to_bytes(8, "little")
+    return torch.tensor(list(raw), dtype=torch.uint8)

@@ -1,0 +1,99 @@
+"""Start a fake-CUDA process: the shim preloaded, DeepSpeed's accelerator set to CUDA.
+
+Every fake-CUDA run is its own process because the shim must be loaded before torch
+(:mod:`.build`). :func:`run_session` runs one rank of a job (:mod:`.session`) and returns its report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from megaformer.fakecuda.build import build_shim
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def fake_cuda_env(lib: Path | None = None) -> dict[str, str]:
+    """The environment of a fake-CUDA child: ``LD_PRELOAD`` of the shim, ``DS_ACCELERATOR=cuda``
+    (DeepSpeed picks its accelerator at import), no real GPU visible, the project on the path."""
+    lib = lib or build_shim()
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = ":".join(p for p in (str(lib), env.get("LD_PRELOAD", "")) if p)
+    env["DS_ACCELERATOR"] = "cuda"
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    return env
+
+
+def run_python(args: list[str], timeout: float = 900, lib: Path | None = None) -> subprocess.CompletedProcess:
+    """``python ARGS`` in a fake-CUDA child; output captured."""
+    return subprocess.run(
+        [sys.executable, *args], env=fake_cuda_env(lib), capture_output=True, text=True, timeout=timeout,
+        cwd=ROOT,
+    )  # fmt: skip
+
+
+def run_session(
+    config: str,
+    overrides: list[str],
+    *,
+    world_size: int,
+    rank: int,
+    gpu: str,
+    steps: int = 2,
+    strict_nccl: bool = True,
+    timeout: float = 900,
+    stream: bool = False,
+) -> dict[str, Any]:
+    """Run rank ``rank`` of a ``world_size``-rank job of ``config`` for ``steps`` optimizer steps on
+    fake CUDA (:mod:`.session`); return its report (``error`` and ``traceback`` set if it failed).
+
+    Args:
+        stream: let the child's console output through (progress for the dry-run command); else
+            captured and put in the report as ``output`` when it failed.
+
+    Raises:
+        ShimUnavailableError: the shim cannot be built here (no compiler or headers).
+    """
+    lib = build_shim()
+    with tempfile.TemporaryDirectory(prefix="megaformer-fakecuda-") as tmp:
+        request = {
+            "config": str(config),
+            "overrides": list(overrides),
+            "world_size": world_size,
+            "rank": rank,
+            "gpu": gpu,
+            "steps": steps,
+            "strict_nccl": strict_nccl,
+            "report": os.path.join(tmp, "report.json"),
+            "output_dir": os.path.join(tmp, "run"),
+        }
+        path = os.path.join(tmp, "request.json")
+        with open(path, "w") as f:
+            json.dump(request, f)
+        cmd = [sys.executable, "-m", "megaformer.fakecuda.session", path]
+        if stream:
+            proc = subprocess.run(cmd, env=fake_cuda_env(lib), timeout=timeout, cwd=ROOT)
+            output = ""
+        else:
+            proc = subprocess.run(
+                cmd, env=fake_cuda_env(lib), capture_output=True, text=True, timeout=timeout, cwd=ROOT
+            )
+            output = proc.stdout + proc.stderr
+        if not os.path.exists(request["report"]):
+            return {"error": f"the fake-CUDA process exited with {proc.returncode} without a report",
+                    "output": output[-8000:], "returncode": proc.returncode}  # fmt: skip
+        with open(request["report"]) as f:
+            report = json.load(f)
+        if "error" in report:
+            report["output"] = output[-8000:]
+        report["returncode"] = proc.returncode
+        return report

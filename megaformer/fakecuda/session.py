@@ -1,0 +1,376 @@
+"""One rank of a GPU job, run on fake CUDA: the trainer's own parts, two optimizer steps, audited.
+
+``python -m megaformer.fakecuda.session REQUEST.json`` (started by :mod:`.launch`, the shim
+preloaded) plays rank ``rank`` of a ``world_size``-rank job: the fake process group, then the
+trainer's builders (:func:`~megaformer.training.builders.build_layout`, ``build_model``,
+``build_optimizer``), the DeepSpeed config and engine of the recipe
+(:func:`~megaformer.training.ds_adapter.initialize`: ZeRO stage, precision, the pipeline engine at
+pp > 1), and the trainer's :class:`~megaformer.training.trainer.TrainLoop` for ``steps`` steps
+(its metrics, health checks, stop check) plus one evaluation, all at the recipe's full size on
+FakeTensors. What differs from a real run, and why:
+
+* the samples are synthetic (tokens drawn from the vocabulary by sample index): the dataset and its
+  indices are CPU work the CPU tests cover, and the recipes name corpora a login node may not have;
+  the loader runs in-process (``data.num_workers=0``);
+* checkpoints are not written (a FakeTensor has no bytes to save); the save is recorded;
+* ``train.eval_batches`` is 1 (one evaluation's worth of micro-batches shows its memory and syncs).
+
+The report (JSON, to the path the request names) holds the audit's findings, the collectives per
+step, the peak of the fake device memory by category, dtypes of parameters, gradients and optimizer
+state, and the loss and gradient norm the step computed (as placeholders: fake tensors have no
+values, but their dtype and device are checked).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+
+class SyntheticSamples:
+    """``int64[seq_len + 1]`` token rows, drawn from ``[0, vocab)`` by a generator seeded with the
+    sample index (so any rank and step reads its own rows without a dataset)."""
+
+    def __init__(self, seq_len: int, vocab: int, count: int) -> None:
+        self.seq_len, self.vocab, self.count = seq_len, vocab, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return np.random.default_rng(i).integers(0, self.vocab, self.seq_len + 1, dtype=np.int64)
+
+
+class _NoCheckpoints:
+    """Stands in for the checkpointer: FakeTensors cannot be written. Records what would be saved."""
+
+    def __init__(self) -> None:
+        self.saves: list[int] = []
+
+    def save(self, step: int, extra: dict) -> None:
+        self.saves.append(step)
+
+
+def _install_phase_marks(engine: Any, audit: Any) -> None:
+    """Mark forward / backward / optimizer phases on the DeepSpeed engine (plain and pipeline)."""
+    ds = engine.engine
+
+    def marked(fn: Any, phase: str) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with audit.in_phase(phase):
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+    if engine.pipelined:
+        cls = type(ds)
+        from deepspeed.runtime.pipe import schedule
+
+        phases = {
+            schedule.ForwardPass: "forward",
+            schedule.BackwardPass: "backward",
+            schedule.OptimizerStep: "optimizer",
+            schedule.ReduceGrads: "optimizer",
+            schedule.ReduceTiedGrads: "optimizer",
+            schedule.SendActivation: "forward",
+            schedule.RecvActivation: "forward",
+            schedule.SendGrad: "backward",
+            schedule.RecvGrad: "backward",
+        }
+        cls._INSTRUCTION_MAP = {
+            k: (marked(v, phases[k]) if k in phases else v) for k, v in cls._INSTRUCTION_MAP.items()
+        }
+        return
+    ds.forward = marked(ds.forward, "forward")
+    backward = marked(ds.backward, "backward")
+
+    def backward_and_note(*args: Any, **kwargs: Any) -> Any:
+        out = backward(*args, **kwargs)
+        audit.after_backward.append(audit.current)
+        return out
+
+    ds.backward = backward_and_note
+    ds.step = marked(ds.step, "optimizer")
+
+
+def _tensors_of(obj: Any, path: str, out: list, seen: set, depth: int = 0) -> None:
+    """Every tensor reachable from ``obj`` through attributes, lists, tuples and dicts (depth ≤ 5),
+    with its path: how the DeepSpeed optimizer's buffers are found and named."""
+    import torch
+
+    if depth > 5 or id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        out.append((path, obj))
+        return
+    if isinstance(obj, torch.nn.Module) or (callable(obj) and not hasattr(obj, "__dict__")):
+        return
+    if isinstance(obj, dict):
+        for k, v in list(obj.items()):
+            _tensors_of(
+                v, f"{path}[{k if isinstance(k, (str, int)) else type(k).__name__}]", out, seen, depth + 1
+            )
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _tensors_of(v, f"{path}[{i}]", out, seen, depth + 1)
+    elif hasattr(obj, "__dict__") and type(obj).__module__.split(".")[0] in (
+        "deepspeed",
+        "torch",
+        "megaformer",
+    ):
+        if type(obj).__module__.startswith("torch.distributed"):
+            return
+        for k, v in list(vars(obj).items()):
+            _tensors_of(v, f"{path}.{k}", out, seen, depth + 1)
+
+
+def classify_peak(audit: Any, engine: Any, grad_keys: set[int]) -> dict[str, int]:
+    """Bytes of the fake device memory alive at the peak, by category: ``parameters`` (the module's
+    weights and the flat buffers they are views of), ``gradients`` (parameter ``.grad`` and every
+    optimizer buffer whose path names a gradient: DeepSpeed's fp32 accumulation, ZeRO's partitions
+    and buckets), ``optimizer_state`` (fp32 master weights, Adam moments), ``activations`` (made in
+    forward and alive then), ``other`` (backward temporaries, communication buffers, the rest)."""
+    from megaformer.fakecuda.runtime import storage_key
+
+    sizes, phases = audit.peak_snapshot()
+    category: dict[int, str] = {}
+    for p in engine.module.parameters():
+        category.setdefault(storage_key(p), "parameters")
+    for key in grad_keys:
+        category.setdefault(key, "gradients")
+    found: list = []
+    _tensors_of(engine.engine.optimizer, "optimizer", found, set())
+    for path, t in found:
+        if t.device.type != "cuda":
+            continue
+        low = path.lower()
+        if "grad" in low or "ipg" in low or "bucket" in low:
+            kind = "gradients"
+        elif "bf16_groups" in low or "fp16_groups" in low or "bit16" in low:
+            kind = "parameters"
+        else:
+            kind = "optimizer_state"
+        category.setdefault(storage_key(t), kind)
+    totals = Counter()
+    for key, nbytes in sizes.items():
+        kind = category.get(key)
+        if kind is None:
+            kind = "activations" if phases.get(key) == "forward" else "other"
+        totals[kind] += nbytes
+    return {
+        k: int(totals.get(k, 0))
+        for k in ("parameters", "gradients", "optimizer_state", "activations", "other")
+    }
+
+
+def run(request: dict) -> dict:
+    """Run the request (see the module docstring); return the report."""
+
+    from megaformer.config import load_config
+    from megaformer.fakecuda.runtime import (
+        GPUS,
+        Audit,
+        check_shim_loaded,
+        fake_mode,
+        init_fake_process_group,
+        install_cuda_stubs,
+    )
+
+    check_shim_loaded()
+    install_cuda_stubs(GPUS[request["gpu"]])
+    world, rank, steps = int(request["world_size"]), int(request["rank"]), int(request.get("steps", 2))
+    out_dir = request.get("output_dir") or tempfile.mkdtemp(prefix="megaformer-dryrun-")
+    overrides = list(request.get("overrides", [])) + [
+        "data.num_workers=0",
+        "train.eval_batches=1",
+        "train.resume=none",
+        f"output.dir={out_dir}",
+        "output.overwrite=true",
+        "output.wandb_project=",
+    ]
+    cfg = load_config(request["config"], overrides)
+    from megaformer.training.preflight import validate_layout
+
+    dp_size = validate_layout(cfg, world)
+    init_fake_process_group(rank, world)
+    audit = Audit(strict_nccl=request.get("strict_nccl", True))
+    report: dict[str, Any] = {"config": request["config"], "overrides": request.get("overrides", [])}
+    report |= {"world_size": world, "rank": rank, "gpu": request["gpu"], "steps": steps}
+    t0 = time.perf_counter()
+    with fake_mode(), audit:
+        _run_rank(cfg, dp_size, audit, report, steps, out_dir)
+    report["seconds"] = time.perf_counter() - t0
+    report["findings"] = [vars(f) for f in audit.findings]
+    report["collectives"] = {
+        str(step): [
+            {"op": op, "group": group, "calls": calls, "bytes": nbytes}
+            for (op, group), (calls, nbytes) in sorted(rec.counts.items())
+        ]
+        for step, rec in sorted(audit.collectives.items())
+    }
+    from megaformer.fakecuda.runtime import ATTENTION_KERNELS
+
+    report["attention_kernels"] = dict(ATTENTION_KERNELS)
+    report["peak_bytes"] = audit.peak
+    report["live_after_backward"] = audit.after_backward
+    report["peak_at"] = {"step": audit.peak_step, "phase": audit.peak_phase}
+    return report
+
+
+def _run_rank(cfg: Any, dp_size: int, audit: Any, report: dict, steps: int, out_dir: str) -> None:
+    import torch
+
+    from megaformer.parallel.rng import DropoutRNG
+    from megaformer.training.builders import (
+        Data,
+        build_layout,
+        build_model,
+        build_optimizer,
+        count_parameters_global,
+    )
+    from megaformer.training.deepspeed_config import build_deepspeed_config
+    from megaformer.training.ds_adapter import initialize
+    from megaformer.training.schedule import Schedule
+    from megaformer.training.stopping import StopCheck
+    from megaformer.training.trainer import TrainLoop, _compute_meter
+
+    t = cfg.train
+    layout = build_layout(cfg, dp_size)
+    s = layout.state
+    for group, name in ((s.tp_group, "tp"), (s.dp_group, "dp"), (s.pp_group, "pp"), (s.mp_group, "mp")):
+        audit.name_group(group, name)
+    audit.name_group(torch.distributed.group.WORLD, "world")
+    report["layout"] = {"tp": s.tp_size, "pp": s.pp_size, "dp": s.dp_size, "pp_rank": s.pp_rank,
+                        "tp_rank": s.tp_rank, "dp_rank": s.dp_rank, "backend": layout.backend}  # fmt: skip
+    vocab = cfg.model.vocab_size
+    count = t.steps * t.global_batch_size
+    samples = SyntheticSamples(cfg.model.seq_len, vocab, count)
+    data = Data(samples, SyntheticSamples(cfg.model.seq_len, vocab, t.global_batch_size), {}, 0.0)
+    torch.manual_seed(t.seed)
+    dropout_rng = DropoutRNG(
+        t.seed, tp_rank=s.tp_rank, dp_rank=s.dp_rank, pp_rank=s.pp_rank, device=layout.device
+    )
+    model = build_model(cfg, layout, dropout_rng)
+    for p in model.parameters():
+        audit.track_tensor(p)
+    report["parameters_total"] = count_parameters_global(model, layout)
+    report["parameters_rank"] = sum(p.numel() for p in model.parameters())
+    schedule = Schedule(t)
+    optimizer, scheduler = build_optimizer(model, cfg, 0, schedule)
+    ds_config = build_deepspeed_config(cfg, dp_size)
+    engine = initialize(model, optimizer, scheduler, ds_config, s, pipelined=cfg.parallel.pp_size > 1)
+    ds = engine.engine
+    report["engine"] = {"class": type(ds).__name__, "optimizer": type(ds.optimizer).__name__}
+    report["engine"]["gas"] = engine.gas
+    _install_phase_marks(engine, audit)
+    grad_keys: set[int] = set()
+
+    def remember_grads() -> None:  # before the optimizer step: the gradients are complete
+        from megaformer.fakecuda.runtime import storage_key
+
+        for p in engine.module.parameters():
+            if p.grad is not None:
+                grad_keys.add(storage_key(p.grad))
+        report["dtypes"] = dtypes(engine)
+
+    engine.before_optimizer_step(remember_grads)
+    from megaformer.fakecuda.runtime import storage_key
+
+    def grad_made(p: Any) -> None:  # every gradient a parameter accumulates, wherever it goes next
+        if p.grad is not None:
+            grad_keys.add(storage_key(p.grad))
+
+    for p in engine.module.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(grad_made)
+    checkpoints = _NoCheckpoints()
+    compute = _compute_meter(cfg, layout, 0, {})
+    loop = TrainLoop(engine, cfg, layout, data, checkpoints, 0, compute, schedule, {})
+    real_stop = StopCheck(t.exit_signals, t.exit_duration_mins)
+    done = {"steps": 0}
+
+    def stop() -> str | None:
+        done["steps"] += 1
+        reason = real_stop()
+        return f"dry run: {steps} steps" if done["steps"] >= steps else reason
+
+    original_train_step = engine.train_step
+    losses: list = []
+
+    def train_step(batches: Any) -> Any:
+        audit.step += 1  # what follows, up to the next step, is this step's (stop check included)
+        with audit.in_phase("step"):
+            loss = original_train_step(batches)
+        losses.append(loss)
+        return loss
+
+    engine.train_step = train_step
+    batches_of = loop._batches
+
+    def batches(start_step: int) -> Any:  # the loader and the host-to-device copy: phase "data"
+        it = batches_of(start_step)
+        while True:
+            with audit.in_phase("data"):
+                item = next(it, None)
+            if item is None:
+                return
+            yield item
+
+    loop._batches = batches
+    with audit.in_phase("step"):
+        loop.run(resumed=False, stop=stop)
+    audit.step += 1
+    with audit.in_phase("eval"):
+        loss = loop.evaluate()
+    report["eval_loss"] = {"dtype": str(loss.dtype), "device": str(loss.device)}
+    report["loss"] = {"dtype": str(losses[-1].dtype), "device": str(losses[-1].device)} if losses else None
+    norm = engine.grad_norm()
+    report["grad_norm"] = None if norm is None else {"type": type(norm).__name__,
+        "device": str(getattr(norm, "device", "host"))}  # fmt: skip
+    report["steps_done"] = loop.last_step
+    report["checkpoint_saves_skipped"] = checkpoints.saves
+    report["peak_by_category"] = classify_peak(audit, engine, grad_keys)
+    report.setdefault("dtypes", dtypes(engine))
+
+
+def dtypes(engine: Any) -> dict[str, list[str]]:
+    """The dtypes of the module's parameters and gradients and of the optimizer's tensors."""
+    params = sorted({str(p.dtype) for p in engine.module.parameters()})
+    grads = sorted({str(p.grad.dtype) for p in engine.module.parameters() if p.grad is not None})
+    found: list = []
+    _tensors_of(engine.engine.optimizer, "optimizer", found, set())
+    state = sorted({f"{t.dtype!s}" for path, t in found if "state" in path or "fp32" in path.lower()})
+    return {"parameters": params, "gradients": grads, "optimizer_state": state}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: ``python -m megaformer.fakecuda.session REQUEST.json``; writes the report to
+    the request's ``report`` path; exit 0, or 3 with ``error`` and ``traceback`` in the report."""
+    argv = sys.argv[1:] if argv is None else argv
+    with open(argv[0]) as f:
+        request = json.load(f)
+    try:
+        report = run(request)
+        code = 0
+    except Exception as e:
+        report = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        code = 3
+    tmp = request["report"] + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    os.replace(tmp, request["report"])
+    sys.stdout.flush()
+    os._exit(code)  # the fake process group and DeepSpeed's threads: no clean teardown to wait for
+
+
+if __name__ == "__main__":
+    main()
