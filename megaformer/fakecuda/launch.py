@@ -52,6 +52,7 @@ def run_session(
     strict_nccl: bool = True,
     timeout: float = 900,
     stream: bool = False,
+    **extra: Any,
 ) -> dict[str, Any]:
     """Run rank ``rank`` of a ``world_size``-rank job of ``config`` for ``steps`` optimizer steps on
     fake CUDA (:mod:`.session`); return its report (``error`` and ``traceback`` set if it failed).
@@ -59,6 +60,9 @@ def run_session(
     Args:
         stream: let the child's console output through (progress for the dry-run command); else
             captured and put in the report as ``output`` when it failed.
+        extra: further request keys (:mod:`.session`): ``max_micro_batches`` (fewer micro-batches
+            per step, each at full size), ``peer_sends`` (the first pipeline stage's small integer
+            sends, for a later stage's receives), ``setup_modules``, ``unchecked_engine_json``.
 
     Raises:
         ShimUnavailableError: the shim cannot be built here (no compiler or headers).
@@ -75,6 +79,7 @@ def run_session(
             "strict_nccl": strict_nccl,
             "report": os.path.join(tmp, "report.json"),
             "output_dir": os.path.join(tmp, "run"),
+            **extra,
         }
         path = os.path.join(tmp, "request.json")
         with open(path, "w") as f:
@@ -97,3 +102,41 @@ def run_session(
             report["output"] = output[-8000:]
         report["returncode"] = proc.returncode
         return report
+
+
+def run_rank_of_job(
+    config: str, overrides: list[str], *, world_size: int, rank: int, gpu: str, **kwargs: Any
+) -> dict[str, Any]:
+    """:func:`run_session` for any rank of a job. A rank on a later pipeline stage first needs what
+    the first stage sends it (tensor shapes, partition tables: small integer tensors a fake run
+    cannot know otherwise), so the first-stage rank with the same data- and tensor-parallel
+    coordinates runs first and its recorded sends are handed on (``peer_sends``); its report is kept
+    under ``first_stage_report``.
+
+    Raises:
+        ShimUnavailableError: as :func:`run_session`.
+        ConfigError: the config or overrides do not load, or the layout does not fit the world.
+    """
+    from megaformer.config import load_config
+    from megaformer.parallel.state import coords_of, rank_of
+    from megaformer.training.preflight import validate_layout
+
+    cfg = load_config(config, overrides)
+    dp = validate_layout(cfg, world_size)
+    tp = cfg.parallel.tp_size
+    pp_rank, dp_rank, tp_rank = coords_of(rank, tp=tp, dp=dp)
+    if pp_rank == 0:
+        return run_session(config, overrides, world_size=world_size, rank=rank, gpu=gpu, **kwargs)
+    first = rank_of(0, dp_rank, tp_rank, tp=tp, dp=dp)
+    quiet = {k: v for k, v in kwargs.items() if k != "stream"}
+    head = run_session(config, overrides, world_size=world_size, rank=first, gpu=gpu, **quiet)
+    if "error" in head:
+        return head
+    report = run_session(
+        config, overrides, world_size=world_size, rank=rank, gpu=gpu,
+        peer_sends=head.get("p2p_int_sends", []), **kwargs,
+    )  # fmt: skip
+    report["first_stage_report"] = {
+        k: head.get(k) for k in ("rank", "seconds", "peak_bytes", "peak_by_category")
+    }
+    return report

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -65,6 +65,20 @@ GPUS: dict[str, GpuModel] = {
     "h100-80gb": GpuModel("NVIDIA H100 80GB HBM3", (9, 0), 80 * 1024**3),
     "h200-141gb": GpuModel("NVIDIA H200", (9, 0), 141 * 1024**3),
 }
+
+
+_HOST_BY_DESIGN = [0]
+
+
+@contextlib.contextmanager
+def host_by_design():
+    """CPU tensors made in the block are what the real CUDA API makes on the host too (generator
+    states): :class:`Audit` does not count them as CPU work inside the step."""
+    _HOST_BY_DESIGN[0] += 1
+    try:
+        yield
+    finally:
+        _HOST_BY_DESIGN[0] -= 1
 
 
 class _FakeStream:
@@ -110,7 +124,9 @@ def install_cuda_stubs(gpu: GpuModel) -> None:
         )()
 
     def get_rng_state(device: Any = "cuda") -> torch.Tensor:
-        return rng["state"].clone()
+        # CUDA's generator state is a host tensor on a real GPU too (no device work): not counted.
+        with host_by_design():
+            return rng["state"].clone()
 
     def set_rng_state(state: torch.Tensor, device: Any = "cuda") -> None:
         if state.dtype != torch.uint8 or state.numel() != 16 or state.device.type != "cpu":
@@ -120,11 +136,41 @@ def install_cuda_stubs(gpu: GpuModel) -> None:
                 f"torch.cuda.set_rng_state: expected a 16-byte uint8 CPU tensor (CUDA Philox state), "
                 f"got {state.dtype} × {state.numel()} on {state.device}"
             )
-        rng["state"] = state.clone()
+        with host_by_design():
+            rng["state"] = state.clone()
 
     def manual_seed(seed: int) -> None:
         rng["state"] = torch.tensor(list(int(seed).to_bytes(8, "little")) + [0] * 8, dtype=torch.uint8)
 
+    class FakeCudaGenerator:
+        """``torch.cuda.default_generators[0]``: the same 16-byte Philox state as the functions."""
+
+        device = torch.device("cuda", 0)
+
+        def get_state(self) -> torch.Tensor:
+            return get_rng_state()
+
+        def set_state(self, state: torch.Tensor) -> None:
+            set_rng_state(state)
+
+        def manual_seed(self, seed: int) -> FakeCudaGenerator:
+            manual_seed(seed)
+            return self
+
+        def initial_seed(self) -> int:
+            return 0
+
+        def seed(self) -> int:
+            return 0
+
+    cuda.default_generators = (FakeCudaGenerator(),)
+    import importlib
+
+    importlib.import_module("torch.cuda.nccl").version = lambda: (
+        2,
+        21,
+        5,
+    )  # torch's c10d logger asks it on every call
     zero = lambda *a, **k: 0  # noqa: E731
     none = lambda *a, **k: None  # noqa: E731
     stubs = {
@@ -314,7 +360,12 @@ def caller(skip_torch: bool = True) -> str:
             continue
         if "/contextlib.py" in path:
             continue
-        shown = os.path.relpath(path, PROJECT_ROOT) if path.startswith(PROJECT_ROOT) else _site_relative(path)
+        if "site-packages" + os.sep in path:
+            shown = _site_relative(path)
+        elif path.startswith(PROJECT_ROOT):
+            shown = os.path.relpath(path, PROJECT_ROOT)
+        else:
+            shown = path
         return f"{shown}:{frame.lineno} ({frame.name})"
     return "<unknown>"
 
@@ -328,11 +379,12 @@ def _site_relative(path: str) -> str:
 class Finding:
     """One event of a kind the audit watches, with where it came from."""
 
-    kind: str  # host_sync | cpu_collective | cpu_tensor_in_step | dynamic_shape
+    kind: str  # host_sync | h2d_copy | cpu_collective | cpu_tensor | dynamic_shape
     where: str
     phase: str
     op: str
     detail: str = ""
+    step: int = 0
 
 
 @dataclass
@@ -366,6 +418,7 @@ class Audit(TorchDispatchMode):
     def __init__(self, group_names: dict[Any, str] | None = None, strict_nccl: bool = True) -> None:
         super().__init__()
         self.group_names: dict[str, str] = {}
+        self.rank_names: dict[tuple[int, ...], str] = {}
         for group, name in (group_names or {}).items():
             self.name_group(group, name)
         self.strict_nccl = strict_nccl
@@ -383,6 +436,9 @@ class Audit(TorchDispatchMode):
         self.peak_phase = ""
         self.op_counts: Counter = Counter()
         self.after_backward: list[int] = []
+        self.values = SmallValues()
+        _ACTIVE_VALUES[0] = self.values
+        self.cpu_tensors: Counter = Counter()  # (phase, where) -> host tensors made (no device cost)
 
     # ---- naming groups -------------------------------------------------------------------------
     def name_group(self, group: Any, name: str) -> None:
@@ -391,15 +447,22 @@ class Audit(TorchDispatchMode):
             return
         self.group_names.setdefault(_group_key(group), name)
 
+    def name_ranks(self, ranks: list[int], name: str) -> None:
+        """Call any group of exactly these ranks ``name`` (DeepSpeed's pipeline engine builds its
+        own groups over the same rank lists as megaformer's)."""
+        self.rank_names.setdefault(tuple(ranks), name)
+
     def _group_name(self, pg: Any) -> str:
         key = _group_key(pg)
         if key in self.group_names:
             return self.group_names[key]
         try:
             ranks = dist.get_process_group_ranks(_as_python_group(pg))
-            return f"ranks{ranks[0]}..{ranks[-1]}({len(ranks)})" if len(ranks) > 4 else f"ranks{ranks}"
         except Exception:
             return str(key)
+        if tuple(ranks) in self.rank_names:
+            return self.rank_names[tuple(ranks)]
+        return f"ranks{ranks[0]}..{ranks[-1]}({len(ranks)})" if len(ranks) > 4 else f"ranks{ranks}"
 
     # ---- phases ----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -421,19 +484,27 @@ class Audit(TorchDispatchMode):
         if name.startswith("c10d.") or name.startswith("_c10d_functional."):
             self._collective(func, name, args, kwargs)
         elif func in _DYNAMIC_SHAPE:
-            self.findings.append(Finding("dynamic_shape", caller(), self.phase, name))
+            self.findings.append(self._finding("dynamic_shape", caller(), name))
         if func is torch.ops.aten._to_copy.default or func is torch.ops.aten.copy_.default:
             self._check_copy(func, args, kwargs)
         out = func(*args, **kwargs)
         self._track(out, name)
+        if name.startswith("c10d."):
+            self.values.after_p2p(name, args)
+        else:
+            self.values.propagate(func, args, kwargs, out)
         return out
 
     def _host_read(self, func: Any, args: Any) -> Any:
         t = args[0]
         if t.device.type == "cuda":
-            self.findings.append(Finding("host_sync", caller(), self.phase, "item", f"{t.dtype}"))
+            self._finding("host_sync", caller(), "item", f"{t.dtype}")
         elif not isinstance(t, FakeTensor):
             return func(*args)
+        known = self.values.of(t)
+        if known is not None:  # metadata whose values the run made itself (see SmallValues)
+            with _disable_current_modes():
+                return known.item()
         # A fake tensor has no value: 0 (False) stands in. Zero is what keeps a run on its normal
         # path: no stop flag, no overflow, no non-finite norm, no divergence.
         return False if t.dtype == torch.bool else (0.0 if t.dtype.is_floating_point else 0)
@@ -441,29 +512,28 @@ class Audit(TorchDispatchMode):
     def _check_copy(self, func: Any, args: Any, kwargs: Any) -> None:
         if func is torch.ops.aten._to_copy.default:
             src, dst_device = args[0], kwargs.get("device")
-            to_host = (
-                src.device.type == "cuda"
-                and dst_device is not None
-                and torch.device(dst_device).type == "cpu"
-            )
+            dst_type = torch.device(dst_device).type if dst_device is not None else src.device.type
         else:
             dst, src = args[0], args[1]
-            to_host = src.device.type == "cuda" and dst.device.type == "cpu"
+            dst_type = dst.device.type
+        to_host = src.device.type == "cuda" and dst_type == "cpu"
+        to_device = src.device.type == "cpu" and dst_type == "cuda"
         if to_host:
-            self.findings.append(Finding("host_sync", caller(), self.phase, "copy to host", f"{src.dtype}"))
+            self._finding("host_sync", caller(), "copy to host", f"{src.dtype}{list(src.shape)}")
+        elif to_device and self.phase not in ("other", "data"):
+            self._finding("h2d_copy", caller(), "copy to device", f"{src.dtype}{list(src.shape)}")
 
     def _collective(self, func: Any, name: str, args: Any, kwargs: Any) -> None:
         flat, _ = tree_flatten((args, kwargs))
         tensors = [a for a in flat if isinstance(a, torch.Tensor)]
         groups = [g for g in map(_as_group, flat) if g is not None]
         group = self._group_name(groups[0]) if groups else "?"
-        bad = [t for t in tensors if t.device.type != "cuda"]
         op = name.split(".", 1)[1]
+        # barrier's tensor is the process group's own (ProcessGroupNCCL makes a CUDA one itself)
+        bad = [] if op.startswith("barrier") else [t for t in tensors if t.device.type != "cuda"]
         if bad:
             where = caller()
-            self.findings.append(
-                Finding("cpu_collective", where, self.phase, op, f"{bad[0].device} {bad[0].dtype} on {group}")
-            )
+            self._finding("cpu_collective", where, op, f"{bad[0].device} {bad[0].dtype} on {group}")
             if self.strict_nccl:
                 raise RuntimeError(
                     f"NCCL refuses a {bad[0].device} tensor: c10d {op} over {group} from {where} "
@@ -486,10 +556,10 @@ class Audit(TorchDispatchMode):
             if not isinstance(t, torch.Tensor):
                 continue
             if t.device.type == "cpu":
+                if _HOST_BY_DESIGN[0]:
+                    continue
                 if self.phase not in ("other", "data") and t.dim() > 0 and not name.startswith("c10d."):
-                    self.findings.append(
-                        Finding("cpu_tensor_in_step", caller(), self.phase, name, f"{t.dtype}{list(t.shape)}")
-                    )
+                    self.cpu_tensors[(self.phase, caller())] += 1
                 continue
             if t.device.type != "cuda":
                 continue
@@ -539,8 +609,158 @@ class Audit(TorchDispatchMode):
         """``({storage id: bytes}, {storage id: phase made in})`` of the storages alive at the peak."""
         return getattr(self, "_peak_sizes", {}), getattr(self, "_peak_phases", {})
 
+    def _finding(self, kind: str, where: str, op: str, detail: str = "") -> None:
+        self.findings.append(Finding(kind, where, self.phase, op, detail, self.step))
+
     def findings_of(self, kind: str) -> list[Finding]:
         return [f for f in self.findings if f.kind == kind]
+
+
+class SmallValues:
+    """Real values of the small integer tensors a run builds from host data (pipeline metadata:
+    shapes, partition offsets), so that reading them back gives what a GPU would.
+
+    FakeTensors have no values; DeepSpeed's pipeline engine sends tensor shapes and partition tables
+    between stages in small int tensors and reads them back (``.tolist()``, ``.item()``). Here each
+    such tensor's storage has a CPU shadow: factory ops and ops whose inputs are all known run again
+    on the shadows (integer and bool dtypes, at most :attr:`LIMIT` elements); a p2p ``send`` of a
+    known tensor is recorded; a ``recv`` into an integer buffer takes the values the sending stage
+    would send: the last send of the same dtype and size recorded by this process, else by the
+    first pipeline stage's run of the same job (:attr:`peer_sends`, which the harness passes to the
+    later stages: every stage boundary carries the same hidden-state layout).
+    """
+
+    LIMIT = 256
+
+    def __init__(self) -> None:
+        self.shadow: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+        self.sent: list[tuple[str, int, list[int]]] = []
+        self.peer_sends: list[tuple[str, int, list[int]]] = []
+
+    @staticmethod
+    def _small_int(t: Any) -> bool:
+        return (
+            isinstance(t, torch.Tensor)
+            and not t.dtype.is_floating_point
+            and not t.dtype.is_complex
+            and t.numel() <= SmallValues.LIMIT
+        )
+
+    def of(self, t: torch.Tensor) -> torch.Tensor | None:
+        """``t``'s values as a real CPU tensor, or None if unknown."""
+        if not isinstance(t, FakeTensor):
+            return t if t.device.type == "cpu" else None
+        entry = self.shadow.get(id(t.untyped_storage()))
+        if entry is None or entry[0]() is None:
+            constant = getattr(t, "constant", None)  # torch.tensor(data) under fake mode keeps it
+            return constant if isinstance(constant, torch.Tensor) and constant.shape == t.shape else None
+        flat = entry[1]
+        try:
+            with _disable_current_modes():
+                return flat.as_strided(t.shape, t.stride(), t.storage_offset())
+        except RuntimeError:
+            return None
+
+    def _set(self, t: torch.Tensor, values: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        numel = st.nbytes() // t.element_size()
+        shape, stride, offset = tuple(t.shape), tuple(t.stride()), t.storage_offset()
+        with _disable_current_modes():
+            flat = torch.zeros(numel, dtype=t.dtype)
+            flat.as_strided(shape, stride, offset).copy_(values.reshape(shape))
+        self.shadow[id(st)] = (weakref.ref(st), flat)
+
+    def propagate(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        """Run ``func`` again on the shadows when its integer outputs are small and every tensor
+        input is known (an in-place op updates the shadow it writes; a view shares its base's)."""
+        flat_out, _ = tree_flatten(out)
+        outs = [t for t in flat_out if isinstance(t, FakeTensor) and self._small_int(t)]
+        if not outs:
+            return
+        schema = func._schema
+        mutable = schema.is_mutable
+        aliasing = any(r.alias_info is not None for r in schema.returns)
+        if func in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default):
+            if not isinstance(args[0], FakeTensor):  # host data becoming a (fake) tensor
+                self._set(outs[0], args[0])
+            return
+        if aliasing and not mutable:
+            return  # a view: its storage, hence its shadow, is its base's
+        flat_in, spec = tree_flatten((args, kwargs))
+        real_in, tensors = [], 0
+        for i, a in enumerate(flat_in):
+            if isinstance(a, torch.Tensor):
+                tensors += 1
+                known = self.of(a)
+                if known is None and mutable and i == 0 and self._small_int(a):
+                    with _disable_current_modes():
+                        zeros = torch.zeros(a.shape, dtype=a.dtype)
+                    self._set(a, zeros)  # writing into a buffer of unknown values: zeros first
+                    known = self.of(a)
+                if known is None:
+                    return
+                real_in.append(known)
+            elif isinstance(a, torch.device):
+                real_in.append(torch.device("cpu"))
+            else:
+                real_in.append(a)
+        from torch.utils._pytree import tree_unflatten
+
+        r_args, r_kwargs = tree_unflatten(real_in, spec)
+        if "device" in r_kwargs:
+            r_kwargs["device"] = torch.device("cpu")
+        try:
+            with _disable_current_modes():
+                if tensors == 0 and "empty" in str(func):  # a fresh buffer: zeros stand in
+                    r_out = torch.zeros(outs[0].shape, dtype=outs[0].dtype)
+                else:
+                    r_out = func(*r_args, **r_kwargs)
+        except Exception:
+            return
+        if mutable:
+            return  # the op wrote into the shadow itself
+        real = [t for t in tree_flatten(r_out)[0] if isinstance(t, torch.Tensor)]
+        for fake, value in zip(outs, real):
+            if fake.shape == value.shape:
+                self._set(fake, value)
+
+    def after_p2p(self, name: str, args: Any) -> None:
+        flat, _ = tree_flatten(args)
+        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        if not tensors or not self._small_int(tensors[0]):
+            return
+        t = tensors[0]
+        if name.startswith("c10d.send"):
+            known = self.of(t)
+            if known is not None:
+                with _disable_current_modes():
+                    self.sent.append((str(t.dtype), t.numel(), known.reshape(-1).tolist()))
+        elif name.startswith("c10d.recv"):
+            for source in (self.sent, self.peer_sends):
+                match = [v for d, n, v in source if d == str(t.dtype) and n == t.numel()]
+                if match:
+                    with _disable_current_modes():
+                        value = torch.tensor(match[-1], dtype=t.dtype)
+                    self._set(t, value)
+                    return
+
+
+_ACTIVE_VALUES: list[SmallValues | None] = [None]
+
+
+def _numpy_of_known(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """``FakeTensor.numpy()`` for a host tensor whose values are known (DeepSpeed's partitioned
+    activation checkpointing keeps each activation's size as ``torch.tensor(x.size())`` and reads
+    it back with ``.numpy()``); any other FakeTensor has no values to give."""
+    values = _ACTIVE_VALUES[0]
+    known = values.of(self) if values is not None else None
+    if known is None:
+        raise RuntimeError(".numpy() of a fake tensor whose values are unknown (fake CUDA run)")
+    with _disable_current_modes():
+        return known.numpy(*args, **kwargs)
+
+
+FakeTensor.numpy = _numpy_of_known
 
 
 def storage_key(t: torch.Tensor) -> int:

@@ -23,6 +23,7 @@ values, but their dtype and device are checked).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -47,6 +48,22 @@ class SyntheticSamples:
 
     def __getitem__(self, i: int) -> np.ndarray:
         return np.random.default_rng(i).integers(0, self.vocab, self.seq_len + 1, dtype=np.int64)
+
+
+class _InPhase:
+    """An iterable whose items are produced in one of the audit's phases (the loader: "data")."""
+
+    def __init__(self, iterable: Any, audit: Any, phase: str) -> None:
+        self.iterable, self.audit, self.phase = iterable, audit, phase
+
+    def __iter__(self) -> Any:
+        it = iter(self.iterable)
+        while True:
+            with self.audit.in_phase(self.phase):
+                item = next(it, None)
+            if item is None:
+                return
+            yield item
 
 
 class _NoCheckpoints:
@@ -187,6 +204,12 @@ def run(request: dict) -> dict:
 
     check_shim_loaded()
     install_cuda_stubs(GPUS[request["gpu"]])
+    for module in request.get("setup_modules", []):  # instrumentation a test plants (tests/fakecuda)
+        importlib.import_module(module)
+    if request.get("unchecked_engine_json"):  # to show the DeepSpeed crash the check prevents is real
+        import megaformer.training.deepspeed_config as dsc
+
+        dsc.check_engine_combination = lambda *args, **kwargs: None
     world, rank, steps = int(request["world_size"]), int(request["rank"]), int(request.get("steps", 2))
     out_dir = request.get("output_dir") or tempfile.mkdtemp(prefix="megaformer-dryrun-")
     overrides = list(request.get("overrides", [])) + [
@@ -201,10 +224,23 @@ def run(request: dict) -> dict:
     from megaformer.training.preflight import validate_layout
 
     dp_size = validate_layout(cfg, world)
+    cap = request.get("max_micro_batches")
+    t = cfg.train
+    if cap and t.global_batch_size // (t.micro_batch_size * dp_size) > cap:
+        # Fewer micro-batches per step (the test tier's time); each one at full size.
+        cfg = load_config(
+            request["config"], [*overrides, f"train.global_batch_size={t.micro_batch_size * dp_size * cap}"]
+        )
+        report_gas = (t.global_batch_size // (t.micro_batch_size * dp_size), cap)
+    else:
+        report_gas = None
     init_fake_process_group(rank, world)
     audit = Audit(strict_nccl=request.get("strict_nccl", True))
+    audit.values.peer_sends = [tuple(x) for x in request.get("peer_sends", [])]
     report: dict[str, Any] = {"config": request["config"], "overrides": request.get("overrides", [])}
     report |= {"world_size": world, "rank": rank, "gpu": request["gpu"], "steps": steps}
+    if report_gas:
+        report["micro_batches_capped"] = {"recipe": report_gas[0], "run": report_gas[1]}
     t0 = time.perf_counter()
     with fake_mode(), audit:
         _run_rank(cfg, dp_size, audit, report, steps, out_dir)
@@ -221,6 +257,10 @@ def run(request: dict) -> dict:
 
     report["attention_kernels"] = dict(ATTENTION_KERNELS)
     report["peak_bytes"] = audit.peak
+    report["p2p_int_sends"] = audit.values.sent
+    report["cpu_tensors"] = [
+        {"phase": phase, "where": where, "count": n} for (phase, where), n in audit.cpu_tensors.most_common()
+    ]
     report["live_after_backward"] = audit.after_backward
     report["peak_at"] = {"step": audit.peak_step, "phase": audit.peak_phase}
     return report
@@ -246,8 +286,9 @@ def _run_rank(cfg: Any, dp_size: int, audit: Any, report: dict, steps: int, out_
     t = cfg.train
     layout = build_layout(cfg, dp_size)
     s = layout.state
-    for group, name in ((s.tp_group, "tp"), (s.dp_group, "dp"), (s.pp_group, "pp"), (s.mp_group, "mp")):
-        audit.name_group(group, name)
+    for name in ("tp", "dp", "pp", "mp"):
+        audit.name_group(getattr(s, f"{name}_group"), name)
+        audit.name_ranks(getattr(s, f"{name}_ranks"), name)
     audit.name_group(torch.distributed.group.WORLD, "world")
     report["layout"] = {"tp": s.tp_size, "pp": s.pp_size, "dp": s.dp_size, "pp_rank": s.pp_rank,
                         "tp_rank": s.tp_rank, "dp_rank": s.dp_rank, "backend": layout.backend}  # fmt: skip
@@ -326,6 +367,9 @@ def _run_rank(cfg: Any, dp_size: int, audit: Any, report: dict, steps: int, out_
             yield item
 
     loop._batches = batches
+    for evaluator in (loop.evaluate, loop.evaluate_test):
+        if evaluator is not None:
+            evaluator.loader = _InPhase(evaluator.loader, audit, "data")
     with audit.in_phase("step"):
         loop.run(resumed=False, stop=stop)
     audit.step += 1

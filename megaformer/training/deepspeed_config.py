@@ -55,6 +55,52 @@ def read_engine_json(path: str) -> dict[str, Any]:
     return data
 
 
+_DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16", "half": "fp16",
+                "bf16": "bf16", "bfloat16": "bf16"}  # fmt: skip
+
+
+def check_engine_combination(
+    cfg: RunConfig, data: dict[str, Any], path: str = "train.deepspeed_config"
+) -> None:
+    """Refuse what DeepSpeed 0.19 accepts in its JSON and then crashes on at ``deepspeed.initialize``.
+
+    ``data_types.grad_accum_dtype`` different from the model's dtype (``fp32`` accumulation of bf16
+    or fp16 gradients) is implemented by DeepSpeed 0.19 only inside a ZeRO optimizer (stage ≥ 1:
+    bf16 + fp32 accumulation at stage 1 is its ``BF16_Optimizer``); without ZeRO (``train.zero_stage
+    = 0``, the pipeline engine's default too) its ``_do_optimizer_sanity_check`` raises
+    ``NotImplementedError: unsupported mix of model_dtype=torch.bfloat16 and
+    grad_accum_dtype=torch.float32`` (deepspeed/runtime/engine.py). Found by the fake-CUDA dry run
+    (``configs/deepspeed/paper-bf16-a100.json`` at ZeRO-0).
+
+    Raises:
+        ConfigError: naming the JSON file and key, the YAML keys and both fixes.
+    """
+    accum = (data.get("data_types") or {}).get("grad_accum_dtype")
+    t = cfg.train
+    if accum is None or t.precision == "fp32" or t.zero_stage != 0:
+        return
+    accum_name = _DTYPE_NAMES.get(str(accum).lower(), str(accum))
+    if accum_name == t.precision:
+        return
+    raise ConfigError(
+        f"{path}: data_types.grad_accum_dtype={accum!r} with train.precision={t.precision} and "
+        f"train.zero_stage=0: DeepSpeed {_deepspeed_minor()} accumulates {t.precision} gradients in "
+        f"{accum_name} only inside a ZeRO optimizer and stops at start-up otherwise (NotImplementedError: "
+        f"unsupported mix of model_dtype and grad_accum_dtype). Use train.zero_stage=1 (the same fp32 "
+        f"accumulation, DeepSpeed's BF16 optimizer), or remove data_types.grad_accum_dtype from {path} "
+        f"to accumulate in {t.precision}"
+    )
+
+
+def _deepspeed_minor() -> str:
+    from importlib import metadata
+
+    try:
+        return ".".join(metadata.version("deepspeed").split(".")[:2])
+    except metadata.PackageNotFoundError:
+        return "0.19"
+
+
 def build_deepspeed_config(cfg: RunConfig, dp_size: int) -> dict[str, Any]:
     """The dict passed to ``deepspeed.initialize(config=...)``.
 
@@ -64,9 +110,14 @@ def build_deepspeed_config(cfg: RunConfig, dp_size: int) -> dict[str, Any]:
 
     Returns:
         A fresh dict; gradient_accumulation_steps = global_batch_size / (micro_batch_size × dp_size).
+
+    Raises:
+        ConfigError: a JSON key the YAML owns, or a combination DeepSpeed would crash on
+            (:func:`check_engine_combination`).
     """
     t = cfg.train
     ds: dict[str, Any] = copy.deepcopy(read_engine_json(t.deepspeed_config)) if t.deepspeed_config else {}
+    check_engine_combination(cfg, ds, t.deepspeed_config or "train.deepspeed_config")
     ds["train_batch_size"] = t.global_batch_size
     ds["train_micro_batch_size_per_gpu"] = t.micro_batch_size
     ds["gradient_accumulation_steps"] = t.global_batch_size // (t.micro_batch_size * dp_size)

@@ -57,14 +57,16 @@ def run_preflight(cfg: RunConfig, world_size: int) -> Preflight:
         DataFormatError: a dataset that is missing, corrupt, without statistics sidecar, with token
             ids beyond the vocabulary or documents not ended by ``data.eod_token``.
     """
-    from megaformer.training.deepspeed_config import read_engine_json
+    from megaformer.training.deepspeed_config import check_engine_combination, read_engine_json
     from megaformer.training.ds_adapter import check_deepspeed_version
 
     dp_size = validate_layout(cfg, world_size)
     check_deepspeed_version()
     check_backend_and_precision(cfg)
     if cfg.train.deepspeed_config:
-        read_engine_json(cfg.train.deepspeed_config)
+        check_engine_combination(
+            cfg, read_engine_json(cfg.train.deepspeed_config), cfg.train.deepspeed_config
+        )
     datasets = data_prefixes(cfg)
     stats = [check_dataset(prefix, cfg) for _, prefix in datasets]
     for key in ("valid_prefix", "test_prefix"):  # held-out sets: the same checks, not in the stats
