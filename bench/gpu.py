@@ -43,18 +43,20 @@ SMOKE = [
 ]
 
 
-def _micro_batch(cfg, smoke: bool) -> int:
-    """The recipe's micro-batch if the planner says it fits this GPU, else the largest that does."""
+def _micro_batch(cfg, smoke: bool, device=None) -> int:
+    """The recipe's micro-batch if the planner says it fits this GPU (``device``: a planner
+    ``Device``; default: the visible CUDA device), else the largest that does."""
     import dataclasses
-
-    import torch
 
     from megaformer.tools import plan as planner
 
     if smoke:
         return cfg.train.micro_batch_size
-    props = torch.cuda.get_device_properties(0)
-    device = planner.Device(props.name, props.total_memory / planner.GIB, 989.0)
+    if device is None:
+        import torch
+
+        props = torch.cuda.get_device_properties(0)
+        device = planner.Device(props.name, props.total_memory / planner.GIB, 989.0)
     for micro in (cfg.train.micro_batch_size, 16, 8, 4, 2, 1):
         trial = dataclasses.replace(
             cfg, train=dataclasses.replace(cfg.train, micro_batch_size=micro, global_batch_size=4 * micro)
@@ -64,16 +66,10 @@ def _micro_batch(cfg, smoke: bool) -> int:
     return 1
 
 
-def run_case(recipe: str, zero: int, recompute: str, steps: int, smoke: bool) -> dict:
-    """Train ``steps`` timed steps of one case in this process; returns its figures."""
-    import torch
-
+def case_overrides(recipe: str, zero: int, recompute: str, smoke: bool, device=None) -> list[str]:
+    """The overrides of one case: ZeRO stage, recompute, precision, and the micro-batch that fits
+    (4 accumulation steps), applied to ``recipe`` (see the module docstring)."""
     from megaformer.config import load_config
-    from megaformer.parallel.rng import DropoutRNG
-    from megaformer.training.builders import build_layout, build_model, build_optimizer
-    from megaformer.training.deepspeed_config import build_deepspeed_config
-    from megaformer.training.ds_adapter import initialize
-    from megaformer.training.flops import PEAK_TFLOPS, model_flops_per_token
 
     overrides = [
         f"train.zero_stage={zero}",
@@ -88,11 +84,49 @@ def run_case(recipe: str, zero: int, recompute: str, steps: int, smoke: bool) ->
         # (the paper JSON asks for it; config.check_engine_combination refuses it): no engine JSON.
         + (["train.deepspeed_config="] if zero == 0 else [])
     )
+    micro = _micro_batch(load_config(recipe, overrides), smoke, device)
+    return [*overrides, f"train.micro_batch_size={micro}", f"train.global_batch_size={4 * micro}"]
+
+
+def case_rows(sizes: list[str], gpu: str) -> list[dict]:
+    """The cases :func:`main` would run on a ``gpu`` (a planner device name), without running them:
+    ``recipe``, ``zero``, ``recompute`` and ``overrides`` (for predictions made elsewhere)."""
+    from megaformer.tools.plan import DEVICES
+
+    rows = []
+    for recipe, zero, recompute in _cases(sizes, smoke=False):
+        overrides = case_overrides(recipe, zero, recompute, False, DEVICES[gpu])
+        rows.append(
+            {"recipe": Path(recipe).stem, "zero": zero, "recompute": recompute, "overrides": overrides}
+        )
+    return rows
+
+
+def _cases(sizes: list[str], smoke: bool) -> list[tuple[str, int, str]]:
+    cases = [
+        (f"configs/paper/{size}-normformer.yaml", zero, recompute)
+        for size in sizes
+        for zero, recompute in (CASES if not smoke else CASES[:2])
+    ]
+    if "125m" in sizes:  # NormFormer's step-time overhead over Pre-LN at the 125M shape, ZeRO 1, no recompute
+        cases.append(("configs/paper/125m-baseline.yaml", 1, "none"))
+    return cases
+
+
+def run_case(recipe: str, zero: int, recompute: str, steps: int, smoke: bool) -> dict:
+    """Train ``steps`` timed steps of one case in this process; returns its figures."""
+    import torch
+
+    from megaformer.config import load_config
+    from megaformer.parallel.rng import DropoutRNG
+    from megaformer.training.builders import build_layout, build_model, build_optimizer
+    from megaformer.training.deepspeed_config import build_deepspeed_config
+    from megaformer.training.ds_adapter import initialize
+    from megaformer.training.flops import PEAK_TFLOPS, model_flops_per_token
+
+    overrides = case_overrides(recipe, zero, recompute, smoke)
     cfg = load_config(recipe, overrides)
-    micro = _micro_batch(cfg, smoke)
-    cfg = load_config(
-        recipe, [*overrides, f"train.micro_batch_size={micro}", f"train.global_batch_size={4 * micro}"]
-    )
+    micro = cfg.train.micro_batch_size
     layout = build_layout(cfg, 1)
     model = build_model(cfg, layout, DropoutRNG(cfg.train.seed, device=layout.device))
     optimizer, scheduler = build_optimizer(model, cfg, 0)
@@ -127,6 +161,7 @@ def run_case(recipe: str, zero: int, recompute: str, steps: int, smoke: bool) ->
         "recipe": Path(recipe).stem,
         "zero": zero,
         "recompute": recompute,
+        "overrides": overrides,
         "micro_batch": micro,
         "step_s": step_s,
         "tokens_per_s": tokens_per_s,
@@ -179,15 +214,7 @@ def main() -> int:
     if not torch.cuda.is_available() and not args.smoke:
         print("no CUDA device: nothing to measure (use --smoke to check the script on CPU)")
         return 1
-    rows = []
-    sizes = args.sizes.split(",")
-    for size in sizes:
-        for zero, recompute in CASES if not args.smoke else CASES[:2]:
-            rows.append(
-                _spawn(f"configs/paper/{size}-normformer.yaml", zero, recompute, args.steps, args.smoke)
-            )
-    if "125m" in sizes:  # NormFormer's step-time overhead over Pre-LN at the 125M shape, ZeRO 1, no recompute
-        rows.append(_spawn("configs/paper/125m-baseline.yaml", 1, "none", args.steps, args.smoke))
+    rows = [_spawn(r, z, c, args.steps, args.smoke) for r, z, c in _cases(args.sizes.split(","), args.smoke)]
     print(f"{'recipe':18s} ZeRO recompute  micro  step s  tokens/s  TFLOP/s   MFU  peak GiB")
     for r in rows:
         if "error" in r:

@@ -29,6 +29,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
+from megaformer.fakecuda.gpus import GPUS, GpuModel  # noqa: F401  (re-exported)
+
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -47,24 +49,6 @@ def check_shim_loaded() -> None:
             f"fake CUDA is not available in this process ({type(e).__name__}: {e}); start it with "
             "megaformer.fakecuda.launch (LD_PRELOAD of the shim before torch is imported)"
         ) from None
-
-
-@dataclass(frozen=True)
-class GpuModel:
-    """What ``torch.cuda`` reports for the fake device: a name, compute capability and memory."""
-
-    name: str
-    capability: tuple[int, int]
-    memory_bytes: int
-
-
-GPUS: dict[str, GpuModel] = {
-    "v100-32gb": GpuModel("Tesla V100-SXM2-32GB", (7, 0), 32 * 1024**3),
-    "a100-40gb": GpuModel("NVIDIA A100-SXM4-40GB", (8, 0), 40 * 1024**3),
-    "a100-80gb": GpuModel("NVIDIA A100-SXM4-80GB", (8, 0), 80 * 1024**3),
-    "h100-80gb": GpuModel("NVIDIA H100 80GB HBM3", (9, 0), 80 * 1024**3),
-    "h200-141gb": GpuModel("NVIDIA H200", (9, 0), 141 * 1024**3),
-}
 
 
 _HOST_BY_DESIGN = [0]

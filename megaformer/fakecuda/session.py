@@ -326,9 +326,12 @@ def _run_rank(cfg: Any, dp_size: int, audit: Any, report: dict, steps: int, out_
     engine.before_optimizer_step(remember_grads)
     from megaformer.fakecuda.runtime import storage_key
 
+    grad_dtypes: set[str] = set()
+
     def grad_made(p: Any) -> None:  # every gradient a parameter accumulates, wherever it goes next
-        if p.grad is not None:
+        if p.grad is not None:  # (ZeRO-2 and the fp16 optimizer move it out before the step)
             grad_keys.add(storage_key(p.grad))
+            grad_dtypes.add(str(p.grad.dtype))
 
     for p in engine.module.parameters():
         if p.requires_grad:
@@ -384,6 +387,7 @@ def _run_rank(cfg: Any, dp_size: int, audit: Any, report: dict, steps: int, out_
     report["checkpoint_saves_skipped"] = checkpoints.saves
     report["peak_by_category"] = classify_peak(audit, engine, grad_keys)
     report.setdefault("dtypes", dtypes(engine))
+    report["dtypes"]["gradients"] = sorted(grad_dtypes)
 
 
 def dtypes(engine: Any) -> dict[str, list[str]]:

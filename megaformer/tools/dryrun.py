@@ -1,0 +1,329 @@
+"""Dry-run one rank of a GPU job on this machine, before the job is queued.
+
+``python -m megaformer.tools.dryrun CONFIG [overrides] --nodes N --gpus-per-node G --gpu a100-80gb
+[--rank R]``
+
+For a login node without GPUs. The chosen rank (default: the first rank of the pipeline stage the
+planner predicts to need the most memory) runs its first two optimizer steps at full size on fake
+CUDA (:mod:`megaformer.fakecuda`): the trainer's builders, the DeepSpeed engine of the config's
+ZeRO stage and precision, the pipeline engine, TP and sequence parallelism as configured, the
+training loop and one evaluation; FakeTensors carry shapes, dtypes and devices, not values. It
+prints
+
+* the peak device memory of the fake allocations by category (parameters, gradients, optimizer
+  state, activations, other) beside the planner's figure for each (``megaformer.tools.plan``);
+* the collectives per step (operation, group, calls, bytes) beside what the layout implies
+  (Megatron's counts: under TP, 2 all-reduces of ``b·s·h`` per layer in forward and 2 in backward;
+  the data-parallel gradient reduction of ZeRO);
+* the host syncs and host-to-device copies per step, each with the reason it stays;
+* a verdict: the run would start and step (exit 0), or what stops it (exit 1): a CPU tensor in a
+  collective, an unexpected host sync, memory over the device's.
+
+A config DeepSpeed would crash on is refused with the key and the fix before anything runs
+(exit 2), as are a layout that does not divide the world, an unknown ``--gpu`` and a rank outside
+the world. The JSON report goes to ``--output`` (default ``runs/dryrun/<config>-rank<R>.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from megaformer.config import ConfigError, load_config
+
+GIB = 1024**3
+GPU_ALIASES = {
+    "v100": "v100-32gb",
+    "a100": "a100-80gb",
+    "a100-40": "a100-40gb",
+    "a100-80": "a100-80gb",
+    "h100": "h100-80gb",
+    "h200": "h200-141gb",
+}
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
+
+
+def gpu_name(value: str) -> str:
+    """``--gpu``: a device of :data:`megaformer.fakecuda.runtime.GPUS`, or an alias (``h100``).
+
+    Raises:
+        argparse.ArgumentTypeError: an unknown device, listing the known ones.
+    """
+    from megaformer.fakecuda.gpus import GPUS
+
+    key = GPU_ALIASES.get(value.lower(), value.lower())
+    if key not in GPUS:
+        raise argparse.ArgumentTypeError(f"unknown GPU {value!r}; use one of {', '.join(GPUS)}")
+    return key
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m megaformer.tools.dryrun", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, as for the launcher")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--gpu", type=gpu_name, default="a100-80gb", help="a100-80gb, h100-80gb, ...")
+    parser.add_argument("--rank", type=int, default=None, help="default: the busiest stage's rank 0")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument(
+        "--max-micro-batches",
+        type=int,
+        default=None,
+        help="run at most this many micro-batches per step (each at full size; default: the config's)",
+    )
+    parser.add_argument("--output", default=None, help="JSON report path")
+    return parser.parse_args(argv)
+
+
+def plan_for(cfg: Any, gpu: str, world: int) -> Any:
+    """The planner's prediction for ``cfg`` on ``world`` GPUs of kind ``gpu``."""
+    from megaformer.tools.plan import DEVICES, make_plan
+
+    return make_plan(cfg, DEVICES[gpu], world)
+
+
+def busiest_rank(plan: Any, cfg: Any) -> int:
+    """The first rank (dp 0, tp 0) of the stage with the largest predicted memory."""
+    from megaformer.parallel.state import rank_of
+
+    stage = max(plan.stages, key=lambda s: s.total).stage
+    return rank_of(stage, 0, 0, tp=cfg.parallel.tp_size, dp=plan.dp)
+
+
+def expected_collectives(cfg: Any, plan: Any, stage: int, gas: int) -> list[dict]:
+    """What the layout implies per optimizer step on one rank of ``stage``: under TP (Megatron-LM,
+    Shoeybi et al. 2019, Sec. 3), two all-reduces of ``b·s·h`` activations per layer in forward and
+    two in backward per micro-batch (with sequence parallelism, all-gathers and reduce-scatters of
+    the same total size instead; Korthikanti et al. 2022); under data parallelism, the gradients of
+    the rank's parameters reduced once per step (ZeRO-1/2: reduce or reduce-scatter, sized as the
+    gradients in the training precision)."""
+    m, par, t = cfg.model, cfg.parallel, cfg.train
+    lo, hi = plan.stages[stage].layers
+    layers = sum(1 for i in range(lo, hi) if 1 <= i <= m.num_layers)
+    act_bytes = 2 if t.precision in ("bf16", "fp16") else 4
+    rows = []
+    if par.tp_size > 1:
+        per = t.micro_batch_size * m.seq_len * m.hidden_size * act_bytes
+        kind = "all-gather + reduce-scatter" if par.sequence_parallel else "all-reduce"
+        rows.append(
+            {
+                "group": "tp",
+                "what": f"activations ({kind}), 4 per layer per micro-batch",
+                "calls": 4 * layers * gas,
+                "bytes": 4 * layers * gas * per,
+            }
+        )
+    if plan.dp > 1:
+        params = plan.stages[stage].params
+        rows.append(
+            {
+                "group": "dp",
+                "what": "gradient reduction, once per step",
+                "calls": None,
+                "bytes": params * act_bytes,
+            }
+        )
+    return rows
+
+
+def measured_by_group(report: dict, step: str) -> dict[str, dict]:
+    """``{group: {"calls", "bytes", "ops"}}`` of one step's collectives in a session report."""
+    out: dict[str, dict] = {}
+    for c in report.get("collectives", {}).get(step, []):
+        g = out.setdefault(c["group"], {"calls": 0, "bytes": 0, "ops": set()})
+        g["calls"] += c["calls"]
+        g["bytes"] += c["bytes"]
+        g["ops"].add(c["op"])
+    return out
+
+
+def memory_rows(report: dict, stage_plan: Any) -> list[dict]:
+    """Measured peak bytes by category beside the planner's (activations = activations + logits;
+    other = the planner's buffers)."""
+    planned = {
+        "parameters": stage_plan.weights,
+        "gradients": stage_plan.grads,
+        "optimizer_state": stage_plan.optimizer,
+        "activations": stage_plan.activations + stage_plan.logits,
+        "other": stage_plan.buffers,
+    }
+    got = report.get("peak_by_category", {})
+    return [{"category": k, "measured": got.get(k, 0), "planned": planned[k]} for k in CATEGORIES]
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:8.2f}"
+
+
+def describe(result: dict) -> str:
+    """The console report of :func:`run`'s result."""
+    r, lines = result["report"], []
+    lines.append(
+        f"\n== dry run: {result['config']} | rank {result['rank']} of {result['world']} "
+        f"({result['layout']}) on fake {result['gpu']} =="
+    )
+    if r.get("micro_batches_capped"):
+        c = r["micro_batches_capped"]
+        lines.append(f"   (ran {c['run']} of the step's {c['recipe']} micro-batches, each at full size)")
+    e, d = r["engine"], r["dtypes"]
+    lines.append(f"engine: {e['class']} / {e['optimizer']}, {e['gas']} micro-batches per step")
+    lines.append(
+        f"dtypes: parameters {d['parameters']}, gradients {d['gradients']}, optimizer state "
+        f"{d['optimizer_state']} | attention kernels: {r.get('attention_kernels')}"
+    )
+    lines.append("\npeak device memory (GiB), fake allocations vs the planner:")
+    lines.append(f"  {'category':16s} {'measured':>8s} {'planned':>8s}")
+    for row in result["memory"]:
+        lines.append(f"  {row['category']:16s} {_gib(row['measured'])} {_gib(row['planned'])}")
+    total_planned = sum(row["planned"] for row in result["memory"])
+    lines.append(
+        f"  {'total (peak)':16s} {_gib(r['peak_bytes'])} {_gib(total_planned)}   "
+        f"device {result['gpu_memory_gib']:.0f} GiB, at step {r['peak_at']['step']} "
+        f"({r['peak_at']['phase']})"
+    )
+    lines.append("\ncollectives in step 2 (measured) and what the layout implies:")
+    for group, g in sorted(result["collectives"].items()):
+        ops = ", ".join(sorted(g["ops"]))
+        lines.append(f"  {group:12s} {g['calls']:6d} calls {g['bytes'] / 2**20:12.1f} MiB  ({ops})")
+    for e in result["expected_collectives"]:
+        calls = "" if e["calls"] is None else f"{e['calls']:6d} calls"
+        lines.append(f"  expected {e['group']:3s} {calls:>12s} {e['bytes'] / 2**20:12.1f} MiB  {e['what']}")
+    v = result["verdict"]
+    lines.append("\nhost syncs per step (each stays for the reason given):")
+    for row in v["syncs_per_step"]:
+        lines.append(f"  {row['count']:3d}× {row['phase']:9s} {row['where']}: {row['why'] or 'NOT EXPECTED'}")
+    lines.append("host-to-device copies per step:")
+    for row in v["copies_per_step"]:
+        lines.append(f"  {row['count']:3d}× {row['phase']:9s} {row['where']}: {row['why'] or 'NOT EXPECTED'}")
+    lines.append("")
+    if result["ok"]:
+        lines.append(
+            f"verdict: OK: rank {result['rank']} starts, steps and evaluates; peak "
+            f"{r['peak_bytes'] / GIB:.1f} GiB of {result['gpu_memory_gib']:.0f} GiB"
+        )
+    else:
+        lines.append("verdict: NOT OK:")
+        lines.extend(f"  - {p}" for p in result["problems"])
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Validate, run the rank on fake CUDA, judge; return the result (see :func:`describe`).
+
+    Raises:
+        ConfigError: a config, layout, rank or engine JSON that cannot run (before anything starts).
+        ShimUnavailableError: no compiler or torch headers to build the fake-CUDA shim.
+    """
+    from megaformer.fakecuda.expectations import verdict
+    from megaformer.fakecuda.gpus import GPUS
+    from megaformer.fakecuda.launch import run_rank_of_job
+    from megaformer.parallel.state import coords_of
+    from megaformer.training.deepspeed_config import check_engine_combination, read_engine_json
+    from megaformer.training.preflight import validate_layout
+
+    if args.nodes < 1 or args.gpus_per_node < 1:
+        raise ConfigError(f"--nodes {args.nodes} --gpus-per-node {args.gpus_per_node}: both must be ≥ 1")
+    world = args.nodes * args.gpus_per_node
+    cfg = load_config(args.config, args.overrides)
+    validate_layout(cfg, world)
+    if cfg.train.deepspeed_config:
+        check_engine_combination(
+            cfg, read_engine_json(cfg.train.deepspeed_config), cfg.train.deepspeed_config
+        )
+    if cfg.train.precision == "bf16" and GPUS[args.gpu].capability < (8, 0):
+        raise ConfigError(
+            f"train.precision=bf16 on {args.gpu}: bf16 needs compute capability 8.0 (A100) or newer; "
+            "use train.precision=fp16 (the recipes' '# V100 overrides:' line)"
+        )
+    plan = plan_for(cfg, args.gpu, world)
+    rank = busiest_rank(plan, cfg) if args.rank is None else args.rank
+    if not 0 <= rank < world:
+        raise ConfigError(
+            f"--rank {rank} is outside the world of {world} ({args.nodes} × {args.gpus_per_node}); "
+            f"use 0..{world - 1}"
+        )
+    tp = cfg.parallel.tp_size
+    stage, dp_rank, tp_rank = coords_of(rank, tp=tp, dp=plan.dp)
+    layout = f"tp {tp} × pp {cfg.parallel.pp_size} × dp {plan.dp}; stage {stage}, dp {dp_rank}, tp {tp_rank}"
+    print(
+        f"[dryrun] {args.config}: rank {rank} of {world} ({layout}) on fake {args.gpu}: two steps at full "
+        f"size (about a minute per billion parameters on a CPU core)...",
+        flush=True,
+    )
+    started = time.perf_counter()
+    extra = {"max_micro_batches": args.max_micro_batches} if args.max_micro_batches else {}
+    report = run_rank_of_job(
+        args.config, args.overrides, world_size=world, rank=rank, gpu=args.gpu, steps=args.steps, **extra
+    )
+    print(f"[dryrun] ran in {time.perf_counter() - started:.0f} s", flush=True)
+    result: dict[str, Any] = {
+        "config": args.config,
+        "overrides": args.overrides,
+        "rank": rank,
+        "world": world,
+        "gpu": args.gpu,
+        "layout": layout,
+        "gpu_memory_gib": GPUS[args.gpu].memory_bytes / GIB,
+        "report": report,
+    }
+    if "error" in report:
+        result |= {"ok": False, "problems": [report["error"]]}
+        return result
+    gas = report["engine"]["gas"]
+    judged = verdict(report, gas)
+    problems = list(judged["problems"])
+    if report["peak_bytes"] > GPUS[args.gpu].memory_bytes:
+        problems.append(
+            f"peak device memory {report['peak_bytes'] / GIB:.1f} GiB exceeds the {args.gpu}'s "
+            f"{GPUS[args.gpu].memory_bytes / GIB:.0f} GiB (python -m megaformer.tools.plan suggests a layout)"
+        )
+    steps = str(report.get("steps", 2))
+    result |= {
+        "ok": not problems,
+        "problems": problems,
+        "verdict": judged,
+        "memory": memory_rows(report, plan.stages[stage]),
+        "collectives": measured_by_group(report, steps),
+        "expected_collectives": expected_collectives(cfg, plan, stage, gas),
+    }
+    return result
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, set):
+        return sorted(obj)
+    return str(obj)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from megaformer.fakecuda.build import ShimUnavailableError
+
+    try:
+        result = run(args)
+    except (ConfigError, ShimUnavailableError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    stem = os.path.splitext(os.path.basename(args.config))[0]
+    out = args.output or os.path.join("runs", "dryrun", f"{stem}-rank{result['rank']}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1, default=_jsonable)
+    if "verdict" in result:
+        print(describe(result))
+    else:
+        print(f"\nverdict: NOT OK: the rank did not complete: {result['problems'][0]}", file=sys.stderr)
+        print(f"(the traceback is in {out}, under report.traceback)", file=sys.stderr)
+    print(f"\nreport: {out}")
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

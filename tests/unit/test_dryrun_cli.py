@@ -1,0 +1,92 @@
+"""``python -m megaformer.tools.dryrun``: bad input is refused before anything is built (exit 2,
+the key or flag and the fix); the engine combination DeepSpeed 0.19 crashes on is refused at
+config load. (The runs themselves are in tests/fakecuda.)"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megaformer.config import ConfigError, load_config
+from megaformer.training.deepspeed_config import build_deepspeed_config, check_engine_combination
+from megaformer.training.preflight import run_preflight
+
+REPO = Path(__file__).resolve().parents[2]
+PAPER_125M = "configs/paper/125m-normformer.yaml"
+
+
+def dryrun(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "megaformer.tools.dryrun", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((PAPER_125M, "--gpu", "b200"), "unknown GPU 'b200'; use one of v100-32gb"),
+        (("configs/normformer-2.7b-3d-a100.yaml", "--gpus-per-node", "6"), "world size 6 is not divisible"),
+        ((PAPER_125M, "--gpus-per-node", "8", "--rank", "9"), "--rank 9 is outside the world of 8"),
+        ((PAPER_125M, "--nodes", "0"), "--nodes 0 --gpus-per-node 8: both must be ≥ 1"),
+        ((PAPER_125M, "train.zero_stage=0"), "data_types.grad_accum_dtype='fp32' with train.precision=bf16"),
+        ((PAPER_125M, "--gpu", "v100"), "train.precision=bf16 on v100-32gb"),
+        ((PAPER_125M, "train.no_such_key=1"), "no_such_key"),
+    ],
+    ids=[
+        "unknown-gpu",
+        "layout-vs-world",
+        "rank-outside",
+        "no-nodes",
+        "bf16-zero0",
+        "bf16-on-v100",
+        "bad-key",
+    ],
+)
+def test_bad_input_is_refused_before_anything_runs(args, message):
+    proc = dryrun(*args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_gpu_aliases_name_the_devices():
+    from megaformer.tools.dryrun import gpu_name
+
+    assert gpu_name("H100") == "h100-80gb" and gpu_name("a100-40gb") == "a100-40gb"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "refused"),
+    [
+        (["train.zero_stage=0"], True),  # the paper JSON's fp32 accumulation without ZeRO
+        (["train.zero_stage=1"], False),  # DeepSpeed's BF16 optimizer: the recipe as shipped
+        (["train.zero_stage=0", "train.deepspeed_config="], False),  # bf16 accumulation
+        (["train.zero_stage=0", "train.precision=fp32"], False),
+        (["train.zero_stage=0", "train.precision=fp16"], True),  # fp16 model, fp32 accumulation
+    ],
+)
+def test_fp32_gradient_accumulation_needs_a_zero_optimizer(overrides, refused):
+    cfg = load_config(PAPER_125M, overrides)
+    if refused:
+        with pytest.raises(ConfigError, match=r"paper-bf16-a100\.json: data_types\.grad_accum_dtype='fp32'"):
+            build_deepspeed_config(cfg, 8)
+    else:
+        build_deepspeed_config(cfg, 8)
+
+
+def test_the_preflight_refuses_it_before_any_process_group():
+    cfg = load_config(PAPER_125M, ["train.zero_stage=0"])
+    with pytest.raises(ConfigError, match=r"Use train\.zero_stage=1"):
+        run_preflight(cfg, 8)
+
+
+def test_a_json_without_accumulation_dtype_is_left_alone():
+    cfg = load_config(PAPER_125M, ["train.zero_stage=0"])
+    check_engine_combination(cfg, {"zero_optimization": {"reduce_bucket_size": 1}})
