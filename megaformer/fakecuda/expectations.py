@@ -83,6 +83,13 @@ ALLOWED: tuple[Allowed, ...] = (
         "partitioned activation's metadata, read to the host once per run (first micro-batch; cached)",
     ),
     Allowed(
+        "host_sync",
+        r"deepspeed/runtime/zero/utils\.py:\d+ \((assert_lst_len_same_as_other_ranks|get_lst_from_rank0)\)",
+        ("forward", "backward"), 4,
+        "DeepSpeed 0.19 ZeRO-3: the parameter-fetch trace is checked to be the same on every rank (a "
+        "small all-reduce read on the host) while the prefetcher records it",
+    ),
+    Allowed(
         "h2d_copy", r"deepspeed/runtime/", ("forward", "backward", "optimizer", "step", "eval"), None,
         "DeepSpeed 0.19: small metadata and constants built on the host (pipeline tensor shapes, "
         "partition tables, loss aggregation)",
@@ -108,8 +115,9 @@ def verdict(report: dict, micro_batches: int | None = None) -> dict[str, Any]:
     and host-to-device copies of the last full step, grouped by where, with their reasons.
 
     A problem is: a CPU tensor handed to a collective (NCCL refuses it); a host sync or copy not in
-    :data:`ALLOWED` (or more of one per step than allowed); a data-dependent shape; a step that did
-    not finish; parameters, gradients or the loss off the device.
+    :data:`ALLOWED` (or more of one per step than allowed); a data-dependent shape; a CPU tensor
+    made by megaformer's code in forward, backward or the optimizer step; a step that did not
+    finish; the loss or gradient norm off the device.
     """
     problems: list[str] = []
     if "error" in report:
@@ -142,6 +150,9 @@ def verdict(report: dict, micro_batches: int | None = None) -> dict[str, Any]:
             msg = f"host sync in {f['phase']} at {f['where']}"
             if msg not in problems:
                 problems.append(msg)
+    for row in report.get("cpu_tensors", []):  # host tensors megaformer makes inside the step
+        if row["where"].startswith("megaformer/") and row["phase"] in ("forward", "backward", "optimizer"):
+            problems.append(f"{row['count']} CPU tensors made in {row['phase']} at {row['where']}")
     if report.get("steps_done", 0) < steps:
         problems.append(f"only {report.get('steps_done', 0)} of {steps} steps ran")
     for key in ("loss", "grad_norm"):

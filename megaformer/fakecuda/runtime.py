@@ -412,6 +412,10 @@ class Audit(TorchDispatchMode):
         self.collectives: dict[int, CollectiveRecord] = defaultdict(CollectiveRecord)
         self.live: dict[int, int] = {}  # storage id -> bytes
         self.live_phase: dict[int, str] = {}
+        self.labels: dict[int, str] = {}
+        self._peak_sizes: dict[int, int] = {}
+        self._peak_phases: dict[int, str] = {}
+        self._peak_labels: dict[int, str] = {}
         self.storages: dict[int, weakref.ref] = {}
         self.current = 0
         self.peak = 0
@@ -540,8 +544,8 @@ class Audit(TorchDispatchMode):
             if not isinstance(t, torch.Tensor):
                 continue
             if t.device.type == "cpu":
-                if _HOST_BY_DESIGN[0]:
-                    continue
+                if _HOST_BY_DESIGN[0] or (t.dtype == torch.uint8 and t.numel() == 16):
+                    continue  # CUDA generator states are host tensors on a GPU too (16-byte Philox)
                 if self.phase not in ("other", "data") and t.dim() > 0 and not name.startswith("c10d."):
                     self.cpu_tensors[(self.phase, caller())] += 1
                 continue
@@ -574,7 +578,16 @@ class Audit(TorchDispatchMode):
         if isinstance(t, torch.Tensor) and t.device.type == "cuda":
             self._track_storage(t)
 
+    def label(self, t: torch.Tensor, category: str) -> None:
+        """Put ``t``'s storage in ``category`` for the memory report, for as long as it lives
+        (object ids are reused after a storage dies: a label recorded by id alone would go to
+        whatever storage comes next at that address)."""
+        key = storage_key(t)
+        if key in self.live:
+            self.labels.setdefault(key, category)
+
     def _free(self, key: int) -> None:
+        self.labels.pop(key, None)
         nbytes = self.live.pop(key, 0)
         self.live_phase.pop(key, None)
         self.storages.pop(key, None)
@@ -588,10 +601,16 @@ class Audit(TorchDispatchMode):
             self.peak_phase = self.phase
             self._peak_sizes = dict(self.live)
             self._peak_phases = dict(self.live_phase)
+            self._peak_labels = dict(self.labels)
 
-    def peak_snapshot(self) -> tuple[dict[int, int], dict[int, str]]:
-        """``({storage id: bytes}, {storage id: phase made in})`` of the storages alive at the peak."""
-        return getattr(self, "_peak_sizes", {}), getattr(self, "_peak_phases", {})
+    def peak_snapshot(self) -> tuple[dict[int, int], dict[int, str], dict[int, str]]:
+        """``({storage id: bytes}, {storage id: phase made in}, {storage id: label})`` of the
+        storages alive at the peak."""
+        return (
+            getattr(self, "_peak_sizes", {}),
+            getattr(self, "_peak_phases", {}),
+            getattr(self, "_peak_labels", {}),
+        )
 
     def _finding(self, kind: str, where: str, op: str, detail: str = "") -> None:
         self.findings.append(Finding(kind, where, self.phase, op, detail, self.step))
@@ -614,7 +633,7 @@ class SmallValues:
     later stages: every stage boundary carries the same hidden-state layout).
     """
 
-    LIMIT = 256
+    LIMIT = 4096
 
     def __init__(self) -> None:
         self.shadow: dict[int, tuple[weakref.ref, torch.Tensor]] = {}

@@ -150,7 +150,7 @@ def _tensors_of(obj: Any, path: str, out: list, seen: set, depth: int = 0) -> No
             _tensors_of(v, f"{path}.{k}", out, seen, depth + 1)
 
 
-def classify_peak(audit: Any, engine: Any, grad_keys: set[int]) -> dict[str, int]:
+def classify_peak(audit: Any, engine: Any) -> dict[str, int]:
     """Bytes of the fake device memory alive at the peak, by category: ``parameters`` (the module's
     weights and the flat buffers they are views of), ``gradients`` (parameter ``.grad`` and every
     optimizer buffer whose path names a gradient: DeepSpeed's fp32 accumulation, ZeRO's partitions
@@ -158,12 +158,10 @@ def classify_peak(audit: Any, engine: Any, grad_keys: set[int]) -> dict[str, int
     forward and alive then), ``other`` (backward temporaries, communication buffers, the rest)."""
     from megaformer.fakecuda.runtime import storage_key
 
-    sizes, phases = audit.peak_snapshot()
-    category: dict[int, str] = {}
+    sizes, phases, labels = audit.peak_snapshot()
+    category: dict[int, str] = dict(labels)  # gradients, labelled while they lived
     for p in engine.module.parameters():
         category.setdefault(storage_key(p), "parameters")
-    for key in grad_keys:
-        category.setdefault(key, "gradients")
     found: list = []
     _tensors_of(engine.engine.optimizer, "optimizer", found, set())
     for path, t in found:
@@ -313,24 +311,19 @@ def _run_rank(cfg: Any, dp_size: int, audit: Any, report: dict, steps: int, out_
     report["engine"] = {"class": type(ds).__name__, "optimizer": type(ds.optimizer).__name__}
     report["engine"]["gas"] = engine.gas
     _install_phase_marks(engine, audit)
-    grad_keys: set[int] = set()
 
-    def remember_grads() -> None:  # before the optimizer step: the gradients are complete
-        from megaformer.fakecuda.runtime import storage_key
-
+    def before_step() -> None:  # the gradients are complete; label what DeepSpeed holds them in
         for p in engine.module.parameters():
             if p.grad is not None:
-                grad_keys.add(storage_key(p.grad))
+                audit.label(p.grad, "gradients")
         report["dtypes"] = dtypes(engine)
 
-    engine.before_optimizer_step(remember_grads)
-    from megaformer.fakecuda.runtime import storage_key
-
+    engine.before_optimizer_step(before_step)
     grad_dtypes: set[str] = set()
 
     def grad_made(p: Any) -> None:  # every gradient a parameter accumulates, wherever it goes next
         if p.grad is not None:  # (ZeRO-2 and the fp16 optimizer move it out before the step)
-            grad_keys.add(storage_key(p.grad))
+            audit.label(p.grad, "gradients")
             grad_dtypes.add(str(p.grad.dtype))
 
     for p in engine.module.parameters():
@@ -385,7 +378,7 @@ def _run_rank(cfg: Any, dp_size: int, audit: Any, report: dict, steps: int, out_
         "device": str(getattr(norm, "device", "host"))}  # fmt: skip
     report["steps_done"] = loop.last_step
     report["checkpoint_saves_skipped"] = checkpoints.saves
-    report["peak_by_category"] = classify_peak(audit, engine, grad_keys)
+    report["peak_by_category"] = classify_peak(audit, engine)
     report.setdefault("dtypes", dtypes(engine))
     report["dtypes"]["gradients"] = sorted(grad_dtypes)
 

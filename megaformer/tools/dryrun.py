@@ -100,10 +100,13 @@ def busiest_rank(plan: Any, cfg: Any) -> int:
 def expected_collectives(cfg: Any, plan: Any, stage: int, gas: int) -> list[dict]:
     """What the layout implies per optimizer step on one rank of ``stage``: under TP (Megatron-LM,
     Shoeybi et al. 2019, Sec. 3), two all-reduces of ``b·s·h`` activations per layer in forward and
-    two in backward per micro-batch (with sequence parallelism, all-gathers and reduce-scatters of
-    the same total size instead; Korthikanti et al. 2022); under data parallelism, the gradients of
-    the rank's parameters reduced once per step (ZeRO-1/2: reduce or reduce-scatter, sized as the
-    gradients in the training precision)."""
+    two in backward per micro-batch, two more under full recompute (with sequence parallelism,
+    all-gathers and reduce-scatters of the same total size instead; Korthikanti et al. 2022); under
+    data parallelism, the gradients of the rank's parameters reduced once per step (ZeRO-1/2: reduce
+    or reduce-scatter, sized as the gradients in the training precision). The measured TP count is
+    higher by what these leave out: the vocabulary-parallel embedding and loss, partitioned
+    activation checkpoints (one all-gather per layer per micro-batch) and the pipeline engine's
+    partitioned stage outputs."""
     m, par, t = cfg.model, cfg.parallel, cfg.train
     lo, hi = plan.stages[stage].layers
     layers = sum(1 for i in range(lo, hi) if 1 <= i <= m.num_layers)
@@ -112,14 +115,12 @@ def expected_collectives(cfg: Any, plan: Any, stage: int, gas: int) -> list[dict
     if par.tp_size > 1:
         per = t.micro_batch_size * m.seq_len * m.hidden_size * act_bytes
         kind = "all-gather + reduce-scatter" if par.sequence_parallel else "all-reduce"
-        rows.append(
-            {
-                "group": "tp",
-                "what": f"activations ({kind}), 4 per layer per micro-batch",
-                "calls": 4 * layers * gas,
-                "bytes": 4 * layers * gas * per,
-            }
+        # full recompute reruns each block's forward in backward: its two collectives again
+        n = 6 if t.recompute_mode == "full" else 4
+        what = f"activations ({kind}), {n} per layer per micro-batch" + (
+            " (full recompute)" if n == 6 else ""
         )
+        rows.append({"group": "tp", "what": what, "calls": n * layers * gas, "bytes": n * layers * gas * per})
     if plan.dp > 1:
         params = plan.stages[stage].params
         rows.append(

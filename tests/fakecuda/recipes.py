@@ -29,6 +29,8 @@ def recipe_cases() -> list[tuple[str, str, list[str], int, int, str]]:
         ("1.3b-3d-v100", "configs/normformer-1.3b-3d-v100.yaml", [], 16, "v100-32gb"),
         ("2.7b-3d-a100", "configs/normformer-2.7b-3d-a100.yaml", [], 32, "a100-40gb"),
         ("350m-zero2", "configs/normformer-350m-zero2.yaml", [], 8, "a100-40gb"),
+        # no shipped recipe uses ZeRO-3; its engine is checked on the 350M ZeRO-2 layout
+        ("350m-zero3", "configs/normformer-350m-zero2.yaml", ["train.zero_stage=3"], 8, "a100-40gb"),
     ]
     cases = []
     for ident, path, overrides, world, gpu in layouts:

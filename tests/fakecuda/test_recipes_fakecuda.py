@@ -57,9 +57,8 @@ def test_recipe_runs_on_fake_cuda_as_the_gpu_job_would(reports, ident, path, ove
     syncs = [
         f for f in report["findings"] if f["kind"] == "host_sync" and f["phase"] in ("forward", "backward")
     ]
-    assert all("deepspeed/runtime/pipe/" in f["where"] for f in syncs), (
-        syncs
-    )  # DeepSpeed's, first micro-batch
+    # DeepSpeed's own: the pipeline engine's received shapes (first micro-batch), ZeRO-3's trace check
+    assert all(f["where"].startswith("deepspeed/runtime/") for f in syncs), syncs
     assert all(row["why"] for row in judged["syncs_per_step"] + judged["copies_per_step"])
     # dtypes as the recipe states them
     low = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[cfg.train.precision]

@@ -113,3 +113,22 @@ def test_adamw_is_fused_on_cuda():
     model = NormFormerLM(cfg.model).cuda()
     optimizer, _ = build_optimizer(model, cfg, 0)
     assert optimizer.defaults["fused"] is True
+
+
+def test_dropout_states_are_cuda_philox_states_and_follow_the_model():
+    """``cuda_philox_state`` is what CUDA's generator reports (fake-CUDA runs rely on the format),
+    and a DropoutRNG built for the CPU, then used on CUDA tensors, draws from CUDA's generator."""
+    from megaformer.parallel.rng import DropoutRNG, cuda_philox_state
+
+    for seed in (0, 7, 2**40 + 3):
+        assert torch.equal(
+            torch.Generator(device="cuda").manual_seed(seed).get_state(), cuda_philox_state(seed)
+        )
+    rng = DropoutRNG(5)
+    x = torch.ones(64, 64, device="cuda")
+    with rng.fork("sharded", x.device):
+        a = F.dropout(x, 0.5)
+    again = DropoutRNG(5, device="cuda")
+    with again.fork("sharded", x.device):
+        b = F.dropout(x, 0.5)
+    assert torch.equal(a, b)
