@@ -413,6 +413,8 @@ class Audit(TorchDispatchMode):
         self.live: dict[int, int] = {}  # storage id -> bytes
         self.live_phase: dict[int, str] = {}
         self.labels: dict[int, str] = {}
+        self.live_where: dict[int, str] = {}  # storage id -> file:line that made it (large ones)
+        self._peak_where: dict[int, str] = {}
         self._peak_sizes: dict[int, int] = {}
         self._peak_phases: dict[int, str] = {}
         self._peak_labels: dict[int, str] = {}
@@ -569,6 +571,8 @@ class Audit(TorchDispatchMode):
             return
         self.live[key] = nbytes
         self.live_phase[key] = self.phase
+        if nbytes >= BIG_ALLOCATION:  # where the large ones come from (the stack walk costs)
+            self.live_where[key] = caller()
         self.current += nbytes
         self.storages[key] = weakref.ref(st, lambda _r, k=key: self._free(k))
         self._update_peak()
@@ -588,6 +592,7 @@ class Audit(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         self.labels.pop(key, None)
+        self.live_where.pop(key, None)
         nbytes = self.live.pop(key, 0)
         self.live_phase.pop(key, None)
         self.storages.pop(key, None)
@@ -602,6 +607,7 @@ class Audit(TorchDispatchMode):
             self._peak_sizes = dict(self.live)
             self._peak_phases = dict(self.live_phase)
             self._peak_labels = dict(self.labels)
+            self._peak_where = dict(self.live_where)
 
     def peak_snapshot(self) -> tuple[dict[int, int], dict[int, str], dict[int, str]]:
         """``({storage id: bytes}, {storage id: phase made in}, {storage id: label})`` of the
@@ -617,6 +623,10 @@ class Audit(TorchDispatchMode):
 
     def findings_of(self, kind: str) -> list[Finding]:
         return [f for f in self.findings if f.kind == kind]
+
+
+BIG_ALLOCATION = 16 * 2**20
+"""Storages from this size up (bytes) are recorded with the file:line that made them."""
 
 
 class SmallValues:

@@ -176,11 +176,20 @@ def classify_peak(audit: Any, engine: Any) -> dict[str, int]:
             kind = "optimizer_state"
         category.setdefault(storage_key(t), kind)
     totals = Counter()
+    largest = []
     for key, nbytes in sizes.items():
         kind = category.get(key)
         if kind is None:
             kind = "activations" if phases.get(key) == "forward" else "other"
         totals[kind] += nbytes
+        if key in audit._peak_where:
+            largest.append((nbytes, kind, phases.get(key, ""), audit._peak_where[key]))
+    grouped = Counter()
+    for nbytes, kind, phase, where in largest:
+        grouped[(kind, phase, where)] += nbytes
+    audit.peak_largest = [
+        {"category": k, "phase": ph, "where": w, "bytes": b} for (k, ph, w), b in grouped.most_common(15)
+    ]
     return {
         k: int(totals.get(k, 0))
         for k in ("parameters", "gradients", "optimizer_state", "activations", "other")
@@ -379,6 +388,7 @@ def _run_rank(cfg: Any, dp_size: int, audit: Any, report: dict, steps: int, out_
     report["steps_done"] = loop.last_step
     report["checkpoint_saves_skipped"] = checkpoints.saves
     report["peak_by_category"] = classify_peak(audit, engine)
+    report["peak_largest"] = audit.peak_largest  # the big storages alive at the peak, by origin
     report.setdefault("dtypes", dtypes(engine))
     report["dtypes"]["gradients"] = sorted(grad_dtypes)
 

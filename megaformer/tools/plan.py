@@ -14,10 +14,18 @@ What is counted, per rank (``Ψ`` = this rank's parameters: its TP shard of its 
 
 - model states (DeepSpeed 0.19, as configured by :mod:`megaformer.training.deepspeed_config`):
   fp32: weights 4Ψ, gradients 4Ψ, Adam m and v 8Ψ, and under ZeRO ≥ 1 DeepSpeed's fp32 partition
-  copy of the weights and of the gradients (4 + 4)Ψ/dp; bf16: bf16 weights 2Ψ, fp32 gradient
-  accumulation 4Ψ, fp32 master + m + v 12Ψ/dp (ZeRO ≥ 1; × dp without); on CPU also the unfused
-  AdamW step's full-size temporary 4Ψ/dp and the ZeRO reduction bucket; fp16: fp16 weights and
-  gradients 2Ψ + 2Ψ, fp32 master, m, v and gradient 16Ψ/dp. ZeRO-2 divides the gradients, ZeRO-3
+  copy of the weights and of the gradients (4 + 4)Ψ/dp; bf16 without ZeRO or with ZeRO-1 (DeepSpeed
+  0.19's ``BF16_Optimizer``, deepspeed/runtime/bf16_optimizer.py): bf16 weights 2Ψ
+  (``bf16_groups_flat``), the parameters' bf16 gradients 2Ψ (kept for the whole step:
+  ``clear_lp_grads`` zeroes them, it does not free them), the fp32 gradient accumulation 4Ψ
+  (``fp32_groups_gradients_flat``, full size), fp32 master + m + v 12Ψ/dp
+  (``fp32_groups_flat_partition`` and Adam's state); bf16 ZeRO-2 (``DeepSpeedZeroOptimizer``,
+  deepspeed/runtime/zero/stage_1_and_2.py): bf16 weights 2Ψ, the gradient-reduction buckets
+  (``ipg_buckets``: ``reduce_bucket_size`` elements in bf16, two with ``overlap_comm``), the fp32
+  gradient partition 4Ψ/dp (``single_partition_of_fp32_groups[i].grad``), fp32 master + m + v
+  12Ψ/dp; on CPU also the unfused AdamW step's full-size temporary 4Ψ/dp and the ZeRO reduction
+  bucket; fp16: fp16 weights and gradients 2Ψ + 2Ψ, fp32 master, m, v and gradient 16Ψ/dp
+  (ZeRO-2: the fp16 gradients divided by dp, plus the buckets). ZeRO-2 divides the gradients, ZeRO-3
   everything by dp.
 - activations kept for backward per block and micro-batch, summed from what each operation of
   :class:`~megaformer.model.NormFormerBlock` saves (``q`` bytes per element of the compute dtype,
@@ -143,14 +151,17 @@ def model_state_bytes(
     params: int, precision: str, zero: int, dp: int, cpu: bool = False
 ) -> tuple[float, float, float]:
     """(weights, gradients, optimizer state) bytes on one rank holding ``params`` parameters (see
-    the module docstring for DeepSpeed 0.19's buffers per precision and ZeRO stage)."""
+    the module docstring for DeepSpeed 0.19's buffers per precision and ZeRO stage; the reduction
+    buckets are :func:`_ipg_bytes`, added by :func:`make_plan`)."""
     shard = dp if zero >= 1 else 1
     if precision == "fp32":
         weights, grads = 4.0 * params, 4.0 * params
         optim = 8.0 * params / shard + (8.0 * params / dp if zero >= 1 else 0.0)
         if cpu:  # the unfused AdamW step's full-size temporary (sqrt of v); CUDA's fused step has none
             optim += 4.0 * params / shard
-    elif precision == "bf16":
+    elif precision == "bf16" and zero <= 1:  # BF16_Optimizer: bf16 .grad 2Ψ + fp32 accumulation 4Ψ
+        weights, grads, optim = 2.0 * params, 6.0 * params, 12.0 * params / shard
+    elif precision == "bf16":  # ZeRO-2/3: the fp32 gradient partition, beside the buckets below
         weights, grads, optim = 2.0 * params, 4.0 * params, 12.0 * params / shard
     else:  # fp16
         weights, grads, optim = 2.0 * params, 2.0 * params, 16.0 * params / shard
@@ -277,7 +288,9 @@ def make_plan(cfg: RunConfig, device: Device, world: int, mfu: float = 0.4) -> P
     for stage, (lo, hi) in enumerate(stage_bounds(counts, pp, par.partition_method)):
         params = sum(counts[lo:hi])
         precision = t.precision if not device.cpu else "fp32"
+        buckets = 0.0 if device.cpu else _ipg_bytes(cfg)
         weights, grads, optim = model_state_bytes(params, precision, t.zero_stage, dp, device.cpu)
+        grads += buckets
         blocks = sum(1 for i in range(lo, hi) if 1 <= i <= m.num_layers)
         in_flight = min(pp - stage, gas)
         acts = in_flight * blocks * block_bytes
@@ -302,6 +315,28 @@ def _bucket_bytes(cfg: RunConfig) -> float:
         with open(cfg.train.deepspeed_config) as f:
             size = json.load(f).get("zero_optimization", {}).get("reduce_bucket_size", size)
     return 4.0 * size
+
+
+def _ipg_bytes(cfg: RunConfig) -> float:
+    """DeepSpeed 0.19's ZeRO-2/3 gradient-reduction buckets on a GPU (``ipg_buckets`` in
+    stage_1_and_2.py): ``reduce_bucket_size`` elements in the training precision, two of them
+    with ``overlap_comm`` (double buffering; DeepSpeed's default for ZeRO-2 is off, the shipped
+    JSONs turn it on). ZeRO-1 under the pipeline engine allocates one (``reduce_gradients(
+    pipeline_parallel=True)``, "with PP we must create ipg buffer"); plain ZeRO-1 and no ZeRO none."""
+    import json
+
+    stage, pipelined = cfg.train.zero_stage, cfg.parallel.pp_size > 1
+    if stage == 0 or (stage == 1 and not pipelined):
+        return 0.0
+    zero: dict = {}
+    if cfg.train.deepspeed_config:
+        with open(cfg.train.deepspeed_config) as f:
+            zero = json.load(f).get("zero_optimization", {})
+    size = float(zero.get("reduce_bucket_size", 5e8))
+    per = 4.0 if cfg.train.precision == "fp32" else 2.0
+    if stage == 1:
+        return size * per if zero.get("contiguous_gradients", True) else 0.0
+    return size * per * (2 if zero.get("overlap_comm", False) else 1)
 
 
 def _with(cfg: RunConfig, **train) -> RunConfig:

@@ -206,7 +206,8 @@ def _estimate_gib(name: str, hw: str) -> float:
     with torch.device("meta"):
         n = count_parameters(NormFormerLM(cfg.model))
     d, layers = cfg.model.hidden_size, cfg.model.num_layers
-    states = 6 * n + 12 * n / world if hw == "A100" else 4 * n + 16 * n / world
+    # A100: DeepSpeed 0.19's BF16 optimizer keeps bf16 gradients (2Ψ) beside the fp32 accumulation (4Ψ)
+    states = 8 * n + 12 * n / world if hw == "A100" else 4 * n + 16 * n / world
     block = (48 if PAPER[name]["nf"] else 36) * SEQ * d
     acts = 2 * SEQ * d * layers + block if ckpt else block * layers
     logits = 8 * SEQ * ROWS
