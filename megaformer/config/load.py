@@ -267,6 +267,11 @@ def check_parallel(cfg: RunConfig) -> None:
     _require(
         p.backend in ("auto", "nccl", "gloo"), f"parallel.backend='{p.backend}': use auto, nccl or gloo."
     )
+    _require(
+        p.timeout_minutes > 0,
+        f"parallel.timeout_minutes={p.timeout_minutes}: must be > 0 (minutes a collective may wait; "
+        "default 30).",
+    )
     m = cfg.model
     _require(
         m.num_attention_heads % p.tp_size == 0,

@@ -161,6 +161,12 @@ class ParallelConfig:
     same function). Needs model.seq_len divisible by tp_size; no effect at tp_size = 1."""
     backend: str = "auto"
     """'auto' (nccl with CUDA, gloo on CPU), 'nccl' or 'gloo'."""
+    timeout_minutes: float = 30.0
+    """How long a collective may wait for the other ranks before the job fails, for every process
+    group (the world, the tp / pp / dp / mp groups, DeepSpeed's own). 30 minutes is DeepSpeed's
+    default for the world and torch's default for gloo (torch's NCCL default is 10); raise it when
+    a rank may legitimately work alone for longer (a first sample-index build at 300B tokens, a
+    slow checkpoint write to a shared file system)."""
 
 
 @dataclass(frozen=True)

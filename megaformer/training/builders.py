@@ -70,16 +70,19 @@ def build_layout(cfg: RunConfig, dp_size: int) -> Layout:
     """Start the process groups (DeepSpeed's ``init_distributed``) and build the tp × pp × dp grid.
 
     The backend (``parallel.backend``; ``auto``: NCCL with CUDA, else gloo) was checked by the
-    preflight.
+    preflight. Every group gets ``parallel.timeout_minutes``.
     """
+    import datetime
+
     from megaformer.training.distributed import pick_backend
     from megaformer.training.ds_adapter import init_distributed
 
-    backend = pick_backend(cfg.parallel.backend)
-    rank, world_size, local_rank = init_distributed(backend)
-    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     par = cfg.parallel
-    state = ParallelState.build(par.tp_size, par.pp_size, dp_size)
+    timeout = datetime.timedelta(minutes=par.timeout_minutes)  # every group: the world and ours
+    backend = pick_backend(par.backend)
+    rank, world_size, local_rank = init_distributed(backend, timeout)
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    state = ParallelState.build(par.tp_size, par.pp_size, dp_size, timeout=timeout)
     return Layout(rank, world_size, local_rank, backend, device, state)
 
 

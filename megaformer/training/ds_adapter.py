@@ -107,12 +107,21 @@ def check_precision(precision: str, backend: str) -> None:
         )
 
 
-def init_distributed(backend: str) -> tuple[int, int, int]:
+def init_distributed(backend: str, timeout: Any = None) -> tuple[int, int, int]:
     """Start the default process group through DeepSpeed; return (rank, world_size, local_rank).
 
     The launcher (``deepspeed`` or ``torchrun``) sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
     MASTER_PORT; a plain ``python`` start without them runs as a single process. Under NCCL the
     CUDA device of ``LOCAL_RANK`` is made current first, so collectives and object broadcasts use it.
+
+    Args:
+        timeout: ``datetime.timedelta`` a collective may wait (``parallel.timeout_minutes``);
+            None: DeepSpeed's default (30 minutes) for the world, torch's per-backend default for
+            later groups. Given, it is the world group's, and torch's default for every group made
+            later without a timeout of its own: DeepSpeed's pipeline engine builds its groups with
+            ``deepspeed.comm.new_group(ranks)``, which takes none (torch would give them its NCCL
+            default, 10 minutes), so torch's defaults (``distributed_c10d.default_pg_timeout``,
+            ``default_pg_nccl_timeout``, read by ``_get_default_timeout``) are set to it here.
     """
     import deepspeed
 
@@ -128,7 +137,14 @@ def init_distributed(backend: str) -> tuple[int, int, int]:
         # DeepSpeed JIT-compiles its shared-memory CPU collective (~30 s) at init even though gloo
         # does the work; marking it incompatible skips the build (FACTS-DEEPSPEED-CPU.md).
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend=backend)
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    if timeout is not None:
+        from torch.distributed import distributed_c10d
+
+        for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
+            if hasattr(distributed_c10d, name):
+                setattr(distributed_c10d, name, timeout)
+    deepspeed.init_distributed(dist_backend=backend, **kwargs)
     return dist.get_rank(), dist.get_world_size(), local_rank
 
 

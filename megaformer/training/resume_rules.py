@@ -35,6 +35,7 @@ MAY_CHANGE = frozenset(
         "train.diagnostics_interval",
         "train.recompute",
         "train.activation_checkpointing",
+        "parallel.timeout_minutes",
         "data.num_workers",
         "data.index_cache_dir",
         "output.dir",

@@ -12,8 +12,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 SRUN = """#!/usr/bin/env bash
-# stand-in: one task per node, SLURM_NODEID set, the command run as given (options skipped)
-while [[ "$1" == --* ]]; do shift; done
+# stand-in: one task per node, SLURM_NODEID set, the command run as given (options recorded, skipped)
+while [[ "$1" == --* ]]; do echo "$1" >> "$CALLS/srun_options.log"; shift; done
 rc=0
 for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i "$@" || rc=$?; done
 exit $rc
@@ -97,3 +97,16 @@ def test_sbatch_bad_config_stops_before_srun(tmp_path):
     )  # fmt: skip
     assert bad.returncode != 0 and "error: " in bad.stderr and "train.nope" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_sbatch_gives_the_node_task_all_its_cores_and_nccl_error_handling(tmp_path):
+    """srun does not pin the launcher's processes to one core, the task asks for the node's cores,
+    and a failed or timed-out collective aborts the job (TORCH_NCCL_ASYNC_ERROR_HANDLING=1)."""
+    proc, calls = _run(tmp_path, {"SLURM_CPUS_ON_NODE": "64"})
+    assert proc.returncode == 0, proc.stderr
+    options = (calls / "srun_options.log").read_text().split()
+    assert "--cpu-bind=none" in options and "--cpus-per-task=64" in options, options
+    text = (REPO / "launch" / "slurm.sbatch").read_text()
+    for name in ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
+        assert f"#   {name}=" in text  # documented in the header
+    assert 'TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"' in text
