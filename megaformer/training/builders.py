@@ -207,7 +207,15 @@ class Data:
 
 
 def build_data(cfg: RunConfig, layout: Layout, stats: list, datasets: list[tuple[float, str]]) -> Data:
-    """Open the datasets and build (or load from the cache) the sample indices.
+    """Open the datasets and build (or load from the cache) the sample indices, once per node.
+
+    Each node's local rank 0 builds the indices into ``data.index_cache_dir`` (or finds them
+    there) while the node's other ranks wait at a barrier; they then load them from the cache,
+    memory-mapped (Megatron-LM builds its indices on one rank and has the others wait the same
+    way). So a slow first build (minutes at 300B tokens) costs one rank's CPU and memory per node
+    instead of every rank's, and the waiting ranks sit in a barrier under ``parallel.timeout_minutes``
+    rather than in an NCCL collective. Where the cache cannot be written (a warning), the others
+    build for themselves after the barrier, as before. Every rank gets the same indices.
 
     Validation reads the first ``eval_batches × global_batch_size`` held-out samples, the same at
     any data-parallel size.
@@ -215,6 +223,25 @@ def build_data(cfg: RunConfig, layout: Layout, stats: list, datasets: list[tuple
     Raises:
         DataFormatError: too little held-out data for one evaluation, or a corrupt dataset.
     """
+    import torch.distributed as dist
+
+    together = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if not together:
+        return _build_data(cfg, stats, datasets)
+    data, error = None, None
+    if layout.local_rank == 0:
+        try:
+            data = _build_data(cfg, stats, datasets)
+        except Exception as e:  # still meet the others at the barrier: they fail the same way after
+            error = e
+    dist.barrier()  # the node's (and every node's) local rank 0 has written the indices
+    if error is not None:
+        raise error
+    return data if data is not None else _build_data(cfg, stats, datasets)
+
+
+def _build_data(cfg: RunConfig, stats: list, datasets: list[tuple[float, str]]) -> Data:
+    """:func:`build_data` in this process alone."""
     from data_tools.stats import mixture_unigram_entropy
     from megaformer.data.loader import valid_num_samples
 

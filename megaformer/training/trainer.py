@@ -450,7 +450,8 @@ def _log_data(cfg: RunConfig, layout: Layout, data: Data) -> None:
         f"data: {cfg.data.blend or cfg.data.prefix} | "
         f"train {info['train_documents']} docs / {info['train_tokens']:,} tokens | "
         f"valid {info['valid_documents']} docs / {info['valid_tokens']:,} tokens | "
-        f"sample-index cache: {info['index_cache_hits']} hit, {info['index_cache_builds']} built | "
+        f"sample-index cache: {info['index_cache_hits']} hit, {info['index_cache_builds']} built "
+        f"(by each node's local rank 0; the node's other ranks load them) | "
         f"loader workers {cfg.data.num_workers}",
     )
 
