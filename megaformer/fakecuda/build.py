@@ -58,11 +58,18 @@ def build_shim(out_dir: Path | None = None) -> Path:
     source, torch version and compiler is cached; return the shared library's path.
 
     Raises:
-        ShimUnavailableError: no C++ compiler (names ``$CXX``/g++ and the Debian package), no torch
-            headers (``torch/include`` is missing from this torch installation), or the compile
-            failed (with the compiler's last lines).
+        ShimUnavailableError: a CUDA or ROCm build of torch, no C++ compiler (names ``$CXX``/g++
+            and the Debian package), no torch headers (``torch/include`` is missing from this torch
+            installation), or the compile failed (with the compiler's last lines).
     """
     tdir = torch_dir()
+    version = metadata.version("torch")
+    if "+cu" in version or "+rocm" in version:
+        raise ShimUnavailableError(
+            f"torch {version} is a GPU build, which registers its own CUDA hooks: fake CUDA needs a "
+            "CPU build (a separate venv with pip install torch==<version> --index-url "
+            "https://download.pytorch.org/whl/cpu), or run on the GPUs themselves"
+        )
     include = tdir / "include"
     header = include / "ATen" / "detail" / "CUDAHooksInterface.h"
     if not header.exists():
@@ -75,7 +82,6 @@ def build_shim(out_dir: Path | None = None) -> Path:
         raise ShimUnavailableError(
             "no C++ compiler found (tried $CXX, g++, c++); install one, e.g. apt-get install g++"
         )
-    version = metadata.version("torch")
     key = hashlib.sha256(SOURCE.read_bytes() + f"{version}|{tdir}|{cxx}|{sys.platform}".encode()).hexdigest()[
         :16
     ]
