@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,6 +69,7 @@ def run_all() -> None:
 def rows() -> list[dict]:
     """One row per recipe: measured (from its saved report) and planned (the planner, now)."""
     from megaformer.config import load_config
+    from megaformer.fakecuda.session import GRADIENT_BUFFER_SITES
     from megaformer.tools.plan import DEVICES, make_plan
 
     out = []
@@ -82,7 +84,13 @@ def rows() -> list[dict]:
         cfg = load_config(config, result.get("overrides", []))
         stage = result["report"]["layout"]["pp_rank"]
         s = make_plan(cfg, DEVICES[gpu], result["world"]).stages[stage]
-        got = result["report"]["peak_by_category"]
+        got = dict(result["report"]["peak_by_category"])
+        # DeepSpeed's reduction buckets are gradient buffers (reports written before the dry run
+        # labelled them so had them under "other")
+        for big in result["report"].get("peak_largest", []):
+            if big["category"] == "other" and re.search(GRADIENT_BUFFER_SITES, big["where"]):
+                got["other"] -= big["bytes"]
+                got["gradients"] += big["bytes"]
         measured = {k: got[k] / GIB for k in got}
         planned = {
             "parameters": s.weights / GIB,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -150,6 +151,16 @@ def _tensors_of(obj: Any, path: str, out: list, seen: set, depth: int = 0) -> No
             _tensors_of(v, f"{path}.{k}", out, seen, depth + 1)
 
 
+GRADIENT_BUFFER_SITES = (
+    r"deepspeed/runtime/zero/stage_1_and_2\.py:\d+ \((setup_buckets|reduce_gradients)\)"
+    r"|deepspeed/runtime/engine\.py:\d+ \(allreduce_bucket\)"
+)
+"""Where DeepSpeed 0.19 allocates its gradient-reduction buffers (ZeRO's ``ipg_buckets``; the
+engine's flattened all-reduce buckets under the pipeline engine): a large storage made there is a
+gradient buffer (they are made anew each step, so the optimizer's attributes at the end no longer
+hold the ones alive at the peak)."""
+
+
 def classify_peak(audit: Any, engine: Any) -> dict[str, int]:
     """Bytes of the fake device memory alive at the peak, by category: ``parameters`` (the module's
     weights and the flat buffers they are views of), ``gradients`` (parameter ``.grad`` and every
@@ -179,6 +190,8 @@ def classify_peak(audit: Any, engine: Any) -> dict[str, int]:
     largest = []
     for key, nbytes in sizes.items():
         kind = category.get(key)
+        if kind is None and re.search(GRADIENT_BUFFER_SITES, audit._peak_where.get(key, "")):
+            kind = "gradients"  # DeepSpeed's reduction buckets, made anew each step
         if kind is None:
             kind = "activations" if phases.get(key) == "forward" else "other"
         totals[kind] += nbytes

@@ -289,7 +289,10 @@ def _shifted_exp(
     if inplace:
         x = logits_local.sub_(row_max.unsqueeze(-1))  # (..., V/tp), reusing the caller's buffer
     else:
-        x = logits_local.float() - row_max.unsqueeze(-1)  # (..., V/tp), the one large allocation
+        # (..., V/tp), the one large allocation: an fp32 copy shifted in place. `.float() - max`
+        # would hold two fp32 [N, V/tp] tensors at once from bf16/fp16 logits (the fake-CUDA dry
+        # run found that pair at the peak of every recipe's backward: 1.6 GiB at micro-batch 4).
+        x = logits_local.to(torch.float32, copy=True).sub_(row_max.unsqueeze(-1))
     x[..., valid:] = -torch.inf  # padding: exp(-inf) = 0, no probability mass, no gradient
     return x
 

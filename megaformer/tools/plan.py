@@ -288,7 +288,7 @@ def make_plan(cfg: RunConfig, device: Device, world: int, mfu: float = 0.4) -> P
     for stage, (lo, hi) in enumerate(stage_bounds(counts, pp, par.partition_method)):
         params = sum(counts[lo:hi])
         precision = t.precision if not device.cpu else "fp32"
-        buckets = 0.0 if device.cpu else _ipg_bytes(cfg)
+        buckets = 0.0 if device.cpu else _ipg_bytes(cfg, params)
         weights, grads, optim = model_state_bytes(params, precision, t.zero_stage, dp, device.cpu)
         grads += buckets
         blocks = sum(1 for i in range(lo, hi) if 1 <= i <= m.num_layers)
@@ -317,15 +317,20 @@ def _bucket_bytes(cfg: RunConfig) -> float:
     return 4.0 * size
 
 
-def _ipg_bytes(cfg: RunConfig) -> float:
+def _ipg_bytes(cfg: RunConfig, params: int = 0) -> float:
     """DeepSpeed 0.19's ZeRO-2/3 gradient-reduction buckets on a GPU (``ipg_buckets`` in
     stage_1_and_2.py): ``reduce_bucket_size`` elements in the training precision, two of them
     with ``overlap_comm`` (double buffering; DeepSpeed's default for ZeRO-2 is off, the shipped
     JSONs turn it on). ZeRO-1 under the pipeline engine allocates one (``reduce_gradients(
-    pipeline_parallel=True)``, "with PP we must create ipg buffer"); plain ZeRO-1 and no ZeRO none."""
+    pipeline_parallel=True)``, "with PP we must create ipg buffer"); plain ZeRO-1 and no ZeRO none.
+    bf16 under the pipeline engine is DeepSpeed's BF16 optimizer, whose data-parallel all-reduce
+    (``DeepSpeedEngine.allreduce_bucket``, engine.py) flattens up to 5e8 of the stage's ``params``
+    gradients into a bf16 buffer and an fp32 copy for the reduction (6 bytes each) at the step."""
     import json
 
     stage, pipelined = cfg.train.zero_stage, cfg.parallel.pp_size > 1
+    if pipelined and cfg.train.precision == "bf16" and stage <= 1:
+        return min(float(params), 5e8) * 6.0
     if stage == 0 or (stage == 1 and not pipelined):
         return 0.0
     zero: dict = {}
