@@ -255,7 +255,7 @@ def run(args: argparse.Namespace) -> dict:
     layout = f"tp {tp} × pp {cfg.parallel.pp_size} × dp {plan.dp}; stage {stage}, dp {dp_rank}, tp {tp_rank}"
     print(
         f"[dryrun] {args.config}: rank {rank} of {world} ({layout}) on fake {args.gpu}: two steps at full "
-        f"size (about a minute per billion parameters on a CPU core)...",
+        f"size (the shipped recipes: 16 s to 3 minutes on a 2-core machine)...",
         flush=True,
     )
     started = time.perf_counter()
