@@ -33,8 +33,8 @@ def main(argv: list[str] | None = None) -> None:
     # a user can act on and buries the step log.
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated", category=FutureWarning)
     from data_tools.errors import DataFormatError
-    from megaformer.tools.reshard import ReshardError
     from megaformer.training.distributed import finish
+    from megaformer.training.safe_load import CheckpointReadError
     from megaformer.training.stopping import EXIT_CODE_STOPPED
 
     try:
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
         from megaformer.training.trainer import train
 
         summary = train(cfg)
-    except (ConfigError, DataFormatError, ReshardError) as e:
+    except (ConfigError, DataFormatError, CheckpointReadError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         finish(2)
     finish(EXIT_CODE_STOPPED if summary.get("stopped") else 0)

@@ -222,6 +222,10 @@ class TrainConfig:
     """A checkpoint directory (a run's checkpoints/ or one global_stepN) saved at ANY (tp, pp, dp)
     layout: its module weights and step are loaded, resharded to this run's layout; optimizer
     moments restart from zero (logged). Ignored when train.resume finds a checkpoint. Empty: off."""
+    trust_checkpoint_code: bool = False
+    """Read train.init_from's files with the full unpickler, which runs any code they carry (a
+    warning names each file). Off: the weights-only unpickler, and a file that needs more is
+    refused before the run starts. Only for a checkpoint from a source you trust."""
     keep_last_checkpoints: int = 0
     """Keep only the newest this many global_stepN checkpoints (older ones are deleted after each
     save; never the one 'latest' names). 0: keep every checkpoint."""

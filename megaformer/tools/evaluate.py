@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns 0, or 2 for a bad checkpoint, dataset or flag."""
     from data_tools.errors import DataToolsError
     from megaformer.tools.generate import load_for_generation
-    from megaformer.tools.reshard import ReshardError
+    from megaformer.training.safe_load import TRUST_FLAG, CheckpointReadError
 
     p = argparse.ArgumentParser(
         prog="python -m megaformer.tools.evaluate",
@@ -91,12 +91,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=8, help="samples per forward pass")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument(
+        TRUST_FLAG,
+        action="store_true",
+        help="unpickle the checkpoint in full (it can run code): only for a source you trust",
+    )
     args = p.parse_args(argv)
     if args.max_samples < 0 or args.batch_size < 1:
         print("error: --max-samples must be >= 0 and --batch-size >= 1", file=sys.stderr)
         return 2
     try:
-        model, config, step = load_for_generation(args.checkpoint, args.tag)
+        model, config, step = load_for_generation(args.checkpoint, args.tag, args.trust_checkpoint_code)
         model.to(args.device)
         results = [
             dataset_loss(
@@ -109,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             for prefix in args.data_prefix
         ]
-    except (DataToolsError, ReshardError, FileNotFoundError) as e:
+    except (DataToolsError, CheckpointReadError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"# {args.checkpoint}, step {step}, seq_len {config.seq_len}")

@@ -247,8 +247,11 @@ def export(
     vocab_file: str | None = None,
     merge_file: str | None = None,
     overwrite: bool = False,
+    trust_code: bool = False,
 ) -> dict:
     """Write the Hugging Face directory ``output`` (see the module docstring); return its config.
+    The checkpoint is read with the weights-only unpickler unless ``trust_code``
+    (:mod:`megaformer.training.safe_load`).
 
     Everything is written under ``output + '.tmp'`` and renamed when complete.
 
@@ -256,6 +259,7 @@ def export(
         ExportError: an existing non-empty ``output`` without ``overwrite``, a model ``--format gpt2``
             cannot express, bad tokenizer files.
         ReshardError: the checkpoint cannot be read (names the file).
+        UntrustedCheckpointError: a file refers to a type loading weights does not allow.
         CheckpointError: a file differs from the checkpoint's manifest (names it and the newest
             intact ``global_stepN``).
     """
@@ -266,12 +270,29 @@ def export(
         raise ExportError(f"{output}: exists and is not empty; pass --overwrite or another --output")
     tag_dir = resolve_tag_dir(checkpoint, tag)
     verify(tag_dir)  # a damaged file is named (with the newest intact checkpoint) before loading
-    full, run_config, extra = consolidate(tag_dir)
+    full, run_config, extra = consolidate(tag_dir, trust_code=trust_code)
     config = ModelConfig(**run_config["model"])
     info = {"step": extra.get("step"), "checkpoint": os.path.abspath(checkpoint)}
     return write_hf_dir(
         full, config, output, fmt=fmt, vocab_file=vocab_file, merge_file=merge_file, info=info
     )
+
+
+def register_auto_classes() -> None:
+    """Register megaformer's own Hugging Face classes (this installation's ``hf_remote`` code) with
+    ``AutoConfig`` / ``AutoModelForCausalLM`` under ``model_type="megaformer"``, so an export loads
+    with ``trust_remote_code=False``: transformers then uses the registered classes, and the Python
+    files inside the directory (which anyone could have edited) never run. Idempotent."""
+    import transformers
+
+    from megaformer.tools.hf_remote.configuration_megaformer import MegaformerConfig
+    from megaformer.tools.hf_remote.modeling_megaformer import MegaformerForCausalLM
+
+    try:
+        transformers.AutoConfig.register("megaformer", MegaformerConfig)
+        transformers.AutoModelForCausalLM.register(MegaformerConfig, MegaformerForCausalLM)
+    except ValueError:  # already registered (by an earlier call in this process)
+        pass
 
 
 def write_hf_dir(
@@ -324,8 +345,8 @@ def write_hf_dir(
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns 0, or 2 for a bad checkpoint, option or tokenizer."""
-    from megaformer.tools.reshard import ReshardError
     from megaformer.training.ckpt_integrity import CheckpointError
+    from megaformer.training.safe_load import TRUST_FLAG, CheckpointReadError
 
     p = argparse.ArgumentParser(
         prog="python -m megaformer.tools.export_hf",
@@ -344,6 +365,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab-file", default=str(REPO / "data" / "gpt2-bpe" / "encoder.json"))
     p.add_argument("--merge-file", default=str(REPO / "data" / "gpt2-bpe" / "vocab.bpe"))
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
+    p.add_argument(
+        TRUST_FLAG,
+        action="store_true",
+        help="unpickle the checkpoint in full (it can run code): only for a source you trust",
+    )
     args = p.parse_args(argv)
     try:
         cfg = export(
@@ -354,8 +380,9 @@ def main(argv: list[str] | None = None) -> int:
             vocab_file=args.vocab_file,
             merge_file=args.merge_file,
             overwrite=args.overwrite,
+            trust_code=args.trust_checkpoint_code,
         )
-    except (ExportError, ReshardError, CheckpointError) as e:
+    except (ExportError, CheckpointReadError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.output} ({cfg['architectures'][0]}, step {cfg['megaformer']['step']})")

@@ -27,23 +27,29 @@ import torch
 
 from megaformer.config.schema import ModelConfig
 from megaformer.model import NormFormerLM
+from megaformer.training.safe_load import TRUST_FLAG
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def load_for_generation(ckpt_dir: str, tag: str | None = None) -> tuple[NormFormerLM, ModelConfig, int]:
+def load_for_generation(
+    ckpt_dir: str, tag: str | None = None, trust_code: bool = False
+) -> tuple[NormFormerLM, ModelConfig, int]:
     """The checkpoint's model at TP = 1 in eval mode (fp32, CPU), its config, and the step it was
-    saved at.
+    saved at. The weights are read with the weights-only unpickler unless ``trust_code``
+    (:mod:`megaformer.training.safe_load`).
 
     Raises:
         ReshardError: the directory holds no loadable megaformer checkpoint (names the file).
+        UntrustedCheckpointError: a file refers to a type loading weights does not allow.
+        CheckpointError: a file differs from the manifest.
     """
     from megaformer.tools.reshard import consolidate, load_full, resolve_tag_dir
     from megaformer.training.ckpt_integrity import verify
 
     tag_dir = resolve_tag_dir(ckpt_dir, tag)
     verify(tag_dir)  # a damaged file is named (with the newest intact checkpoint) before loading
-    full, run_config, extra = consolidate(tag_dir)
+    full, run_config, extra = consolidate(tag_dir, trust_code=trust_code)
     config = ModelConfig(**run_config["model"])
     model = NormFormerLM(config, tp_group=None, seed=0)  # the seed's weights are all replaced
     load_full(model, {k: v.float() for k, v in full.items()}, config, tp_rank=0, tp=1)
@@ -144,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-file", default=str(REPO / "data" / "gpt2-bpe" / "encoder.json"), help="GPT-2 BPE")
     p.add_argument("--merge-file", default=str(REPO / "data" / "gpt2-bpe" / "vocab.bpe"), help="GPT-2 BPE")
     p.add_argument("--tokenizer-model", default=None, help="SentencePiece .model, for SentencePieceTokenizer")
+    p.add_argument(
+        TRUST_FLAG,
+        action="store_true",
+        help="unpickle the checkpoint in full (it can run code): only for a source you trust",
+    )
     return p
 
 
@@ -151,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns 0, or 2 for a bad checkpoint, tokenizer or flag."""
     from data_tools.errors import DataToolsError
     from data_tools.tokenizer import build_tokenizer
-    from megaformer.tools.reshard import ReshardError
+    from megaformer.training.safe_load import CheckpointReadError
 
     args = build_parser().parse_args(argv)
     try:
@@ -161,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             merge_file=args.merge_file if args.tokenizer_type == "GPT2BPETokenizer" else None,
             tokenizer_model=args.tokenizer_model,
         )
-        model, config, step = load_for_generation(args.checkpoint, args.tag)
+        model, config, step = load_for_generation(args.checkpoint, args.tag, args.trust_checkpoint_code)
         if tokenizer.vocab_size != config.vocab_size:
             raise ValueError(
                 f"the tokenizer has {tokenizer.vocab_size} entries but the checkpoint's model.vocab_size is "
@@ -179,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             eod=tokenizer.eod,
             seed=args.seed,
         )
-    except (DataToolsError, ReshardError, ValueError, FileNotFoundError) as e:
+    except (DataToolsError, CheckpointReadError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     where = os.path.abspath(args.checkpoint)

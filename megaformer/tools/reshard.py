@@ -37,7 +37,6 @@ import argparse
 import copy
 import glob
 import os
-import pickle
 import sys
 from collections.abc import Collection
 from typing import Any
@@ -53,13 +52,23 @@ from megaformer.training.ds_adapter import (
     MODEL_STATES_GLOB,
     model_states_name,
 )
+from megaformer.training.safe_load import (
+    TRUST_FLAG,
+    CheckpointReadError,
+    load_weights,
+    refuse_untrusted,
+    weight_files,
+)
 
 # DeepSpeed's checkpoint file layout, named in one place (the adapter pins the DeepSpeed version).
 _MP_FILE, _LAYER_FILE = MODEL_STATES_FILE, LAYER_STATES_FILE
 
 
-class ReshardError(ValueError):
-    """A checkpoint that cannot be resharded; the message names the file and the reason."""
+class ReshardError(CheckpointReadError):
+    """A checkpoint that cannot be resharded; the message names the file and the reason.
+
+    A subclass of :class:`~megaformer.training.safe_load.CheckpointReadError`, which callers catch
+    to get this, a damaged file and a refused (untrusted) file alike."""
 
 
 def resolve_tag_dir(ckpt_dir: str, tag: str | None = None) -> str:
@@ -125,23 +134,16 @@ def _vocab_rows(name: str, config: ModelConfig) -> bool:
     return name in vocab_param_names(config)
 
 
-def _load(path: str) -> Any:
-    """``torch.load`` memory-mapped: tensors are read from disk only when touched, so a rank that
-    needs a few of a checkpoint's parameters does not hold all of them in memory."""
-    try:
-        try:
-            return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        except RuntimeError:  # a file in torch's legacy (non-zip) format cannot be mapped
-            return torch.load(path, map_location="cpu", weights_only=False)
-    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:
-        raise ReshardError(
-            f"{path}: not a readable checkpoint file ({type(e).__name__}: {e}); it is truncated or "
-            "damaged: load another global_stepN (--tag) or rewrite it from a good copy"
-        ) from e
+def _load(path: str, trust_code: bool = False) -> Any:
+    """A checkpoint file, memory-mapped (tensors are read from disk only when touched, so a rank
+    that needs a few of a checkpoint's parameters does not hold all of them), through the
+    weights-only loader (:func:`~megaformer.training.safe_load.load_weights`: nothing in the file
+    runs unless ``trust_code``)."""
+    return load_weights(path, trust_code=trust_code)
 
 
 def _pipeline_modules(
-    tag_dir: str, config: ModelConfig, tp: int, names: Collection[str] | None = None
+    tag_dir: str, config: ModelConfig, tp: int, names: Collection[str] | None = None, trust_code: bool = False
 ) -> list[dict[str, torch.Tensor]]:
     """Per-TP-rank module dicts, in the model's naming, from a pipeline checkpoint's layer files
     (only the layers holding one of ``names``, when given). File ``layer_LL`` holds entry ``LL`` of
@@ -166,19 +168,20 @@ def _pipeline_modules(
         for r in range(tp):
             if (layer, r) not in files:
                 raise ReshardError(f"{tag_dir}: layer {layer} has no file for TP rank {r}")
-            state = _load(files[(layer, r)])
+            state = _load(files[(layer, r)], trust_code)
             modules[r].update({prefix + k: v for k, v in state.items()})
     return modules
 
 
 def consolidate(
-    tag_dir: str, names: Collection[str] | None = None
+    tag_dir: str, names: Collection[str] | None = None, trust_code: bool = False
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
     """Full, unpadded module weights of a checkpoint saved at any (tp, pp, dp) layout.
 
     ``names`` (the model's parameter names) limits the result to those parameters: a pipeline
     stage loading its own layers reads and holds only them (files are memory-mapped, and layer
-    files of other stages are not opened), not the whole model.
+    files of other stages are not opened), not the whole model. Files are read with the
+    weights-only unpickler unless ``trust_code`` (:mod:`megaformer.training.safe_load`).
 
     Returns:
         ``(full_state, run_config, extra)``: the full tensors in the model's naming (vocabulary rows
@@ -188,9 +191,13 @@ def consolidate(
     Raises:
         ReshardError: a checkpoint without the trainer's config, a ZeRO-3 checkpoint (no weights in
             the model-states files), missing layer files, or replicas that differ.
+        UntrustedCheckpointError: a file refers to a type loading weights does not allow (names
+            the file and the type), and ``trust_code`` is off.
+        CheckpointReadError: a file is truncated or damaged.
     """
     files = _model_files(tag_dir)
-    head = _load(files[0])
+    refuse_untrusted(weight_files(tag_dir), trust_code)  # every file scanned before any is loaded
+    head = _load(files[0], trust_code)
     run_config = head.get("config")
     if not isinstance(run_config, dict) or "model" not in run_config:
         raise ReshardError(f"{files[0]}: no 'config' in the client state; not written by megaformer.train")
@@ -198,11 +205,11 @@ def consolidate(
     pp = int(run_config["parallel"].get("pp_size", 1))
     config = ModelConfig(**run_config["model"])
     if pp > 1:
-        modules = _pipeline_modules(tag_dir, config, tp, names)
+        modules = _pipeline_modules(tag_dir, config, tp, names, trust_code)
     else:
         if len(files) != tp:
             raise ReshardError(f"{tag_dir}: {len(files)} model-state files for parallel.tp_size={tp}")
-        modules = [head["module"]] + [_load(f)["module"] for f in files[1:]]
+        modules = [head["module"]] + [_load(f, trust_code)["module"] for f in files[1:]]
     dims = partition_dims(config)
     full: dict[str, torch.Tensor] = {}
     for name, dim in dims.items():
@@ -294,13 +301,17 @@ def split(full: dict[str, torch.Tensor], config: ModelConfig, tp: int) -> list[d
     return shards
 
 
-def reshard(input_dir: str, output_dir: str, tp: int, tag: str | None = None) -> str:
-    """Write ``input_dir``'s weights for ``tp`` ranks under ``output_dir``; return the tag directory."""
+def reshard(
+    input_dir: str, output_dir: str, tp: int, tag: str | None = None, trust_code: bool = False
+) -> str:
+    """Write ``input_dir``'s weights for ``tp`` ranks under ``output_dir``; return the tag directory.
+
+    The files written hold tensors and plain containers only (loadable with ``weights_only=True``)."""
     from megaformer.training import ckpt_integrity as integrity
 
     tag_dir = resolve_tag_dir(input_dir, tag)
     integrity.verify(tag_dir)  # a damaged file is named before torch.load reads it
-    full, run_config, extra = consolidate(tag_dir)
+    full, run_config, extra = consolidate(tag_dir, trust_code=trust_code)
     config = ModelConfig(**run_config["model"])
     new_config = copy.deepcopy(run_config)
     new_config["parallel"]["tp_size"] = tp
@@ -331,7 +342,7 @@ def reshard(input_dir: str, output_dir: str, tp: int, tag: str | None = None) ->
 
 
 def load_module(
-    model: torch.nn.Module, ckpt_dir: str, tp_rank: int, tag: str | None = None
+    model: torch.nn.Module, ckpt_dir: str, tp_rank: int, tag: str | None = None, trust_code: bool = False
 ) -> dict[str, Any]:
     """Load TP rank ``tp_rank``'s module weights of a checkpoint saved at the model's TP degree.
 
@@ -339,11 +350,7 @@ def load_module(
     ``load_state_dict``, strict) when the shapes do not match the model's TP degree: reshard first.
     """
     tag_dir = resolve_tag_dir(ckpt_dir, tag)
-    state = torch.load(
-        os.path.join(tag_dir, model_states_name(tp_rank)),
-        map_location="cpu",
-        weights_only=False,
-    )
+    state = _load(os.path.join(tag_dir, model_states_name(tp_rank)), trust_code)
     model.load_state_dict(state["module"], strict=True)
     return state.get("config", {})
 
@@ -357,13 +364,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, help="directory to write <tag>/mp_rank_XX_model_states.pt")
     parser.add_argument("--tp", type=int, required=True, help="target tensor-parallel degree")
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: the input's 'latest')")
+    parser.add_argument(
+        TRUST_FLAG,
+        action="store_true",
+        help="unpickle the checkpoint in full (it can run code): only for a source you trust",
+    )
     args = parser.parse_args(argv)
     if args.tp < 1:
         print(f"error: --tp={args.tp}: must be >= 1", file=sys.stderr)
         return 2
     try:
-        out = reshard(args.input, args.output, args.tp, args.tag)
-    except (ReshardError, ValueError) as e:
+        out = reshard(args.input, args.output, args.tp, args.tag, args.trust_checkpoint_code)
+    except (CheckpointReadError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {out} for tp={args.tp}")

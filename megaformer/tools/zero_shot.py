@@ -17,8 +17,10 @@ for running ``lm_eval --include_path DIR`` directly.
 The model is the checkpoint itself (any (tp, pp) layout, consolidated at TP = 1, fp32), scored by
 :class:`MegaformerLM`, an lm_eval ``TemplateLM`` registered as ``megaformer`` (``lm_eval --model
 megaformer --model_args checkpoint=...`` after ``import megaformer.tools.zero_shot``), or
-``--hf-model DIR``, an export of :mod:`megaformer.tools.export_hf`, through lm_eval's ``hf`` model with
-``trust_remote_code``. The two give the same accuracies (tests/distributed/test_export_hf_launch.py).
+``--hf-model DIR``, an export of :mod:`megaformer.tools.export_hf`, through lm_eval's ``hf`` model, with
+megaformer's own modeling classes registered (the directory's Python files do not run; with
+``--trust-checkpoint-code``, ``trust_remote_code=True`` runs them instead). The two give the same
+accuracies (tests/distributed/test_export_hf_launch.py).
 
 Reported, as the columns of the paper's Table 2 (HS, PI, WG, SC, OB): lm_eval's ``acc_norm``
 (log-likelihood divided by the answer's length in bytes) for HellaSwag, PIQA and OpenBookQA, ``acc``
@@ -122,13 +124,16 @@ class MegaformerLM(_template_lm()):
         device: str = "cpu",
         vocab_file: str | None = None,
         merge_file: str | None = None,
+        trust_checkpoint_code: bool | str = False,
         **kwargs,
     ) -> None:
         super().__init__()
         from data_tools.tokenizer import build_tokenizer
         from megaformer.tools.generate import REPO, load_for_generation
 
-        self.model, self.config, self.step = load_for_generation(checkpoint, tag)
+        # lm_eval's --model_args pass strings: only "true" (any case) trusts the file's code.
+        trust = trust_checkpoint_code is True or str(trust_checkpoint_code).lower() == "true"
+        self.model, self.config, self.step = load_for_generation(checkpoint, tag, trust)
         self._device = torch.device(device)
         self.model.to(self._device)
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8
@@ -237,7 +242,7 @@ def _parse_tasks(items: Sequence[str]) -> dict[str, str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; prints the table; 0, or 2 for a bad checkpoint, task or file."""
-    from megaformer.tools.reshard import ReshardError
+    from megaformer.training.safe_load import TRUST_FLAG, CheckpointReadError
 
     p = argparse.ArgumentParser(
         prog="python -m megaformer.tools.zero_shot",
@@ -256,13 +261,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--task-dir", default=None, help="keep the generated lm_eval task YAMLs here")
     p.add_argument("--name", default=None, help="the model's name in the table")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument(
+        TRUST_FLAG,
+        action="store_true",
+        help="--checkpoint: unpickle it in full; --hf-model: run the directory's own modeling code "
+        "(trust_remote_code). Either can run code: only for a source you trust",
+    )
     args = p.parse_args(argv)
     try:
         tasks = _parse_tasks(args.task)
         lm, params, ppl = _model(args)
         with tempfile.TemporaryDirectory() as tmp:
             results = evaluate_tasks(lm, tasks, task_dir=args.task_dir or tmp, limit=args.limit)
-    except (ValueError, ReshardError, FileNotFoundError) as e:
+    except (ValueError, CheckpointReadError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     name = args.name or Path(args.checkpoint or args.hf_model).resolve().parent.name
@@ -279,13 +290,30 @@ def _model(args) -> tuple[object, int, float | None]:
     if args.hf_model:
         from lm_eval.models.huggingface import HFLM
 
+        from megaformer.tools.export_hf import register_auto_classes
+
+        if args.trust_checkpoint_code:
+            from megaformer.training.safe_load import warn_trusted
+
+            warn_trusted(f"{args.hf_model} (its modeling code, trust_remote_code=True)")
+        else:
+            register_auto_classes()  # a megaformer export runs this installation's code, not the directory's
         lm = HFLM(
-            pretrained=args.hf_model, trust_remote_code=True, batch_size=args.batch_size, device=args.device
+            pretrained=args.hf_model,
+            trust_remote_code=args.trust_checkpoint_code,
+            batch_size=args.batch_size,
+            device=args.device,
         )
         return lm, sum(p.numel() for p in lm.model.parameters()), None
     from megaformer.model import vocab_param_names
 
-    lm = MegaformerLM(args.checkpoint, args.tag, batch_size=args.batch_size, device=args.device)
+    lm = MegaformerLM(
+        args.checkpoint,
+        args.tag,
+        batch_size=args.batch_size,
+        device=args.device,
+        trust_checkpoint_code=args.trust_checkpoint_code,
+    )
     padded = set(vocab_param_names(lm.config))  # their rows above vocab_size are padding, not counted
     params = sum(
         (p[: lm.config.vocab_size] if name in padded else p).numel()

@@ -242,7 +242,11 @@ def init_weights_from(model: torch.nn.Module, cfg: RunConfig, layout: Layout) ->
     tag_dir = resolve_tag_dir(cfg.train.init_from)
     # Only this rank's stage's parameters, memory-mapped: at 2.7B, 8 ranks of a node holding the
     # whole fp32 model each would need ~86 GB of host memory.
-    full, saved, extra = consolidate(tag_dir, names={name for name, _ in model.named_parameters()})
+    full, saved, extra = consolidate(
+        tag_dir,
+        names={name for name, _ in model.named_parameters()},
+        trust_code=cfg.train.trust_checkpoint_code,
+    )
     ours = to_dict(cfg)["model"]
     if saved["model"] != ours:
         diff = {k: (v, ours.get(k)) for k, v in saved["model"].items() if ours.get(k) != v}

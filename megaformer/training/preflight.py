@@ -54,11 +54,14 @@ def run_preflight(cfg: RunConfig, world_size: int) -> Preflight:
     Raises:
         ConfigError: a layout the world size cannot satisfy, an unusable DeepSpeed or engine JSON,
             a checkpoint that is missing or incomplete.
+        UntrustedCheckpointError: a ``train.init_from`` file that refers to a type loading weights
+            does not allow, without ``train.trust_checkpoint_code``.
         DataFormatError: a dataset that is missing, corrupt, without statistics sidecar, with token
             ids beyond the vocabulary or documents not ended by ``data.eod_token``.
     """
     from megaformer.training.deepspeed_config import check_engine_combination, read_engine_json
     from megaformer.training.ds_adapter import check_deepspeed_version
+    from megaformer.training.safe_load import refuse_untrusted, weight_files
 
     dp_size = validate_layout(cfg, world_size)
     check_deepspeed_version()
@@ -81,7 +84,10 @@ def run_preflight(cfg: RunConfig, world_size: int) -> Preflight:
         if os.path.isfile(os.path.join(ckpt_dir, "latest")):
             check_checkpoint(ckpt_dir, "train.resume=auto")
     if cfg.train.init_from:
-        check_checkpoint(cfg.train.init_from, "train.init_from")
+        tag_dir = check_checkpoint(cfg.train.init_from, "train.init_from")
+        # Someone else's weights, often: refused here, before any process group, if a file would
+        # need the full unpickler (nothing of it runs: the scan reads opcodes only).
+        refuse_untrusted(weight_files(tag_dir), cfg.train.trust_checkpoint_code)
     return Preflight(dp_size=dp_size, datasets=datasets, stats=stats)
 
 

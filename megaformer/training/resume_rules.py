@@ -32,6 +32,7 @@ MAY_CHANGE = frozenset(
         "train.extend_steps",
         "train.resume",
         "train.init_from",
+        "train.trust_checkpoint_code",
         "train.diagnostics_interval",
         "train.recompute",
         "train.activation_checkpointing",
@@ -138,9 +139,9 @@ def saved_config(tag_dir: str) -> dict | None:
     files = sorted(glob.glob(os.path.join(tag_dir, "*model_states.pt")))
     if not files:
         return None
-    from megaformer.tools.reshard import _load
+    from megaformer.training.safe_load import load_weights
 
-    config = _load(files[0]).get("config")
+    config = load_weights(files[0]).get("config")
     return config if isinstance(config, dict) else None
 
 

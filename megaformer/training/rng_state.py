@@ -55,7 +55,7 @@ def save_rng_state(
         "dropout": dropout_rng.state_dict(),
         "torch_cpu": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-        "numpy": np.random.get_state(),
+        "numpy": _numpy_state_plain(np.random.get_state()),
         "python": random.getstate(),
     }
     tmp = f"{path}.tmp.{os.getpid()}"
@@ -81,8 +81,10 @@ def load_rng_state(
     if not os.path.isfile(path):
         return False, f"no generator state at {path}: dropout masks restart from the seed"
     try:
-        # weights_only=False: the file holds numpy's and Python's state tuples, written by this code.
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        # Tensors, tuples and numbers since files carry numpy's state as a tensor; files written
+        # before that hold numpy arrays, whose three reconstruction globals are allowed here.
+        with torch.serialization.safe_globals(_numpy_globals()):
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:
         raise RuntimeError(
             f"{path}: unreadable generator state ({type(e).__name__}: {e}); the checkpoint is damaged: "
@@ -98,6 +100,31 @@ def load_rng_state(
     torch.set_rng_state(state["torch_cpu"])
     if device.type == "cuda" and state["cuda"] is not None:
         torch.cuda.set_rng_state(state["cuda"], device)
-    np.random.set_state(state["numpy"])
+    np.random.set_state(_numpy_state_from(state["numpy"]))
     random.setstate(state["python"])
     return True, f"restored generator states from {path}"
+
+
+def _numpy_state_plain(state: tuple) -> tuple:
+    """numpy's legacy ``RandomState`` state (``('MT19937', uint32[624], pos, has_gauss, gauss)``)
+    with the key array as an int64 tensor: the file then loads with ``weights_only=True`` and no
+    numpy globals."""
+    name, key, pos, has_gauss, gauss = state
+    return (name, torch.from_numpy(key.astype(np.int64)), int(pos), int(has_gauss), float(gauss))
+
+
+def _numpy_state_from(saved: tuple) -> tuple:
+    """The inverse of :func:`_numpy_state_plain`; a state saved as numpy arrays passes through."""
+    name, key, *rest = saved
+    if isinstance(key, torch.Tensor):
+        key = key.numpy().astype(np.uint32)
+    return (name, key, *rest)
+
+
+def _numpy_globals() -> list:
+    """What an older generator-state file's numpy arrays refer to (reconstruction only, no code)."""
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct
+    return [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]

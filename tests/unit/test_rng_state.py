@@ -60,3 +60,24 @@ def test_other_layout_or_missing_file_restarts_from_the_seed(tmp_path):
     assert torch.equal(_draw(fresh), seed_draw)  # untouched
     restored, message = load_rng_state(str(tmp_path), 0, LAYOUT, fresh, CPU)
     assert not restored and message.startswith("no generator state at") and "rank00000.pt" in message
+
+
+def test_file_needs_no_unpickling_beyond_tensors(tmp_path):
+    """Tensors, tuples and numbers only: ``weights_only=True`` with no allowed globals reads it."""
+    path = save_rng_state(str(tmp_path), 0, LAYOUT, DropoutRNG(7), CPU)
+    assert torch.serialization.get_unsafe_globals_in_checkpoint(path) == []
+    torch.load(path, weights_only=True)
+
+
+def test_file_written_before_the_safe_format_still_restores(tmp_path):
+    """Older files carry numpy's state as a numpy array (numpy's reconstruction globals): restored."""
+    np.random.seed(11)
+    path = save_rng_state(str(tmp_path), 0, LAYOUT, DropoutRNG(7), CPU)
+    old = torch.load(path, weights_only=True)
+    old["numpy"] = np.random.get_state()  # as the code before the change wrote it
+    torch.save(old, path)
+    assert torch.serialization.get_unsafe_globals_in_checkpoint(path)  # needs numpy's globals
+    expected = np.random.rand(3)
+    np.random.seed(0)
+    restored, _ = load_rng_state(str(tmp_path), 0, LAYOUT, DropoutRNG(7), CPU)
+    assert restored and np.array_equal(np.random.rand(3), expected)
