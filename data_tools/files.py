@@ -28,6 +28,12 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
         raise
 
 
-def atomic_write_json(path: str | os.PathLike[str], obj: Any, indent: int = 2) -> None:
-    """:func:`atomic_write_text` of ``obj`` as indented JSON with a final newline."""
-    atomic_write_text(path, json.dumps(obj, indent=indent) + "\n")
+def atomic_write_json(
+    path: str | os.PathLike[str], obj: Any, indent: int = 2, *, allow_nan: bool = True
+) -> None:
+    """:func:`atomic_write_text` of ``obj`` as indented JSON with a final newline.
+
+    ``allow_nan=False``: strict JSON; a NaN or infinite float raises ``ValueError`` before
+    anything is written (the default writes them as ``NaN`` / ``Infinity``, as Python's ``json``).
+    """
+    atomic_write_text(path, json.dumps(obj, indent=indent, allow_nan=allow_nan) + "\n")

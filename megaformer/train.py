@@ -25,7 +25,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Load the config, train, exit cleanly: 0 when the run is complete, 75 when it stopped early
+    """Load the config, train, exit cleanly: 0 when the run is complete (also when it was complete
+    before this launch, which then changes nothing), 75 when it stopped early
     for a signal or ``train.exit_duration_mins`` with its checkpoint saved (resume to continue),
     2 on a configuration, data or checkpoint error."""
     args = parse_args(sys.argv[1:] if argv is None else argv)

@@ -356,7 +356,18 @@ def check_train(cfg: RunConfig) -> None:
     )
     _require(t.resume != "", "train.resume='': use none, auto or a checkpoint directory.")
     _require(t.budget_device_hours >= 0, f"train.budget_device_hours={t.budget_device_hours}: must be >= 0.")
-    if t.budget_device_hours > 0:
+    calibrated = t.budget_step_seconds > 0
+    _require(
+        min(t.budget_step_seconds, t.budget_eval_seconds, t.budget_fixed_seconds, t.budget_overrun) >= 0,
+        f"train.budget_step_seconds={t.budget_step_seconds}, budget_eval_seconds={t.budget_eval_seconds}, "
+        f"budget_fixed_seconds={t.budget_fixed_seconds}, budget_overrun={t.budget_overrun}: must be >= 0.",
+    )
+    _require(
+        not calibrated or t.budget_device_hours > 0,
+        f"train.budget_step_seconds={t.budget_step_seconds} needs train.budget_device_hours > 0 (the "
+        "budget it divides); set both, or neither.",
+    )
+    if t.budget_device_hours > 0 and not calibrated:
         _positive("train", t, "budget_measure_steps")
         first = BUDGET_SKIP_STEPS + t.budget_measure_steps
         _require(

@@ -247,6 +247,21 @@ class TrainConfig:
     keeps it. It must be taken during warmup: train.warmup_steps >= 5 + budget_measure_steps."""
     budget_measure_steps: int = 20
     """Steps whose mean wall-clock time (the slowest rank's) fixes the budget's step count."""
+    budget_step_seconds: float = 0.0
+    """A calibrated step time (seconds of the job's wall-clock; megaformer.experiments.compare and
+    sweep measure every config of a comparison interleaved, so that the machine's drift hits all
+    alike): the run fixes its length from it before the first step instead of timing itself,
+    and the warmup constraint above does not apply. 0: the run times itself."""
+    budget_eval_seconds: float = 0.0
+    """One evaluation's calibrated wall-clock seconds, used with train.budget_step_seconds."""
+    budget_fixed_seconds: float = 0.0
+    """The calibrated one-time wall-clock seconds of a run (the first steps' warm-up beyond the
+    step time, the final checkpoint), taken out of the budget before the length is fixed; used
+    with train.budget_step_seconds."""
+    budget_overrun: float = 0.02
+    """A budget run whose device-hours so far exceed train.budget_device_hours by more than this
+    fraction (the machine ran slower than measured) ends at that step, evaluated and saved, and
+    its summary says so (budget_stopped_at). The run is complete (exit 0), not preempted."""
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in the backward pass instead of storing them
     (never the embedding); under tensor parallelism without sequence parallelism the saved block

@@ -1,21 +1,33 @@
 """Compare configs at equal compute: the paper's Fig. 2 and its blue stars, as one command.
 
     python -m megaformer.experiments.compare CONFIG [CONFIG ...] --budget-device-hours H \\
-        --output-dir runs/compare [--name NAME ...] [--nproc 2] [-- section.key=value ...]
+        --output-dir runs/compare [--name NAME ...] [--nproc 2] [--set section.key=value ...] \\
+        [--calibration-rounds 4] [--order random|given] [--order-seed 0]
 
-Every config is trained through ``launch/pretrain.sh`` with the same ``train.budget_device_hours``
-(each run measures its own step time and fixes its own number of steps, see
-:mod:`megaformer.training.budget`), the same overrides (give ``data.prefix`` / ``data.blend`` and
-``train.seed`` there, so every run reads the same data and the same held-out set), one after the
-other, into ``OUTPUT_DIR/<name>``. A run that finished before (its ``summary.json`` exists and
-names the same budget) is not trained again.
+1. **Calibration** (:mod:`.calibrate`): every config's step time, evaluation time and one-time
+   cost are measured in short launches, interleaved round by round in alternating order, so that
+   the machine's drift hits every config alike; saved in ``OUTPUT_DIR/calibration.json`` and
+   reused only for the same runs.
+2. **Runs**: every config is trained through ``launch/pretrain.sh`` with the same
+   ``train.budget_device_hours`` and its own calibrated times (``train.budget_step_seconds`` ...),
+   from which it fixes its number of steps before its first step (:mod:`megaformer.training.budget`;
+   a run that the machine slows past the budget ends there, and says so); the same overrides (give
+   ``data.prefix`` / ``data.blend`` and ``train.seed`` there, so every run reads the same data and
+   the same held-out set), into ``OUTPUT_DIR/<name>``, in a random order drawn from
+   ``--order-seed`` (recorded). A run that finished before is reused only when its
+   ``request.json`` (resolved config, data fingerprint, budget, calibrated times, code version;
+   :mod:`.provenance`) equals what is asked now; otherwise what differs is printed and it is
+   trained again.
 
 Written to ``OUTPUT_DIR``:
 
 * ``comparison.md`` and ``comparison.json``: per run the final validation loss and perplexity,
-  steps, tokens, device-hours, and the device-hours at which its validation perplexity first
-  reached the baseline's best (the first config is the baseline; Shleifer et al. 2021, Fig. 2's
-  stars: "compute needed to match the baseline's final perplexity");
+  steps (and the decided number), tokens, the calibrated step time and its ratio to the
+  baseline's, device-hours and their deviation from the budget, and the device-hours at which its
+  validation perplexity first reached the baseline's best, with its share of the baseline's
+  compute measured the same way (the first config is the baseline; Shleifer et al. 2021, Fig. 2's
+  stars: "compute needed to match the baseline's final perplexity"); the JSON also holds the
+  calibration, the run order and the code version;
 * ``valid_ppl_vs_device_hours.png``: validation perplexity against device-hours, one curve per run
   (the paper's Fig. 2, on this run's scale).
 """
@@ -27,9 +39,13 @@ import json
 import math
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 
+from megaformer.config import ConfigError
+from megaformer.experiments.calibrate import Timing
 from megaformer.experiments.launcher import launch_run
+from megaformer.experiments.provenance import code_version, differences, run_request
 
 
 def valid_curve(tb_dir: str) -> list[tuple[int, float, float]]:
@@ -60,10 +76,19 @@ def hours_to_reach(curve: list[tuple[int, float, float]], target_loss: float) ->
     return None
 
 
-def comparison_rows(runs: dict[str, dict]) -> list[dict]:
-    """One row per run (``runs``: name -> {"summary": ..., "curve": ...}, baseline first)."""
+def comparison_rows(runs: dict[str, dict], budget: float, timings: dict[str, Timing]) -> list[dict]:
+    """One row per run (``runs``: name -> {"summary": ..., "curve": ...}, baseline first).
+
+    Compute shares are measured one way for every run, the baseline included: the device-hours
+    logged at an evaluation's step (``train/device_hours``, before that evaluation), so the
+    baseline's own compute is the value at its last evaluation, not its summary's total (which
+    also holds the final evaluation and checkpoint).
+    """
     names = list(runs)
-    baseline_best = min(loss for _, _, loss in runs[names[0]]["curve"])
+    base_curve = runs[names[0]]["curve"]
+    baseline_best = min(loss for _, _, loss in base_curve)
+    baseline_hours = base_curve[-1][1]
+    base_step = timings[names[0]].step_seconds
     rows = []
     for name in names:
         s, curve = runs[name]["summary"], runs[name]["curve"]
@@ -75,31 +100,45 @@ def comparison_rows(runs: dict[str, dict]) -> list[dict]:
                 "final_valid_ppl": s["final_valid_ppl"],
                 "steps": s["steps"],
                 "tokens": s["tokens"],
+                "calibrated_step_seconds": timings[name].step_seconds,
+                "step_time_ratio": timings[name].step_seconds / base_step,
+                "budget_steps": s.get("budget_steps"),
+                "budget_stopped_at": s.get("budget_stopped_at"),
                 "device_hours": s["device_hours"],
+                "spend_deviation": s["device_hours"] / budget - 1.0,
                 "hours_to_baseline_best_ppl": reach,
-                "share_of_baseline_compute": None
-                if reach is None
-                else reach / runs[names[0]]["summary"]["device_hours"],
+                "share_of_baseline_compute": None if reach is None else reach / baseline_hours,
             }
         )
     return rows
 
 
-def markdown_table(rows: list[dict], baseline_best_ppl: float) -> str:
+def _num(value: float | None, spec: str) -> str:
+    """A figure for the table; ``null`` in a summary (not measured, e.g. a diverged run) as "—"."""
+    return "—" if value is None else format(value, spec)
+
+
+def markdown_table(rows: list[dict], baseline_best_ppl: float, budget: float) -> str:
     """The rows as a Markdown table."""
     lines = [
-        f"Baseline ({rows[0]['run']}) best validation perplexity: {baseline_best_ppl:.2f}",
+        f"Budget {budget:g} device-hours per run. Baseline ({rows[0]['run']}) best validation perplexity: "
+        f"{baseline_best_ppl:.2f}",
         "",
-        "| run | final valid loss | final valid ppl | steps | tokens | device-hours | device-hours to the "
-        "baseline's best ppl |",
-        "|---|---|---|---|---|---|---|",
+        "| run | final valid loss | final valid ppl | steps (decided) | tokens | calibrated step (s) | "
+        "step time vs baseline | device-hours (vs budget) | device-hours to the baseline's best ppl |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         reach, share = r["hours_to_baseline_best_ppl"], r["share_of_baseline_compute"]
         reach = "never" if reach is None else f"{reach:.4g} ({share:.0%} of the baseline's)"
+        steps = f"{r['steps']:,} ({r['budget_steps']:,})" if r["budget_steps"] else f"{r['steps']:,}"
+        if r["budget_stopped_at"]:
+            steps += ", ended at the budget"
         lines.append(
-            f"| {r['run']} | {r['final_valid_loss']:.4f} | {r['final_valid_ppl']:.2f} | {r['steps']:,} | "
-            f"{r['tokens']:,} | {r['device_hours']:.4g} | {reach} |"
+            f"| {r['run']} | {_num(r['final_valid_loss'], '.4f')} | {_num(r['final_valid_ppl'], '.2f')} | "
+            f"{steps} | "
+            f"{r['tokens']:,} | {r['calibrated_step_seconds']:.4f} | {r['step_time_ratio']:.3f}× | "
+            f"{r['device_hours']:.4g} ({r['spend_deviation']:+.1%}) | {reach} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -133,26 +172,57 @@ def plot(runs: dict[str, dict], path: str, budget: float) -> None:
     plt.close(fig)
 
 
-def train_one(config: str, out: Path, budget: float, overrides: Sequence[str], nproc: int) -> dict:
-    """Train ``config`` with the budget into ``out`` (skipped when already done); return its summary.
+def train_one(
+    config: str, out: Path, budget: float, overrides: Sequence[str], nproc: int, timing: Timing, code: str
+) -> dict:
+    """Train ``config`` into ``out`` at ``budget`` device-hours with its calibrated ``timing``;
+    return its summary. A finished run there is reused only when its ``request.json`` equals what
+    is asked now (:func:`~.provenance.run_request`: resolved config, data, budget, calibrated
+    times, code version); otherwise what differs is printed and the run is trained again.
 
     Raises:
         RuntimeError: the launch failed (names the config and the log file).
+        ConfigError: a bad override (names it).
     """
-    summary_path = out / "summary.json"
-    if summary_path.is_file():
-        summary = json.loads(summary_path.read_text())
-        if summary.get("budget_device_hours") == budget:
-            print(f"[compare] {out.name}: done before, {summary['steps']} steps", flush=True)
+    from data_tools.files import atomic_write_json
+
+    args = [*overrides, f"train.budget_device_hours={budget}", *timing.overrides(), "output.overwrite=true"]
+    request = run_request(config, args, {"budget_device_hours": budget}, code)
+    summary_path, request_path = out / "summary.json", out / "request.json"
+    if summary_path.is_file() and request_path.is_file():
+        changed = differences(json.loads(request_path.read_text()), request)
+        if not changed:
+            summary = json.loads(summary_path.read_text())
+            print(
+                f"[compare] {out.name}: done before with the same request, {summary['steps']} steps",
+                flush=True,
+            )
             return summary
-    # an unfinished run is started again from scratch (its summary decides what is reused)
-    args = [f"train.budget_device_hours={budget}", "output.overwrite=true", *overrides, f"output.dir={out}"]
-    summary = launch_run(config, out, args, nproc, "compare")
+        print(f"[compare] {out.name}: an earlier run differs ({'; '.join(changed[:4])}): training again")
+    elif summary_path.is_file():
+        print(f"[compare] {out.name}: an earlier run without request.json: training again", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    request_path.unlink(missing_ok=True)  # written back only once the run has finished
+    summary = launch_run(config, out, [*args, f"output.dir={out}"], nproc, "compare")
+    atomic_write_json(request_path, request)
     print(
-        f"[compare] {out.name}: {summary['steps']} steps, valid loss {summary['final_valid_loss']:.4f}",
+        f"[compare] {out.name}: {summary['steps']} steps, "
+        f"valid loss {_num(summary['final_valid_loss'], '.4f')}",
         flush=True,
     )
     return summary
+
+
+def run_order(names: Sequence[str], order: str, seed: int) -> list[str]:
+    """The order the runs are trained in: ``"random"`` (a permutation drawn from ``seed``, so that a
+    drift of the machine is not confounded with the baseline) or ``"given"``."""
+    import random
+
+    if order == "given":
+        return list(names)
+    shuffled = list(names)
+    random.Random(seed).shuffle(shuffled)
+    return shuffled
 
 
 def compare(
@@ -162,23 +232,88 @@ def compare(
     output_dir: str,
     overrides: Sequence[str] = (),
     nproc: int = 2,
+    calibration: dict[str, int] | None = None,
+    order: str = "random",
+    order_seed: int = 0,
 ) -> list[dict]:
-    """Train every config at ``budget`` device-hours, then write the table and the plot.
+    """Calibrate every config's step time interleaved (:mod:`.calibrate`), train each at
+    ``budget`` device-hours from it, in ``order``, then write the table and the plot.
+
+    Args:
+        calibration: ``{"rounds", "warmup", "measure"}`` of :func:`~.calibrate.calibrate`
+            (default 4 rounds, 10 warm-up steps, 20 measured steps).
 
     Returns:
         The table's rows (baseline first).
     """
+    from megaformer.experiments.calibrate import load_or_calibrate
+
     root = Path(output_dir)
-    runs = {}
-    for config, name in zip(configs, names):
-        summary = train_one(config, root / name, budget, overrides, nproc)
-        runs[name] = {"summary": summary, "curve": valid_curve(summary["tensorboard_dir"])}
-    rows = comparison_rows(runs)
+    root.mkdir(parents=True, exist_ok=True)
+    cal = {"rounds": 4, "warmup": 10, "measure": 20, **(calibration or {})}
+    code = code_version()
+    by_name = dict(zip(names, configs))
+    requests = {n: run_request(c, list(overrides), {}, code) for n, c in by_name.items()}
+    timings = load_or_calibrate(
+        by_name,
+        requests,
+        list(overrides),
+        root,
+        nproc,
+        cal["rounds"],
+        cal["warmup"],
+        cal["measure"],
+        "compare",
+    )
+    sequence = run_order(names, order, order_seed)
+    print(f"[compare] training order: {', '.join(sequence)} ({order}, seed {order_seed})", flush=True)
+    summaries = {
+        n: train_one(by_name[n], root / n, budget, overrides, nproc, timings[n], code) for n in sequence
+    }
+    runs = {
+        n: {"summary": summaries[n], "curve": valid_curve(summaries[n]["tensorboard_dir"])} for n in names
+    }
+    rows = comparison_rows(runs, budget, timings)
     best_ppl = math.exp(min(loss for _, _, loss in runs[names[0]]["curve"]))
-    (root / "comparison.md").write_text(markdown_table(rows, best_ppl), encoding="utf-8")
-    (root / "comparison.json").write_text(json.dumps({"budget_device_hours": budget, "rows": rows}, indent=2))
+    (root / "comparison.md").write_text(markdown_table(rows, best_ppl, budget), encoding="utf-8")
+    record = {
+        "budget_device_hours": budget,
+        "order": sequence,
+        "order_rule": order,
+        "order_seed": order_seed,
+        "calibration": {**cal, "timings": {n: asdict(t) for n, t in timings.items()}},
+        "code_version": code,
+        "rows": rows,
+    }
+    (root / "comparison.json").write_text(json.dumps(record, indent=2))
     plot(runs, str(root / "valid_ppl_vs_device_hours.png"), budget)
     return rows
+
+
+def add_calibration_args(parser: argparse.ArgumentParser) -> None:
+    """The calibration and run-order options shared by ``compare`` and ``sweep``."""
+    parser.add_argument("--calibration-rounds", type=int, default=4, help="interleaved rounds (>= 2)")
+    parser.add_argument(
+        "--calibration-warmup",
+        type=int,
+        default=10,
+        help="steps discarded per calibration launch (compilation, autotuning, start-up)",
+    )
+    parser.add_argument(
+        "--calibration-steps", type=int, default=20, help="steps timed per calibration launch"
+    )
+    parser.add_argument("--order", choices=["random", "given"], default="random",
+                        help="training order of the runs (recorded in the JSON)")  # fmt: skip
+    parser.add_argument("--order-seed", type=int, default=0, help="seed of the random order")
+
+
+def calibration_settings(args: argparse.Namespace) -> dict[str, int]:
+    """``{"rounds", "warmup", "measure"}`` from :func:`add_calibration_args`' options."""
+    return {
+        "rounds": args.calibration_rounds,
+        "warmup": args.calibration_warmup,
+        "measure": args.calibration_steps,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -193,6 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=2, help="processes per run (NPROC_PER_NODE)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override for every run (repeat), e.g. --set data.prefix=...")  # fmt: skip
+    add_calibration_args(parser)
     args = parser.parse_args(argv)
     names = args.name or [Path(c).stem for c in args.configs]
     if len(names) != len(args.configs) or len(set(names)) != len(names):
@@ -205,8 +341,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: --budget-device-hours={args.budget_device_hours}: must be > 0", file=sys.stderr)
         return 2
     try:
-        rows = compare(args.configs, names, args.budget_device_hours, args.output_dir, args.set, args.nproc)
-    except (RuntimeError, ValueError) as e:
+        rows = compare(
+            args.configs,
+            names,
+            args.budget_device_hours,
+            args.output_dir,
+            args.set,
+            args.nproc,
+            calibration_settings(args),
+            args.order,
+            args.order_seed,
+        )
+    except (RuntimeError, ValueError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print((Path(args.output_dir) / "comparison.md").read_text())

@@ -16,6 +16,17 @@ tokens. A budget run therefore decides its own length, once:
 
 Checkpoint writes are not forecast (their cost depends on the filesystem); they are counted in the
 device-hours spent, so a run that saves often ends slightly over its budget, and says so.
+
+**Calibrated runs** (``train.budget_step_seconds`` > 0). A run that times itself is at the mercy of
+its own 20-step window: on a shared machine the window can be 5-10% off the run's real speed, and
+two configs timed in different windows get step counts that the machine's drift, not their cost,
+decides. :mod:`megaformer.experiments.compare` therefore measures the step time of every config of
+a comparison in one interleaved calibration (rounds in alternating order) and passes each run its
+own figure: the run fixes its length before its first step from it (``done`` = the start step,
+nothing spent), with the same rule 3, and does no timing of its own. The run's real spend is
+still measured (device-hours of the loop) and enforced: past ``budget · (1 + train.budget_overrun)``
+the run ends at that step (:data:`~megaformer.training.stopping.BUDGET_SPENT`), evaluated and
+saved, and its summary records ``budget_stopped_at``.
 """
 
 from __future__ import annotations
@@ -36,6 +47,17 @@ def evaluations_between(done: int, total: int, eval_interval: int) -> int:
     """Evaluations after step ``done`` up to step ``total``: every ``eval_interval``, and at the end."""
     regular = total // eval_interval - done // eval_interval
     return regular + (0 if total % eval_interval == 0 else 1)
+
+
+def overspent(cfg: RunConfig, device_seconds: float, world_size: int, ahead_seconds: float = 0.0) -> bool:
+    """Whether a budget run would end over ``train.budget_device_hours`` by more than
+    ``train.budget_overrun`` if it took one more step and its final evaluation: its device-seconds
+    so far (all ranks, resumed parts included) plus ``world_size × ahead_seconds`` (that step's and
+    evaluation's wall-clock). False without a budget. This rank's clock:
+    :class:`~megaformer.training.stopping.StopCheck` takes the maximum over ranks."""
+    t = cfg.train
+    limit = t.budget_device_hours * 3600.0 * (1.0 + t.budget_overrun)
+    return t.budget_device_hours > 0 and device_seconds + world_size * ahead_seconds > limit
 
 
 def steps_for_budget(
@@ -82,11 +104,14 @@ class BudgetKeeper:
         t = cfg.train
         self.cfg = cfg
         self.budget_seconds = t.budget_device_hours * 3600.0 / world_size  # wall-clock of the job
+        self.calibrated = t.budget_step_seconds > 0
         self.first = start_step + SKIP_STEPS
         self.last = self.first + t.budget_measure_steps
         self.decided: int | None = None
         self._t0 = 0.0
         self._paused0 = 0.0
+        if self.calibrated:  # measured outside the run (see the module docstring)
+            self.step_seconds, self.eval_seconds = t.budget_step_seconds, t.budget_eval_seconds
 
     def after_step(self, done: int, sync: Callable[[], Any], paused_seconds: float) -> bool:
         """Call after every step; True when step ``done`` ends the measurement (decide now).
@@ -94,7 +119,7 @@ class BudgetKeeper:
         ``sync`` waits for the device (e.g. reads the loss); ``paused_seconds`` is the loop's total
         time in evaluations and checkpoints so far, taken out of the measurement.
         """
-        if self.decided is not None or done not in (self.first, self.last):
+        if self.calibrated or self.decided is not None or done not in (self.first, self.last):
             return False
         sync()
         if done == self.first:
@@ -136,6 +161,15 @@ class BudgetKeeper:
         capped = (
             " (capped by train.steps: the data is built for that many)" if self.decided == t.steps else ""
         )
+        if self.calibrated:
+            return (
+                f"budget: {t.budget_device_hours:g} device-hours = {self.budget_seconds:,.1f} s on "
+                f"{world_size} devices | calibrated step {self.step_seconds:.4f} s, evaluation "
+                f"{self.eval_seconds:.3f} s "
+                f"(train.budget_step_seconds / budget_eval_seconds) | run length fixed at {self.decided} "
+                f"steps{capped}; the learning rate decays to step {self.decided}; the run ends early if its "
+                f"device-hours pass the budget by more than {t.budget_overrun:.0%}"
+            )
         return (
             f"budget: {t.budget_device_hours:g} device-hours = {self.budget_seconds:,.1f} s on {world_size} "
             f"devices | step {self.step_seconds:.4f} s (steps {self.first + 1}..{self.last}, slowest rank), "

@@ -56,6 +56,77 @@ def resolve_resume(cfg: RunConfig, ckpt_dir: str) -> str | None:
     return resume
 
 
+def finished_run(cfg: RunConfig) -> tuple[str, dict | None] | None:
+    """Whether this launch would continue a run that is already complete: (message, its summary
+    or None), or None to go on.
+
+    Complete: ``train.resume`` finds a checkpoint whose step is ``train.steps``; or, for the run's
+    own checkpoints with ``train.steps`` as saved (no extension), one whose step is where the
+    run's ``summary.json`` says it ended (a budget's length, a divergence stop; not a stop for a
+    signal or a time limit). Nothing is left to train, so such a launch (the same command again, a
+    Slurm requeue of a finished job) must leave the run's summary, checkpoints and TensorBoard
+    events as they are: the trainer asks once the checkpoint is verified (a damaged one is still
+    an error) and exits 0 before building the model or writing anything. Reads files only, with
+    the same answer on every process. The config is still compared with the saved one
+    (:mod:`.resume_rules`): a changed key is refused as for any resume.
+
+    Raises:
+        ConfigError: a key that may not change differs from the saved config; ``latest`` is
+            empty or names no directory (:class:`~.ckpt_integrity.CheckpointError`).
+    """
+    import json
+
+    from megaformer.training.resume_rules import check_resume_config, saved_config
+
+    ckpt_dir = os.path.join(cfg.output.dir, "checkpoints")
+    load_dir = resolve_resume(cfg, ckpt_dir)
+    if load_dir is None:
+        return None
+    tag_dir = integrity.resolve_latest(load_dir)
+    name = os.path.basename(os.path.normpath(tag_dir)).removeprefix("global_step")
+    if not name.isdigit():
+        return None  # not a tag this trainer writes: the resume path reports what it finds
+    step = int(name)
+    summary_path = os.path.join(cfg.output.dir, "summary.json")
+    summary = None
+    try:
+        with open(summary_path, encoding="utf-8") as f:
+            summary = json.load(f)  # NaN accepted: summaries written before they were strict JSON
+    except (OSError, ValueError):
+        pass
+    saved = saved_config(tag_dir)
+    own = os.path.abspath(load_dir) == os.path.abspath(ckpt_dir)
+    ended_here = (
+        own
+        and isinstance(summary, dict)
+        and summary.get("steps") == step
+        and summary.get("stopped") is None
+        and saved is not None
+        and saved.get("train", {}).get("steps") == cfg.train.steps
+    )
+    if step != cfg.train.steps and not ended_here:
+        return None
+    if saved is not None:
+        check_resume_config(saved, cfg, step, tag_dir)
+    where = (
+        f"its summary: {os.path.abspath(summary_path)}"
+        if isinstance(summary, dict)
+        else f"no summary.json in {os.path.abspath(cfg.output.dir)} (the run ended after its last "
+        "checkpoint, before writing it)"
+    )
+    end = (
+        f"train.steps={step}"
+        if step == cfg.train.steps
+        else f"step {step}, where its summary says it ended (train.steps={cfg.train.steps})"
+    )
+    message = (
+        f"run already complete: its checkpoint {os.path.abspath(tag_dir)} is at {end}; nothing to "
+        f"train, nothing written ({where}). To train further: a higher train.steps with "
+        "train.extend_steps=true"
+    )
+    return message, summary if isinstance(summary, dict) else None
+
+
 def holds_a_run(out_dir: str) -> list[str]:
     """What in ``out_dir`` belongs to an earlier run: a ``latest`` tag, ``global_stepN``
     directories, TensorBoard event files ([] for a new or empty directory)."""

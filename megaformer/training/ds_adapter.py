@@ -348,6 +348,14 @@ class Engine:
         group (every group follows the same schedule). A host value: no device sync."""
         return float(self.engine.optimizer.param_groups[0]["lr"])
 
+    def apply_schedule(self) -> float:
+        """Set the optimizer's learning rate to the schedule's at the scheduler's position (see
+        :func:`megaformer.training.schedule.apply_schedule`); return it. For a resumed run, whose
+        optimizer state brought back the rate of the schedule it was saved with."""
+        from megaformer.training.schedule import apply_schedule
+
+        return apply_schedule(self.engine.lr_scheduler)
+
     def before_optimizer_step(self, hook: Any) -> None:
         """Call ``hook()`` at every optimizer update, after the gradients are complete (averaged
         over data-parallel ranks, ZeRO-reduced) and before clipping, the optimizer step and

@@ -82,3 +82,22 @@ def build_scheduler(
     """
     schedule = schedule or Schedule(t)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule.lr(step) / t.lr)
+
+
+def apply_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR) -> float:
+    """Set every param group's learning rate to what the scheduler's lambda gives at its position
+    (``last_epoch``: the updates it has stepped), as ``LambdaLR.step`` would; return the first
+    group's.
+
+    A resumed run gets its param groups' ``lr`` back from the checkpoint's optimizer state, as the
+    saved run's schedule computed it for the next update. Where the schedule changed since (an
+    extension: ``train.extend_steps``), that stale rate would drive the first new update; after this
+    the next update takes the current schedule's rate, as an uninterrupted run would. Idempotent
+    where nothing changed. The position, not the step counter: after fp16 overflows the scheduler
+    lags the steps in the uninterrupted run too.
+    """
+    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = lrs  # what get_last_lr() and the next checkpoint report, as step() sets it
+    return lrs[0]

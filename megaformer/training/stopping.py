@@ -8,8 +8,12 @@ rank stops them all at the same step), save a checkpoint at that step and exit w
 does the same once that many minutes have passed since the process started training; the ranks'
 clocks are reduced with a maximum, so one slow rank is enough.
 
-The check is one all-reduce of two integers per step (a host round trip), only when a signal or a
-time limit is configured.
+A compute-budget run adds a third flag: its device-hours so far past the budget (and its
+``train.budget_overrun`` tolerance), on any rank; the run then ends at that step as complete
+(:data:`BUDGET_SPENT`).
+
+The check is one all-reduce of three numbers per step (a host round trip), only when a signal, a
+time limit or a budget is configured.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class StopCheck:
 
     def __init__(self, signals: str, exit_duration_mins: float, started: float | None = None) -> None:
         self.received: str | None = None
+        self.over_budget: Any = None  # () -> bool, set by a budget run (TrainLoop): a third flag
         self.started = time.monotonic() if started is None else started
         self.limit_s = exit_duration_mins * 60.0
         self.names = [n.strip() for n in signals.split(",") if n.strip()]
@@ -41,7 +46,7 @@ class StopCheck:
 
     @property
     def enabled(self) -> bool:
-        return bool(self.names) or self.limit_s > 0
+        return bool(self.names) or self.limit_s > 0 or self.over_budget is not None
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         # Only a flag: the step in flight finishes, the checkpoint is written at its boundary.
@@ -55,9 +60,17 @@ class StopCheck:
         from megaformer.parallel.comm import all_reduce_max
 
         over = self.limit_s > 0 and time.monotonic() - self.started >= self.limit_s
-        flags = all_reduce_max([1.0 if self.received else 0.0, 1.0 if over else 0.0])
+        spent = self.over_budget is not None and self.over_budget()
+        flags = all_reduce_max([1.0 if self.received else 0.0, 1.0 if over else 0.0, 1.0 if spent else 0.0])
         if flags[0]:
             return f"signal {self.received or 'received by another rank'}"
         if flags[1]:
             return f"train.exit_duration_mins={self.limit_s / 60:g} reached"
+        if flags[2]:
+            return BUDGET_SPENT
         return None
+
+
+BUDGET_SPENT = "budget spent"
+""":class:`StopCheck`'s reason when a budget run's device-hours passed the budget (and
+``train.budget_overrun``): the run ends there complete, not preempted."""

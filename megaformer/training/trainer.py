@@ -34,6 +34,7 @@ import torch
 from data_tools.files import atomic_write_json
 from megaformer.config import RunConfig, to_dict
 from megaformer.training.builders import Data, Layout, log
+from megaformer.training.summary_file import null_non_finite
 
 
 def to_device(batches: Iterable, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -128,6 +129,9 @@ class TrainLoop:
         self.valid_loss = math.nan
         self.paused = 0.0  # seconds spent in evaluations and checkpoints
         self.stopped: str | None = None  # why the run stopped before its end (signal, time limit)
+        self.budget_stopped_at: int | None = None  # the step a budget run ended at, over budget
+        self.budget_planned: int | None = None  # its decided length, when it ended before it
+        self.eval_seconds: list[float] = []  # wall-clock of each validation (for calibrations)
         self.last_step = start_step
         self._init_diagnostics(int(client_state.get("nonfinite_steps", 0)))
 
@@ -204,9 +208,20 @@ class TrainLoop:
     def run(self, resumed: bool, stop: Any = None) -> float:
         """Train from ``start_step`` to :attr:`total`, or to the step boundary where ``stop`` (a
         :class:`~.stopping.StopCheck`) says to stop; save there; return the wall-clock seconds."""
+        from megaformer.training.budget import overspent
         from megaformer.training.metrics import StepTimer
+        from megaformer.training.stopping import BUDGET_SPENT
 
         t, start_step = self.cfg.train, self.start_step
+        if self.budget is not None and self.budget.calibrated:
+            self._decide_budget_calibrated(start_step)
+        if stop is not None and t.budget_device_hours > 0:
+            stop.over_budget = lambda: overspent(
+                self.cfg, self.compute.device_seconds, self.layout.world_size, self._ahead_seconds()
+            )
+        # The schedule is final here (an extension's new length, a budget's decision): a resumed
+        # optimizer still holds the rate the saved run's schedule gave its next update.
+        self.engine.apply_schedule()
         batches = self._batches(start_step)
         timer, started = StepTimer(), time.perf_counter()
         last_saved = start_step if resumed else -1
@@ -235,6 +250,8 @@ class TrainLoop:
                 last_saved = done
             timer.lap()  # do not charge logging, evaluation and checkpoints to the next step
             self.stopped = stop() if stop is not None and step < self.total else None
+            if self.stopped == BUDGET_SPENT:
+                self._end_at_budget(done)
             if self.stopped:
                 log(self.layout, f"stopping at step {step}/{self.total}: {self.stopped}; saving a checkpoint")
                 break
@@ -296,6 +313,43 @@ class TrainLoop:
             self.schedule.total_steps = done  # not one more step fits: the run ends here
         log(self.layout, self.budget.describe(done, self.layout.world_size))
 
+    def _decide_budget_calibrated(self, start_step: int) -> None:
+        """Fix the run's length before its first step from the calibrated step and evaluation
+        times (``train.budget_step_seconds``; see :mod:`.budget`): the whole budget is left."""
+        total = self.budget.decide(start_step, self.cfg.train.budget_fixed_seconds, self.budget.eval_seconds)
+        if total > start_step:
+            self.schedule.set_total_steps(total, start_step)
+        else:
+            self.schedule.total_steps = start_step
+        log(self.layout, self.budget.describe(start_step, self.layout.world_size))
+
+    def _ahead_seconds(self) -> float:
+        """Wall-clock of one more step and the final evaluation: the recent steps' median and the
+        last evaluation's time (the calibrated one before the first evaluation)."""
+        step = float(np.median(self.step_times[-20:])) if self.step_times else 0.0
+        if self.eval_seconds:
+            return step + self.eval_seconds[-1]
+        calibrated = self.budget is not None and self.budget.calibrated
+        return step + (self.budget.eval_seconds if calibrated else 0.0)
+
+    def _end_at_budget(self, done: int) -> None:
+        """End the run at step ``done``: its device-hours passed the budget (and the tolerance).
+        Evaluated here if this step was not; the final checkpoint follows; complete, not stopped."""
+        t = self.cfg.train
+        planned, self.budget_stopped_at, self.stopped = self.total, done, None
+        self.budget_planned = planned
+        self.schedule.total_steps = done
+        hours = self.compute.device_hours
+        log(
+            self.layout,
+            f"budget spent at step {done} of {planned} planned: {hours:.4g} device-hours, and one more step "
+            f"with the final evaluation would pass {t.budget_device_hours:g} × (1 + train.budget_overrun="
+            f"{t.budget_overrun:g}); the machine ran slower than the step time the length was fixed from. "
+            "Ending the run here (summary: budget_stopped_at)",
+        )
+        if done % t.eval_interval != 0:
+            self._validate(done, done)
+
     def _client_extra(self) -> dict[str, float]:
         """What a resumed run continues from (saved in the checkpoint's client state): tokens,
         device-seconds, non-finite steps, and the budget's decision once taken."""
@@ -325,20 +379,28 @@ class TrainLoop:
             if warning is not None:
                 log(self.layout, f"step {done}: {warning}")
         if evaluate:
-            self.valid_loss = float(self._paused(self.evaluate))
-            ppl = safe_exp(self.valid_loss)
-            self.writer.scalars(
-                done, {"valid/loss": self.valid_loss, "valid/ppl": ppl}, tokens=self.compute.tokens
-            )
-            log(self.layout, f"step {done}/{total} | valid loss {self.valid_loss:.4f} | valid ppl {ppl:.2f}")
-            self.writer.flush()
+            self._validate(done, total)
+
+    def _validate(self, done: int, total: int) -> None:
+        """One validation after step ``done``: TensorBoard (loss, ppl, its wall-clock seconds) and log."""
+        t0 = time.perf_counter()
+        self.valid_loss = float(self._paused(self.evaluate))
+        self.eval_seconds.append(time.perf_counter() - t0)
+        ppl = safe_exp(self.valid_loss)
+        scalars = {"valid/loss": self.valid_loss, "valid/ppl": ppl, "valid/seconds": self.eval_seconds[-1]}
+        self.writer.scalars(done, scalars, tokens=self.compute.tokens)
+        log(self.layout, f"step {done}/{total} | valid loss {self.valid_loss:.4f} | valid ppl {ppl:.2f}")
+        self.writer.flush()
 
 
 def train(cfg: RunConfig) -> dict[str, Any]:
     """Run the configured pretraining job in this process (one of ``WORLD_SIZE``).
 
     Returns:
-        The run summary (also written to ``<output.dir>/summary.json`` by rank 0).
+        The run summary (also written to ``<output.dir>/summary.json`` by rank 0). A run found
+        already complete (:func:`~.checkpointer.finished_run`; its last checkpoint verified) is
+        not trained: no model is built and nothing written, rank 0 says so, and its
+        ``summary.json`` is returned as it is (``{"stopped": None}`` without one).
 
     Raises:
         ConfigError: a layout the world size cannot satisfy, an unusable DeepSpeed, engine JSON or
@@ -358,6 +420,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         Checkpointer,
         check_output_dir,
         clear_output_dir,
+        finished_run,
         init_weights_from,
         resolve_resume,
         verify_before_load,
@@ -380,6 +443,12 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     if load_dir is None:
         clear_output_dir(cfg, layout)
     verify_before_load(cfg, load_dir, layout)  # sha256 of every file, before anything is built
+    # A complete run relaunched: said once its last checkpoint is known intact, and before anything
+    # is written (config.json, TensorBoard events, summary.json).
+    finished = finished_run(cfg) if load_dir is not None else None
+    if finished is not None:
+        log(layout, finished[0])
+        return {**(finished[1] or {}), "stopped": None}  # main exits 0: the run is complete
     if layout.is_main:
         os.makedirs(ckpt_dir, exist_ok=True)
         atomic_write_json(os.path.join(cfg.output.dir, "config.json"), _config_record(cfg))
@@ -502,6 +571,29 @@ def _health_summary(loop: TrainLoop) -> dict[str, Any]:
     return out
 
 
+def _missing_reasons(loop: TrainLoop, summary: dict[str, Any]) -> dict[str, str]:
+    """Why a summary figure could not be measured, for :func:`~.summary_file.null_non_finite`
+    (only the figures that are in fact NaN, infinite or None become null and are listed)."""
+    reasons = {}
+    if not loop.step_times:
+        no_step = "no training step ran in this launch (throughput is measured on its own steps)"
+        reasons |= {"tokens_per_s": no_step, "tflops_per_device": no_step, "mfu": no_step}
+    elif loop.compute.peak_flops is None:
+        reasons["mfu"] = "no peak FLOP/s known for this device (flops.PEAK_TFLOPS)"
+    loss = loop.valid_loss
+    if math.isnan(loss) and not (summary.get("nonfinite_steps") or loop.diverged):
+        why = "no validation ran in this launch"
+    elif not math.isfinite(loss):
+        why = f"the validation loss was not finite ({loss}): the run diverged"
+    else:
+        why = f"exp(final_valid_loss={loss:.4g}) overflows a float"
+    reasons["final_valid_ppl"] = why
+    if not math.isfinite(loss):
+        reasons["final_valid_loss"] = why
+    reasons["final_test_ppl"] = "exp(final_test_loss) overflows a float"
+    return {k: v for k, v in reasons.items() if k in summary}
+
+
 def _summary(
     cfg: RunConfig,
     layout: Layout,
@@ -536,19 +628,25 @@ def _summary(
         summary |= {"final_test_loss": loop.test_loss, "final_test_ppl": safe_exp(loop.test_loss)}
     if t.budget_device_hours > 0:
         summary["budget_device_hours"] = t.budget_device_hours
-        summary["budget_steps"] = loop.total
+        summary["budget_steps"] = loop.budget_planned or loop.total  # the decision, reached or not
+        summary["budget_stopped_at"] = loop.budget_stopped_at
+        if loop.budget is not None:
+            summary["budget_step_seconds"] = loop.budget.step_seconds  # the decision's input
+            summary["budget_calibrated"] = loop.budget.calibrated
     summary.update(_health_summary(loop))
+    # Strict JSON: a figure not measured (NaN, inf) is null, with why under "missing".
+    raw, summary = summary, null_non_finite(summary, _missing_reasons(loop, summary))
     if layout.is_main:
-        atomic_write_json(os.path.join(cfg.output.dir, "summary.json"), summary)
+        atomic_write_json(os.path.join(cfg.output.dir, "summary.json"), summary, allow_nan=False)
         log(
             layout,
             f"{'stopped' if loop.stopped else 'done'}: {loop.last_step} steps in {elapsed:.1f} s | "
-            f"{summary['tokens_per_s']:,.0f} tokens/s | "
-            f"{summary['tflops_per_device']:.3g} TFLOP/s per device"
-            + (f" (MFU {summary['mfu']:.1%})" if summary["mfu"] is not None else "")
-            + f" | {summary['tokens']:,} tokens, {summary['device_hours']:.3g} device-hours | "
-            f"valid loss {valid_loss:.4f} (ppl {summary['final_valid_ppl']:.2f}) vs unigram entropy "
-            f"{summary['unigram_entropy']:.4f} nats",
+            f"{raw['tokens_per_s']:,.0f} tokens/s | "
+            f"{raw['tflops_per_device']:.3g} TFLOP/s per device"
+            + (f" (MFU {raw['mfu']:.1%})" if raw["mfu"] is not None else "")
+            + f" | {raw['tokens']:,} tokens, {raw['device_hours']:.3g} device-hours | "
+            f"valid loss {valid_loss:.4f} (ppl {raw['final_valid_ppl']:.2f}) vs unigram entropy "
+            f"{raw['unigram_entropy']:.4f} nats",
         )
         log(layout, f"TensorBoard: tensorboard --logdir {summary['tensorboard_dir']}")
         log(layout, f"plots (PNG): python -m megaformer.tools.plot {os.path.abspath(cfg.output.dir)}")

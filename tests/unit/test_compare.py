@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import math
 
+from megaformer.experiments.calibrate import Timing
 from megaformer.experiments.compare import comparison_rows, hours_to_reach, markdown_table
+
+BUDGET = 1.0
+
+
+def _timings(*names: str, step: float = 0.1) -> dict[str, Timing]:
+    return {n: Timing(step, 0.5, 1.0, []) for n in names}
 
 
 def _summary(loss: float, hours: float) -> dict:
@@ -30,10 +37,25 @@ def test_rows_compare_every_run_with_the_baseline_best():
         "better": {"summary": _summary(4.8, 1.0), "curve": [(1, 0.5, 5.2), (2, 0.8, 4.9), (3, 1.0, 4.8)]},
         "worse": {"summary": _summary(5.3, 1.0), "curve": [(1, 1.0, 5.3)]},
     }
-    rows = {r["run"]: r for r in comparison_rows(runs)}
+    rows = {r["run"]: r for r in comparison_rows(runs, BUDGET, _timings(*runs))}
     assert rows["baseline"]["hours_to_baseline_best_ppl"] == 1.0
     assert rows["better"]["hours_to_baseline_best_ppl"] == 0.8
     assert rows["better"]["share_of_baseline_compute"] == 0.8
     assert rows["worse"]["hours_to_baseline_best_ppl"] is None
-    table = markdown_table(list(rows.values()), math.exp(5.0))
+    table = markdown_table(list(rows.values()), math.exp(5.0), BUDGET)
     assert "| better | 4.8000 |" in table and "80% of the baseline's" in table and "| never |" in table
+
+
+def test_compute_share_uses_the_baseline_measured_like_the_others():
+    """The share's denominator is the baseline's device-hours at its last evaluation (logged before
+    it, as every run's numerator), not its summary's total with the final evaluation and save."""
+    runs = {
+        "baseline": {"summary": _summary(5.0, 1.1), "curve": [(1, 0.5, 5.5), (2, 1.0, 5.0)]},
+        "better": {"summary": _summary(4.8, 1.1), "curve": [(1, 0.5, 5.2), (2, 0.8, 4.9)]},
+    }
+    timings = {"baseline": Timing(0.10, 0.5, 1.0, []), "better": Timing(0.106, 0.5, 1.0, [])}
+    rows = {r["run"]: r for r in comparison_rows(runs, BUDGET, timings)}
+    assert rows["baseline"]["share_of_baseline_compute"] == 1.0
+    assert rows["better"]["share_of_baseline_compute"] == 0.8
+    assert math.isclose(rows["better"]["step_time_ratio"], 1.06)
+    assert math.isclose(rows["better"]["spend_deviation"], 0.1)

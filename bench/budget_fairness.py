@@ -1,0 +1,158 @@
+"""Can timing noise tilt a comparison at equal compute? The fairness check of the comparisons issue.
+
+    .venv/bin/python bench/budget_fairness.py [--budget 0.04] [--repeats 3] [--load-cores 1]
+        [--out bench/results/budget_fairness.json]
+
+Runs ``python -m megaformer.experiments.compare`` (the users' command) on the bundled novels (three
+of them, preprocessed here as the tests' fixture is), while ``--load-cores`` busy-loop processes
+load the machine (the noise a shared node has):
+
+1. **A/A, ``--repeats`` times**: ``configs/cpu-compare/pre_ln.yaml`` compared with itself. Pass:
+   the two runs' step counts within 1% of each other, and each run's device-hours within 2% of
+   the budget.
+2. **Pre-LN vs NormFormer** (``configs/cpu-compare/normformer.yaml``): NormFormer's step count
+   relative to Pre-LN's against the interleaved calibration's step-time ratio (Pre-LN / NormFormer);
+   pass within 1%.
+
+Every comparison calibrates anew (its own output directory). Prints a table and writes JSON. Not
+a test: minutes of the machine (about 5 per comparison at the default budget).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from data_tools.files import atomic_write_json  # noqa: E402
+
+NOVELS = ["pg42.txt.xz", "244-0.txt.xz", "pg2097.txt.xz"]
+
+
+def preprocess(out: Path) -> str:
+    """The three novels as ``.bin/.idx`` (GPT-2 BPE + EOD, one document per paragraph block)."""
+    prefix = out / "novels"
+    cmd = [
+        sys.executable, "-m", "data_tools.preprocess",
+        "--input", *[str(REPO / "data" / "gutenberg-novels" / n) for n in NOVELS],
+        "--output-prefix", str(prefix), "--tokenizer-type", "GPT2BPETokenizer",
+        "--vocab-file", str(REPO / "data" / "gpt2-bpe" / "encoder.json"),
+        "--merge-file", str(REPO / "data" / "gpt2-bpe" / "vocab.bpe"),
+        "--append-eod", "--text-split-blank-lines", "--workers", "2",
+    ]  # fmt: skip
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
+    return f"{prefix}_text_document"
+
+
+def compare(configs: list[str], names: list[str], budget: float, out: Path, prefix: str, seed: int) -> dict:
+    """One ``compare`` call; returns its comparison.json."""
+    cmd = [sys.executable, "-m", "megaformer.experiments.compare", *configs]
+    for name in names:
+        cmd += ["--name", name]
+    cmd += [
+        "--budget-device-hours", str(budget), "--output-dir", str(out), "--order-seed", str(seed),
+        "--set", f"data.prefix={prefix}", "--set", "data.valid_fraction=0.02",
+        "--set", "train.save_interval=0", "--set", "train.eval_interval=100",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"compare failed: {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    return json.loads((out / "comparison.json").read_text())
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--budget", type=float, default=0.04, help="device-hours per run")
+    p.add_argument("--repeats", type=int, default=3, help="A/A comparisons")
+    p.add_argument("--load-cores", type=int, default=1, help="busy-loop processes beside the runs")
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / "budget_fairness.json"))
+    args = p.parse_args()
+    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load_cores)]
+    results = {"aa": [], "pre_ln_vs_normformer": None}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            prefix = preprocess(Path(tmp))
+            pre_ln = "configs/cpu-compare/pre_ln.yaml"
+            for i in range(args.repeats):
+                data = compare(
+                    [pre_ln, pre_ln], ["a", "b"], args.budget, Path(tmp) / f"aa{i}", prefix, seed=i
+                )
+                a, b = data["rows"]
+                results["aa"].append(
+                    {
+                        "steps": [a["steps"], b["steps"]],
+                        "budget_steps": [a["budget_steps"], b["budget_steps"]],
+                        "step_gap": abs(a["steps"] - b["steps"]) / max(a["steps"], b["steps"]),
+                        "spend_deviation": [a["spend_deviation"], b["spend_deviation"]],
+                        "calibrated_step_seconds": [
+                            a["calibrated_step_seconds"],
+                            b["calibrated_step_seconds"],
+                        ],
+                        "order": data["order"],
+                        "stopped_at_budget": [a["budget_stopped_at"], b["budget_stopped_at"]],
+                    }
+                )
+                print(f"A/A {i + 1}: {results['aa'][-1]}", flush=True)
+            data = compare(
+                [pre_ln, "configs/cpu-compare/normformer.yaml"], ["pre_ln", "normformer"], args.budget,
+                Path(tmp) / "nf", prefix, seed=0,
+            )  # fmt: skip
+            base, nf = data["rows"]
+            time_ratio = nf["calibrated_step_seconds"] / base["calibrated_step_seconds"]
+            results["pre_ln_vs_normformer"] = {
+                "steps": [base["steps"], nf["steps"]],
+                "budget_steps": [base["budget_steps"], nf["budget_steps"]],
+                "step_ratio_base_over_nf": base["steps"] / nf["steps"],
+                "calibrated_time_ratio_nf_over_base": time_ratio,
+                "ratio_gap": abs(base["steps"] / nf["steps"] / time_ratio - 1.0),
+                "spend_deviation": [base["spend_deviation"], nf["spend_deviation"]],
+                "order": data["order"],
+                "final_valid_loss": [base["final_valid_loss"], nf["final_valid_loss"]],
+            }
+    finally:
+        for proc in load:
+            proc.kill()
+    aa = results["aa"]
+    checks = {
+        "aa_steps_within_1pct": all(r["step_gap"] <= 0.01 for r in aa),
+        "aa_spend_within_2pct": all(abs(d) <= 0.02 for r in aa for d in r["spend_deviation"]),
+        "nf_step_ratio_matches_time_ratio_within_1pct": results["pre_ln_vs_normformer"]["ratio_gap"] <= 0.01,
+    }
+    print("\n| comparison | steps | step gap | spend vs budget |")
+    print("|---|---|---|---|")
+    for i, r in enumerate(aa):
+        spend = ", ".join(f"{d:+.1%}" for d in r["spend_deviation"])
+        print(f"| A/A {i + 1} | {r['steps'][0]} / {r['steps'][1]} | {r['step_gap']:.2%} | {spend} |")
+    nf = results["pre_ln_vs_normformer"]
+    print(
+        f"| Pre-LN / NormFormer | {nf['steps'][0]} / {nf['steps'][1]} | "
+        f"step ratio {nf['step_ratio_base_over_nf']:.4f} "
+        f"vs time ratio {nf['calibrated_time_ratio_nf_over_base']:.4f} ({nf['ratio_gap']:.2%}) | "
+        + ", ".join(f"{d:+.1%}" for d in nf["spend_deviation"])
+        + " |"
+    )
+    print(f"checks: {checks}")
+    record = {
+        "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "budget_device_hours": args.budget,
+        "load_cores": args.load_cores,
+        "results": results,
+        "checks": checks,
+    }
+    atomic_write_json(args.out, record)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

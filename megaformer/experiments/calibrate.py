@@ -1,0 +1,203 @@
+"""Step times of the configs of a comparison, measured together so that noise cannot tilt them.
+
+A compute-matched comparison gives each config the number of steps its step time fits into the
+budget. If every run timed itself in its own window (the trainer's uncalibrated budget mode), the
+machine's drift between the windows would decide part of the step counts: on the 2-core project
+machine, one config compared with itself got 90 and 80 steps. Here all configs are timed in one
+calibration, interleaved:
+
+* ``rounds`` rounds; in each, every config is launched once through ``launch/pretrain.sh`` (the
+  users' path, the same engine, loader and layout as the real run) for ``warmup + measure`` steps
+  and one evaluation, no budget, no checkpoint but the final one;
+* the order alternates, round by round (A B, B A, A B, ...; for more configs, rotated and
+  alternated), so that a drift of the machine during the calibration hits every config alike
+  (to first order: a linear drift cancels over two rounds);
+* the first ``warmup`` steps of each launch are discarded (allocator, kernel selection, autotuning,
+  compilation, the loader's start); each launch's step time is the median of its measured steps
+  (robust to the stragglers of a shared machine), and a config's step time is the mean of its
+  launches' (with the alternating order, a linear drift adds as much to every config's mean); its
+  evaluation time the mean of its launches' evaluations, and its one-time cost (the warm-up steps
+  beyond the step time, the loop's start, the final checkpoint) the mean of each launch's loop
+  wall-clock minus its steps and evaluation at those times.
+
+The run is then given these times (``train.budget_step_seconds`` / ``budget_eval_seconds`` /
+``budget_fixed_seconds``) and fixes its length from them before its first step
+(:mod:`megaformer.training.budget`). The calibration costs ``rounds × len(configs)`` short launches
+(on the project machine about 15 s each); it is not charged to any run's budget.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from megaformer.experiments.launcher import launch_run
+
+
+@dataclass
+class Timing:
+    """A config's calibrated times (seconds of the job's wall-clock).
+
+    Attributes:
+        step_seconds: mean over the launches of each launch's median step after the warm-up.
+        eval_seconds: mean evaluation (``train.eval_batches`` batches) over the launches.
+        fixed_seconds: mean one-time cost of a run (see the module docstring); >= 0.
+        rounds: per launch: round, position in the round's order, its median step, evaluation
+            and one-time seconds.
+    """
+
+    step_seconds: float
+    eval_seconds: float
+    fixed_seconds: float
+    rounds: list[dict[str, Any]]
+
+    def overrides(self) -> list[str]:
+        """The trainer overrides that hand these times to a budget run."""
+        return [
+            f"train.budget_step_seconds={self.step_seconds:.6g}",
+            f"train.budget_eval_seconds={self.eval_seconds:.6g}",
+            f"train.budget_fixed_seconds={self.fixed_seconds:.6g}",
+        ]
+
+
+def round_order(names: list[str], r: int) -> list[str]:
+    """Round ``r``'s launch order: rotated by ``r // 2`` and reversed on odd rounds (A B, B A, ...)."""
+    k = (r // 2) % len(names)
+    order = names[k:] + names[:k]
+    return order[::-1] if r % 2 else order
+
+
+def _scalars(tb_dir: str, tag: str) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(tb_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    if tag not in acc.Tags()["scalars"]:
+        raise ValueError(f"{tb_dir}: no '{tag}' scalars; was it written by megaformer.train?")
+    return {e.step: e.value for e in acc.Scalars(tag)}
+
+
+def timing_overrides(warmup: int, measure: int) -> list[str]:
+    """What a calibration launch sets on top of the run's own overrides: its length, one
+    evaluation at the end, no budget, no intermediate checkpoint, a fresh start."""
+    steps = warmup + measure
+    return [
+        f"train.steps={steps}",
+        f"train.warmup_steps={steps}",  # within the run's length; the rate does not change the speed
+        f"train.eval_interval={steps}",
+        f"train.log_interval={steps}",
+        "train.save_interval=0",
+        "train.budget_device_hours=0",
+        "train.budget_step_seconds=0",
+        "train.resume=none",
+        "train.init_from=",
+        "output.overwrite=true",
+    ]
+
+
+def measure_launch(summary: dict, warmup: int) -> tuple[list[float], float, float]:
+    """``(measured step times, evaluation seconds, loop wall-clock seconds)`` of one calibration
+    launch, from its TensorBoard events and summary."""
+    tb = summary["tensorboard_dir"]
+    times = _scalars(tb, "train/step_time_s")
+    steps = sorted(times)
+    measured = [times[s] for s in steps if s > warmup]
+    evals = _scalars(tb, "valid/seconds")
+    wall = summary["device_hours"] * 3600.0 / summary["world_size"]
+    return measured, evals[max(evals)], wall
+
+
+def calibrate(
+    runs: dict[str, str],
+    overrides: list[str],
+    out_dir: Path,
+    nproc: int,
+    rounds: int = 4,
+    warmup: int = 10,
+    measure: int = 20,
+    tag: str = "calibrate",
+) -> dict[str, Timing]:
+    """Time every config of ``runs`` (name -> YAML path) interleaved; see the module docstring.
+
+    Args:
+        runs: the configs, by run name.
+        overrides: ``section.key=value`` items of every run (data, seed, ...), applied before the
+            calibration's own (:func:`timing_overrides`).
+        out_dir: launches write under ``out_dir/<name>`` (overwritten every round).
+        nproc: processes per launch (the runs' own).
+        rounds: rounds (at least 2, so that the order alternates).
+        warmup: steps discarded at the start of each launch.
+        measure: steps timed per launch.
+
+    Raises:
+        ValueError: ``rounds < 2``, ``warmup < 1`` or ``measure < 3``.
+        RuntimeError: a launch failed (names the config and its log).
+    """
+    if rounds < 2 or warmup < 1 or measure < 3:
+        raise ValueError(
+            f"calibration rounds={rounds}, warmup={warmup}, measure={measure}: need rounds >= 2 (the "
+            "order alternates), warmup >= 1 and measure >= 3"
+        )
+    names = list(runs)
+    per_launch: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    for r in range(rounds):
+        for position, name in enumerate(round_order(names, r)):
+            out = out_dir / name
+            args = [*overrides, *timing_overrides(warmup, measure), f"output.dir={out}"]
+            print(f"[{tag}] round {r + 1}/{rounds}: {name}", flush=True)
+            summary = launch_run(runs[name], out, args, nproc, tag)
+            measured, eval_s, wall = measure_launch(summary, warmup)
+            per_launch[name].append(
+                {
+                    "round": r,
+                    "position": position,
+                    "median_step_seconds": statistics.median(measured),
+                    "eval_seconds": eval_s,
+                    "wall_seconds": wall,
+                    "steps": warmup + measure,
+                }
+            )
+    timings = {}
+    for name in names:
+        launches = per_launch[name]
+        step_s = statistics.fmean(x["median_step_seconds"] for x in launches)
+        eval_s = statistics.fmean(x["eval_seconds"] for x in launches)
+        fixed = statistics.fmean(x["wall_seconds"] - x["steps"] * step_s - eval_s for x in launches)
+        timings[name] = Timing(step_s, eval_s, max(0.0, fixed), launches)
+    return timings
+
+
+def load_or_calibrate(
+    runs: dict[str, str],
+    requests: dict[str, dict],
+    overrides: list[str],
+    out_dir: Path,
+    nproc: int,
+    rounds: int,
+    warmup: int,
+    measure: int,
+    tag: str,
+) -> dict[str, Timing]:
+    """:func:`calibrate`, or the calibration saved in ``out_dir/calibration.json`` when it was made
+    for the same runs (each run's :func:`~.provenance.run_request` without the budget) and the
+    same settings; the reuse or the reason to measure again is printed."""
+    from data_tools.files import atomic_write_json
+    from megaformer.experiments.provenance import differences
+
+    path = out_dir / "calibration.json"
+    asked = {"runs": requests, "rounds": rounds, "warmup": warmup, "measure": measure, "nproc": nproc}
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        changed = differences(saved.get("request", {}), asked)
+        if not changed:
+            print(f"[{tag}] calibration: reused {path}", flush=True)
+            return {n: Timing(**t) for n, t in saved["timings"].items()}
+        print(
+            f"[{tag}] calibration: {path} was made for other runs ({'; '.join(changed[:3])}): measuring again"
+        )
+    timings = calibrate(runs, overrides, out_dir / "calibration", nproc, rounds, warmup, measure, tag)
+    atomic_write_json(path, {"request": asked, "timings": {n: asdict(t) for n, t in timings.items()}})
+    return timings

@@ -1,0 +1,149 @@
+"""The comparison's calibration (interleaved order, medians) and its rule for reusing finished runs.
+
+The launches are replaced by stand-ins that write what a run writes (a ``summary.json``): the rules
+under test are the experiment's, the training itself is covered by the launcher tests.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from megaformer.experiments import calibrate as cal
+from megaformer.experiments import compare as cmp
+from megaformer.experiments.calibrate import Timing, round_order
+from megaformer.experiments.provenance import code_version, data_fingerprint, differences, resolved_config
+
+CONFIG = "configs/cpu-compare/pre_ln.yaml"
+
+
+@pytest.fixture
+def dataset(tmp_path) -> str:
+    prefix = tmp_path / "corpus_text_document"
+    Path(f"{prefix}.bin").write_bytes(b"\0" * 64)
+    Path(f"{prefix}.idx").write_bytes(b"MMIDIDX\0\0" + b"\1" * 32)
+    return str(prefix)
+
+
+def test_round_order_alternates_so_drift_hits_every_config_alike():
+    assert [round_order(["a", "b"], r) for r in range(4)] == [["a", "b"], ["b", "a"], ["b", "a"], ["a", "b"]]
+    three = [round_order(["a", "b", "c"], r) for r in range(6)]
+    for name in "abc":  # every config takes every position, each as often
+        positions = [order.index(name) for order in three]
+        assert sorted(positions) == [0, 0, 1, 1, 2, 2]
+
+
+def test_calibration_takes_medians_over_interleaved_rounds(monkeypatch, tmp_path):
+    """A machine that slows down round by round: each config's times come from all rounds, in
+    alternating order, so the drift does not favour the one launched first."""
+    launched: list[str] = []
+    slow = {"a": 0.10, "b": 0.11}
+
+    def fake_launch(config, out, args, nproc, tag):
+        launched.append(out.name)
+        return {"name": out.name, "drift": 1.0 + 0.05 * (len(launched) - 1)}
+
+    def fake_measure(summary, warmup):
+        base = slow[summary["name"]] * summary["drift"]
+        return [base] * 20, 0.5 * summary["drift"], 30 * base + 0.5 * summary["drift"] + 2.0
+
+    monkeypatch.setattr(cal, "launch_run", fake_launch)
+    monkeypatch.setattr(cal, "measure_launch", fake_measure)
+    timings = cal.calibrate({"a": "a.yaml", "b": "b.yaml"}, [], tmp_path, 2, rounds=4, warmup=10, measure=20)
+    assert launched == ["a", "b", "b", "a", "b", "a", "a", "b"]
+    ratio = timings["b"].step_seconds / timings["a"].step_seconds
+    assert ratio == pytest.approx(1.1, rel=1e-9)  # a linear drift cancels: 1.1 exactly
+    first_always = (0.11 * statistics.fmean([1.05, 1.15, 1.25, 1.35])) / (
+        0.10 * statistics.fmean([1.0, 1.1, 1.2, 1.3])
+    )
+    assert first_always > 1.14  # what launching a first in every round would have measured
+    assert [r["position"] for r in timings["a"].rounds] == [0, 1, 1, 0]
+    assert timings["a"].fixed_seconds == pytest.approx(
+        statistics.fmean(
+            r["wall_seconds"] - 30 * timings["a"].step_seconds - timings["a"].eval_seconds
+            for r in timings["a"].rounds
+        )
+    )
+    with pytest.raises(ValueError, match="rounds >= 2"):
+        cal.calibrate({"a": "a.yaml"}, [], tmp_path, 2, rounds=1)
+
+
+def test_timing_overrides_give_the_launch_its_length_and_no_budget():
+    args = cal.timing_overrides(10, 20)
+    assert "train.steps=30" in args and "train.budget_device_hours=0" in args
+    assert "train.eval_interval=30" in args and "train.resume=none" in args
+
+
+def _fake_run(calls):
+    def launch(config, out, args, nproc, tag):
+        calls.append(args)
+        summary = {"steps": 100, "final_valid_loss": 5.0}
+        (out / "summary.json").write_text(json.dumps(summary))
+        return summary
+
+    return launch
+
+
+def test_a_finished_run_is_reused_only_for_the_same_request(monkeypatch, tmp_path, dataset, capsys):
+    calls: list[list[str]] = []
+    monkeypatch.setattr(cmp, "launch_run", _fake_run(calls))
+    out, timing, code = tmp_path / "a", Timing(0.1, 0.5, 1.0, []), code_version()
+    base = [f"data.prefix={dataset}"]
+
+    def run(overrides, budget=0.04, t=timing, c=code):
+        return cmp.train_one(CONFIG, out, budget, overrides, 2, t, c)
+
+    run(base)
+    assert len(calls) == 1 and "train.budget_step_seconds=0.1" in calls[0]
+    run(base)
+    assert len(calls) == 1 and "done before with the same request" in capsys.readouterr().out
+    # the A/A rerun of the issue: another seed and learning rate must not reuse the old run
+    run([*base, "train.seed=4321", "train.lr=1e-3"])
+    said = capsys.readouterr().out
+    assert (
+        len(calls) == 2
+        and "config.train.seed: 1234 -> 4321" in said
+        and "config.train.lr: 0.003 -> 0.001" in said
+    )
+    run([*base, "train.seed=4321", "train.lr=1e-3"], budget=0.05)
+    assert len(calls) == 3 and "budget_device_hours: 0.04 -> 0.05" in capsys.readouterr().out
+    run([*base, "train.seed=4321", "train.lr=1e-3"], budget=0.05, t=Timing(0.12, 0.5, 1.0, []))
+    assert len(calls) == 4  # another calibration: another step count
+    run([*base, "train.seed=4321", "train.lr=1e-3"], budget=0.05, t=Timing(0.12, 0.5, 1.0, []), c="0" * 16)
+    assert len(calls) == 5 and "code_version" in capsys.readouterr().out
+    Path(f"{dataset}.idx").write_bytes(b"MMIDIDX\0\0" + b"\2" * 32)  # the corpus tokenised again
+    run([*base, "train.seed=4321", "train.lr=1e-3"], budget=0.05, t=Timing(0.12, 0.5, 1.0, []), c="0" * 16)
+    assert len(calls) == 6 and "idx_sha256" in capsys.readouterr().out
+
+
+def test_a_run_that_failed_is_not_reused(monkeypatch, tmp_path, dataset):
+    """request.json is written only after the launch returns: a summary without it is retrained."""
+    calls: list[list[str]] = []
+    monkeypatch.setattr(cmp, "launch_run", _fake_run(calls))
+    out = tmp_path / "a"
+    out.mkdir()
+    (out / "summary.json").write_text(json.dumps({"steps": 3}))
+    cmp.train_one(CONFIG, out, 0.04, [f"data.prefix={dataset}"], 2, Timing(0.1, 0.5, 1.0, []), "x" * 16)
+    assert len(calls) == 1 and (out / "request.json").is_file()
+
+
+def test_provenance_names_what_differs(dataset):
+    a = resolved_config(CONFIG, [f"data.prefix={dataset}"])
+    b = resolved_config(CONFIG, [f"data.prefix={dataset}", "model.ffn_ln=true"])
+    assert "output" not in a
+    assert differences(a, b) == ["model.ffn_ln: False -> True"]
+    fp = data_fingerprint(a)
+    assert fp[dataset]["bin_bytes"] == 64 and len(fp[dataset]["idx_sha256"]) == 64
+    assert data_fingerprint(resolved_config(CONFIG, ["data.prefix=/nonexistent/x"])) == {
+        "/nonexistent/x": {"missing": True}
+    }
+
+
+def test_run_order_is_random_from_the_seed_and_recorded():
+    names = ["pre_ln", "normformer", "post_ln", "deepnorm"]
+    assert cmp.run_order(names, "given", 0) == names
+    assert cmp.run_order(names, "random", 1) == cmp.run_order(names, "random", 1)
+    assert {tuple(cmp.run_order(names, "random", s)) for s in range(10)} != {tuple(names)}
