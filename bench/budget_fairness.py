@@ -60,8 +60,8 @@ def compare(configs: list[str], names: list[str], budget: float, out: Path, pref
         cmd += ["--name", name]
     cmd += [
         "--budget-device-hours", str(budget), "--output-dir", str(out), "--order-seed", str(seed),
-        "--set", f"data.prefix={prefix}", "--set", "data.valid_fraction=0.02",
-        "--set", "train.save_interval=0", "--set", "train.eval_interval=100",
+        "--set", f"data.prefix={prefix}", "--set", "data.valid_fraction=0.05",
+        "--set", "train.eval_batches=2", "--set", "train.save_interval=0", "--set", "train.eval_interval=100",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
