@@ -4,12 +4,14 @@
         [--out bench/results/budget_fairness.json]
 
 Runs ``python -m megaformer.experiments.compare`` (the users' command) on the bundled novels (three
-of them, preprocessed here as the tests' fixture is), while ``--load-cores`` busy-loop processes
-load the machine (the noise a shared node has):
+of them, preprocessed here as the tests' fixture is), at the tests' tiny shape (``SHAPE``), while
+``--load-cores`` busy-loop processes load the machine (the noise a shared node has):
 
 1. **A/A, ``--repeats`` times**: ``configs/cpu-compare/pre_ln.yaml`` compared with itself. Pass:
    the two runs' step counts within 1% of each other, and each run's device-hours within 2% of
-   the budget.
+   the budget. By default the pair does the same work, so ``compare`` times it once and both runs
+   get one step count; ``--separate-calibration`` times each run itself, which measures the
+   calibration's own noise (what separates two *different* configs' step counts).
 2. **Pre-LN vs NormFormer** (``configs/cpu-compare/normformer.yaml``): NormFormer's step count
    relative to Pre-LN's against the interleaved calibration's step-time ratio (Pre-LN / NormFormer);
    pass within 1%.
@@ -36,6 +38,11 @@ sys.path.insert(0, str(REPO))
 from data_tools.files import atomic_write_json  # noqa: E402
 
 NOVELS = ["pg42.txt.xz", "244-0.txt.xz", "pg2097.txt.xz"]
+SHAPE = [  # the tests' tiny shape: ~0.2 s steps, so a 0.04 device-hour run takes ~300+ steps and 1% is
+    # resolvable (at the cpu-compare shape, 66 steps: one step is 1.5%)
+    "model.hidden_size=64", "model.num_layers=2", "model.num_attention_heads=2", "model.seq_len=64",
+    "train.micro_batch_size=4", "train.global_batch_size=8",
+]  # fmt: skip
 
 
 def preprocess(out: Path) -> str:
@@ -53,11 +60,17 @@ def preprocess(out: Path) -> str:
     return f"{prefix}_text_document"
 
 
-def compare(configs: list[str], names: list[str], budget: float, out: Path, prefix: str, seed: int) -> dict:
+def compare(
+    configs: list[str], names: list[str], budget: float, out: Path, prefix: str, seed: int, separate: bool
+) -> dict:
     """One ``compare`` call; returns its comparison.json."""
     cmd = [sys.executable, "-m", "megaformer.experiments.compare", *configs]
+    if separate:
+        cmd.append("--separate-calibration")
     for name in names:
         cmd += ["--name", name]
+    for item in SHAPE:
+        cmd += ["--set", item]
     cmd += [
         "--budget-device-hours", str(budget), "--output-dir", str(out), "--order-seed", str(seed),
         "--set", f"data.prefix={prefix}", "--set", "data.valid_fraction=0.05",
@@ -74,8 +87,15 @@ def main() -> int:
     p.add_argument("--budget", type=float, default=0.04, help="device-hours per run")
     p.add_argument("--repeats", type=int, default=3, help="A/A comparisons")
     p.add_argument("--load-cores", type=int, default=1, help="busy-loop processes beside the runs")
-    p.add_argument("--out", default=str(REPO / "bench" / "results" / "budget_fairness.json"))
+    p.add_argument(
+        "--separate-calibration",
+        action="store_true",
+        help="time the A/A pair's two runs separately (the calibration's own noise) instead of once",
+    )
+    p.add_argument("--out", default=None, help="default bench/results/budget_fairness[_separate].json")
     args = p.parse_args()
+    suffix = "_separate" if args.separate_calibration else ""
+    args.out = args.out or str(REPO / "bench" / "results" / f"budget_fairness{suffix}.json")
     load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load_cores)]
     results = {"aa": [], "pre_ln_vs_normformer": None}
     try:
@@ -84,7 +104,13 @@ def main() -> int:
             pre_ln = "configs/cpu-compare/pre_ln.yaml"
             for i in range(args.repeats):
                 data = compare(
-                    [pre_ln, pre_ln], ["a", "b"], args.budget, Path(tmp) / f"aa{i}", prefix, seed=i
+                    [pre_ln, pre_ln],
+                    ["a", "b"],
+                    args.budget,
+                    Path(tmp) / f"aa{i}",
+                    prefix,
+                    i,
+                    args.separate_calibration,
                 )
                 a, b = data["rows"]
                 results["aa"].append(
@@ -104,7 +130,7 @@ def main() -> int:
                 print(f"A/A {i + 1}: {results['aa'][-1]}", flush=True)
             data = compare(
                 [pre_ln, "configs/cpu-compare/normformer.yaml"], ["pre_ln", "normformer"], args.budget,
-                Path(tmp) / "nf", prefix, seed=0,
+                Path(tmp) / "nf", prefix, 0, args.separate_calibration,
             )  # fmt: skip
             base, nf = data["rows"]
             time_ratio = nf["calibrated_step_seconds"] / base["calibrated_step_seconds"]
@@ -146,6 +172,7 @@ def main() -> int:
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "budget_device_hours": args.budget,
         "load_cores": args.load_cores,
+        "calibration": "separate" if args.separate_calibration else "shared for runs with the same work",
         "results": results,
         "checks": checks,
     }

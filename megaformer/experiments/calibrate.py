@@ -6,6 +6,10 @@ machine's drift between the windows would decide part of the step counts: on the
 machine, one config compared with itself got 90 and 80 steps. Here all configs are timed in one
 calibration, interleaved:
 
+* configs that do the same work per step (they differ only in the learning rate, seed,
+  initialisation and other :data:`COMPUTE_NEUTRAL` keys; an A/A comparison, the cells of a sweep)
+  are timed once and share the result: the same cost gets the same step count, not two noisy
+  readings of it;
 * ``rounds`` rounds; in each, every config is launched once through ``launch/pretrain.sh`` (the
   users' path, the same engine, loader and layout as the real run) for ``warmup + measure`` steps
   and one evaluation, no budget, no checkpoint but the final one;
@@ -20,6 +24,11 @@ calibration, interleaved:
   beyond the step time, the loop's start, the final checkpoint) the mean of each launch's loop
   wall-clock minus its steps and evaluation at those times.
 
+Each config's step time comes with its standard error over the launches, and the comparison
+reports it: on the 2-core project machine with one more core's worth of load, launches of one
+config spread by about ±2% (``bench/results/budget_fairness*.json``), so two different configs'
+relative cost is known to about ±1.5% after 4 rounds.
+
 The run is then given these times (``train.budget_step_seconds`` / ``budget_eval_seconds`` /
 ``budget_fixed_seconds``) and fixes its length from them before its first step
 (:mod:`megaformer.training.budget`). The calibration costs ``rounds × len(configs)`` short launches
@@ -29,6 +38,7 @@ The run is then given these times (``train.budget_step_seconds`` / ``budget_eval
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -47,12 +57,18 @@ class Timing:
         fixed_seconds: mean one-time cost of a run (see the module docstring); >= 0.
         rounds: per launch: round, position in the round's order, its median step, evaluation
             and one-time seconds.
+        step_seconds_sem: standard error of ``step_seconds`` (the launches' spread / sqrt(n)): how
+            well the calibration knows this config's cost on this machine.
+        measured_as: the run whose launches measured these times (a run with the same work, see
+            :func:`compute_key`), or the run itself.
     """
 
     step_seconds: float
     eval_seconds: float
     fixed_seconds: float
     rounds: list[dict[str, Any]]
+    step_seconds_sem: float = 0.0
+    measured_as: str = ""
 
     def overrides(self) -> list[str]:
         """The trainer overrides that hand these times to a budget run."""
@@ -61,6 +77,66 @@ class Timing:
             f"train.budget_eval_seconds={self.eval_seconds:.6g}",
             f"train.budget_fixed_seconds={self.fixed_seconds:.6g}",
         ]
+
+
+COMPUTE_NEUTRAL = frozenset(
+    {
+        "train.seed",
+        "train.lr",
+        "train.min_lr",
+        "train.warmup_steps",
+        "train.lr_decay",
+        "train.lr_ramp",
+        "train.adam_beta1",
+        "train.adam_beta2",
+        "train.adam_eps",
+        "train.weight_decay",
+        "train.steps",
+        "train.resume",
+        "train.init_from",
+        "train.extend_steps",
+        "train.trust_checkpoint_code",
+        "train.keep_last_checkpoints",
+        "train.exit_signals",
+        "train.exit_duration_mins",
+        "train.budget_device_hours",
+        "train.budget_measure_steps",
+        "train.budget_step_seconds",
+        "train.budget_eval_seconds",
+        "train.budget_fixed_seconds",
+        "train.budget_overrun",
+        "model.init",
+        "model.init_std",
+        "model.embedding_init_std",
+        "data.index_cache_dir",
+    }
+)
+"""Config keys that change what a step computes with, never how much: runs that differ only in
+these do the same work per step, and share one calibration (the same step count at the same
+budget, by construction, instead of two noisy measurements of one cost). The learning rate, seed
+and initialisation are here; anything that changes shapes, kernels, precision, layout, dropout,
+evaluation size or the host work of a step (checkpoint cadence, diagnostics, the divergence check)
+is not."""
+
+
+def compute_key(resolved: dict[str, Any]) -> str:
+    """The resolved config without :data:`COMPUTE_NEUTRAL` keys, as canonical JSON: equal keys mean
+    equal work per step."""
+    kept = {
+        section: {k: v for k, v in values.items() if f"{section}.{k}" not in COMPUTE_NEUTRAL}
+        for section, values in resolved.items()
+        if isinstance(values, dict)
+    }
+    return json.dumps(kept, sort_keys=True)
+
+
+def same_work_groups(requests: dict[str, dict]) -> dict[str, str]:
+    """``{run: the first run with the same work}`` (:func:`compute_key` of each request's config)."""
+    first: dict[str, str] = {}
+    out = {}
+    for name, request in requests.items():
+        out[name] = first.setdefault(compute_key(request["config"]), name)
+    return out
 
 
 def round_order(names: list[str], r: int) -> list[str]:
@@ -119,6 +195,7 @@ def calibrate(
     warmup: int = 10,
     measure: int = 20,
     tag: str = "calibrate",
+    same_work: dict[str, str] | None = None,
 ) -> dict[str, Timing]:
     """Time every config of ``runs`` (name -> YAML path) interleaved; see the module docstring.
 
@@ -131,6 +208,8 @@ def calibrate(
         rounds: rounds (at least 2, so that the order alternates).
         warmup: steps discarded at the start of each launch.
         measure: steps timed per launch.
+        same_work: ``{run: the run that measures for it}`` (:func:`same_work_groups`): only the
+            measuring runs are launched; the others get their times. None: every run measures.
 
     Raises:
         ValueError: ``rounds < 2``, ``warmup < 1`` or ``measure < 3``.
@@ -141,7 +220,8 @@ def calibrate(
             f"calibration rounds={rounds}, warmup={warmup}, measure={measure}: need rounds >= 2 (the "
             "order alternates), warmup >= 1 and measure >= 3"
         )
-    names = list(runs)
+    same_work = same_work or {n: n for n in runs}
+    names = [n for n in runs if same_work[n] == n]
     per_launch: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for r in range(rounds):
         for position, name in enumerate(round_order(names, r)):
@@ -166,8 +246,9 @@ def calibrate(
         step_s = statistics.fmean(x["median_step_seconds"] for x in launches)
         eval_s = statistics.fmean(x["eval_seconds"] for x in launches)
         fixed = statistics.fmean(x["wall_seconds"] - x["steps"] * step_s - eval_s for x in launches)
-        timings[name] = Timing(step_s, eval_s, max(0.0, fixed), launches)
-    return timings
+        sem = statistics.stdev(x["median_step_seconds"] for x in launches) / math.sqrt(len(launches))
+        timings[name] = Timing(step_s, eval_s, max(0.0, fixed), launches, sem, name)
+    return {n: timings[same_work[n]] for n in runs}
 
 
 def load_or_calibrate(
@@ -180,15 +261,25 @@ def load_or_calibrate(
     warmup: int,
     measure: int,
     tag: str,
+    share: bool = True,
 ) -> dict[str, Timing]:
     """:func:`calibrate`, or the calibration saved in ``out_dir/calibration.json`` when it was made
     for the same runs (each run's :func:`~.provenance.run_request` without the budget) and the
-    same settings; the reuse or the reason to measure again is printed."""
+    same settings; the reuse or the reason to measure again is printed. ``share``: runs with the
+    same work (:func:`same_work_groups`) share one measurement; off, every run is timed itself
+    (to measure the calibration's own noise)."""
     from data_tools.files import atomic_write_json
     from megaformer.experiments.provenance import differences
 
     path = out_dir / "calibration.json"
-    asked = {"runs": requests, "rounds": rounds, "warmup": warmup, "measure": measure, "nproc": nproc}
+    asked = {
+        "runs": requests,
+        "rounds": rounds,
+        "warmup": warmup,
+        "measure": measure,
+        "nproc": nproc,
+        "share": share,
+    }
     if path.is_file():
         saved = json.loads(path.read_text())
         changed = differences(saved.get("request", {}), asked)
@@ -198,6 +289,10 @@ def load_or_calibrate(
         print(
             f"[{tag}] calibration: {path} was made for other runs ({'; '.join(changed[:3])}): measuring again"
         )
-    timings = calibrate(runs, overrides, out_dir / "calibration", nproc, rounds, warmup, measure, tag)
+    groups = same_work_groups(requests) if share else None
+    for name, leader in (groups or {}).items():
+        if leader != name:
+            print(f"[{tag}] calibration: {name} does the same work per step as {leader}: timed once, shared")
+    timings = calibrate(runs, overrides, out_dir / "calibration", nproc, rounds, warmup, measure, tag, groups)
     atomic_write_json(path, {"request": asked, "timings": {n: asdict(t) for n, t in timings.items()}})
     return timings

@@ -101,7 +101,10 @@ def comparison_rows(runs: dict[str, dict], budget: float, timings: dict[str, Tim
                 "steps": s["steps"],
                 "tokens": s["tokens"],
                 "calibrated_step_seconds": timings[name].step_seconds,
+                "calibrated_step_sem": timings[name].step_seconds_sem,
+                "calibration_measured_as": timings[name].measured_as,
                 "step_time_ratio": timings[name].step_seconds / base_step,
+                "step_time_ratio_sem": _ratio_sem(timings[name], timings[names[0]]),
                 "budget_steps": s.get("budget_steps"),
                 "budget_stopped_at": s.get("budget_stopped_at"),
                 "device_hours": s["device_hours"],
@@ -111,6 +114,15 @@ def comparison_rows(runs: dict[str, dict], budget: float, timings: dict[str, Tim
             }
         )
     return rows
+
+
+def _ratio_sem(t: Timing, base: Timing) -> float:
+    """Standard error of ``t.step_seconds / base.step_seconds`` (first-order propagation of the two
+    calibrations' standard errors; 0 for runs that share one measurement)."""
+    ratio = t.step_seconds / base.step_seconds
+    if t.measured_as and t.measured_as == base.measured_as:
+        return 0.0
+    return ratio * math.hypot(t.step_seconds_sem / t.step_seconds, base.step_seconds_sem / base.step_seconds)
 
 
 def _num(value: float | None, spec: str) -> str:
@@ -124,8 +136,8 @@ def markdown_table(rows: list[dict], baseline_best_ppl: float, budget: float) ->
         f"Budget {budget:g} device-hours per run. Baseline ({rows[0]['run']}) best validation perplexity: "
         f"{baseline_best_ppl:.2f}",
         "",
-        "| run | final valid loss | final valid ppl | steps (decided) | tokens | calibrated step (s) | "
-        "step time vs baseline | device-hours (vs budget) | device-hours to the baseline's best ppl |",
+        "| run | final valid loss | final valid ppl | steps (decided) | tokens | calibrated step (s, ± s.e.) "
+        "| step time vs baseline | device-hours (vs budget) | device-hours to the baseline's best ppl |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -137,7 +149,8 @@ def markdown_table(rows: list[dict], baseline_best_ppl: float, budget: float) ->
         lines.append(
             f"| {r['run']} | {_num(r['final_valid_loss'], '.4f')} | {_num(r['final_valid_ppl'], '.2f')} | "
             f"{steps} | "
-            f"{r['tokens']:,} | {r['calibrated_step_seconds']:.4f} | {r['step_time_ratio']:.3f}× | "
+            f"{r['tokens']:,} | {r['calibrated_step_seconds']:.4f} ± {r['calibrated_step_sem']:.4f} | "
+            f"{r['step_time_ratio']:.3f}× ± {r['step_time_ratio_sem']:.3f} | "
             f"{r['device_hours']:.4g} ({r['spend_deviation']:+.1%}) | {reach} |"
         )
     return "\n".join(lines) + "\n"
@@ -235,6 +248,7 @@ def compare(
     calibration: dict[str, int] | None = None,
     order: str = "random",
     order_seed: int = 0,
+    share_calibration: bool = True,
 ) -> list[dict]:
     """Calibrate every config's step time interleaved (:mod:`.calibrate`), train each at
     ``budget`` device-hours from it, in ``order``, then write the table and the plot.
@@ -242,6 +256,8 @@ def compare(
     Args:
         calibration: ``{"rounds", "warmup", "measure"}`` of :func:`~.calibrate.calibrate`
             (default 4 rounds, 10 warm-up steps, 20 measured steps).
+        share_calibration: configs with the same work per step share one measurement
+            (:func:`~.calibrate.same_work_groups`); False times each itself.
 
     Returns:
         The table's rows (baseline first).
@@ -264,6 +280,7 @@ def compare(
         cal["warmup"],
         cal["measure"],
         "compare",
+        share_calibration,
     )
     sequence = run_order(names, order, order_seed)
     print(f"[compare] training order: {', '.join(sequence)} ({order}, seed {order_seed})", flush=True)
@@ -305,6 +322,11 @@ def add_calibration_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--order", choices=["random", "given"], default="random",
                         help="training order of the runs (recorded in the JSON)")  # fmt: skip
     parser.add_argument("--order-seed", type=int, default=0, help="seed of the random order")
+    parser.add_argument(
+        "--separate-calibration",
+        action="store_true",
+        help="time every run itself, even runs with the same work per step (the calibration's own noise)",
+    )
 
 
 def calibration_settings(args: argparse.Namespace) -> dict[str, int]:
@@ -351,6 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             calibration_settings(args),
             args.order,
             args.order_seed,
+            not args.separate_calibration,
         )
     except (RuntimeError, ValueError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -147,3 +147,43 @@ def test_run_order_is_random_from_the_seed_and_recorded():
     assert cmp.run_order(names, "given", 0) == names
     assert cmp.run_order(names, "random", 1) == cmp.run_order(names, "random", 1)
     assert {tuple(cmp.run_order(names, "random", s)) for s in range(10)} != {tuple(names)}
+
+
+def test_runs_with_the_same_work_share_one_measurement(monkeypatch, tmp_path, dataset):
+    """An A/A pair, or cells that differ in learning rate or seed, are timed once (the same cost,
+    the same step count); a change of shape or scheme is timed separately."""
+    from megaformer.experiments.calibrate import same_work_groups
+    from megaformer.experiments.provenance import run_request
+
+    base = [f"data.prefix={dataset}"]
+    requests = {
+        "a": run_request(CONFIG, base, {}, "c"),
+        "b": run_request(CONFIG, base, {}, "c"),
+        "lr": run_request(CONFIG, [*base, "train.lr=1e-3", "train.seed=7"], {}, "c"),
+        "nf": run_request(CONFIG, [*base, "model.ffn_ln=true"], {}, "c"),
+        "eval": run_request(CONFIG, [*base, "train.eval_batches=4"], {}, "c"),
+    }
+    groups = same_work_groups(requests)
+    assert groups == {"a": "a", "b": "a", "lr": "a", "nf": "nf", "eval": "eval"}
+
+    launched: list[str] = []
+
+    def fake_launch(config, out, args, nproc, tag):
+        launched.append(out.name)
+        return {"name": out.name}
+
+    monkeypatch.setattr(cal, "launch_run", fake_launch)
+    monkeypatch.setattr(cal, "measure_launch", lambda summary, warmup: ([0.1] * 20, 0.5, 4.0))
+    runs = dict.fromkeys(requests, CONFIG)
+    timings = cal.calibrate(runs, [], tmp_path, 2, rounds=2, warmup=10, measure=20, same_work=groups)
+    assert sorted(set(launched)) == ["a", "eval", "nf"] and len(launched) == 6
+    assert timings["b"] is timings["a"] and timings["lr"].measured_as == "a"
+    assert timings["nf"].measured_as == "nf" and timings["a"].step_seconds_sem == 0.0
+
+
+def test_ratio_standard_error_is_zero_for_a_shared_measurement():
+    a = Timing(0.10, 0.5, 1.0, [], 0.002, "a")
+    b = Timing(0.11, 0.5, 1.0, [], 0.0011, "b")
+    assert cmp._ratio_sem(a, a) == 0.0
+    expected = 1.1 * ((0.0011 / 0.11) ** 2 + (0.002 / 0.10) ** 2) ** 0.5
+    assert cmp._ratio_sem(b, a) == pytest.approx(expected)
