@@ -41,13 +41,14 @@ ALLOWED: tuple[Allowed, ...] = (
         "train.log_interval, together (DeferredScalars): the one planned read of the device",
     ),
     Allowed(
-        "host_sync", r"megaformer/parallel/comm\.py:\d+ \(all_reduce_max\)", ("step",), 2,
-        "the stop check (signals, train.exit_duration_mins): two flags all-reduced and read on the "
-        "host after each step, so that every rank stops at the same step boundary",
+        "host_sync", r"megaformer/parallel/comm\.py:\d+ \(all_reduce_max\)", ("step",), 3,
+        "the stop check (signals, train.exit_duration_mins; a budget run's spend, a third flag): two "
+        "or three flags all-reduced and read on the host after each step, so that every rank stops "
+        "at the same step boundary",
     ),
     Allowed(
         "h2d_copy", r"megaformer/parallel/comm\.py:\d+ \(all_reduce_max\)", ("step",), 1,
-        "the stop check's two flags (16 bytes) built on the host and copied to the device",
+        "the stop check's two or three flags (16 or 24 bytes) built on the host and copied to the device",
     ),
     Allowed(
         "host_sync", r"megaformer/training/trainer\.py:\d+ \(_client_extra\)", ("step",), 1,

@@ -9,7 +9,8 @@ tokenizer (``vocab.json``, ``merges.txt``, ``tokenizer_config.json``) and, for `
 (the default, every scheme), the modeling code (``configuration_megaformer.py``,
 ``modeling_megaformer.py``: transformers' ``PreTrainedModel`` + ``GenerationMixin`` with a KV cache),
 so that ``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`` and
-``AutoTokenizer.from_pretrained(DIR)`` load it offline.
+``AutoTokenizer.from_pretrained(DIR)`` load it offline. The tokenizer's ``model_max_length`` is the
+model's ``seq_len``; every file gets the mode ``open()`` gives (``0o666 & ~umask``, 0644 under umask 022).
 
 The checkpoint may come from any (tp, pp, dp) layout: its module weights are consolidated by
 :func:`megaformer.tools.reshard.consolidate` (the loader every tool shares), vocabulary padding cut.
@@ -207,8 +208,11 @@ def to_gpt2_state(full: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
     return {k: v.detach().float().contiguous().clone() for k, v in out.items()}
 
 
-def write_tokenizer(out_dir: str, vocab_file: str, merge_file: str, vocab_size: int) -> None:
-    """GPT-2 byte-level BPE files under transformers' names, for ``AutoTokenizer``.
+def write_tokenizer(
+    out_dir: str, vocab_file: str, merge_file: str, vocab_size: int, model_max_length: int | None = None
+) -> None:
+    """GPT-2 byte-level BPE files under transformers' names, for ``AutoTokenizer``;
+    ``model_max_length`` (the model's ``seq_len``) goes into ``tokenizer_config.json``.
 
     Raises:
         ExportError: missing files, or a vocabulary whose size is not the model's.
@@ -232,7 +236,7 @@ def write_tokenizer(out_dir: str, vocab_file: str, merge_file: str, vocab_size: 
         "eos_token": eod,
         "unk_token": eod,
         "add_prefix_space": False,
-        "model_max_length": None,
+        "model_max_length": model_max_length,
     }
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(tok_config, f, indent=2)
@@ -276,6 +280,31 @@ def export(
     return write_hf_dir(
         full, config, output, fmt=fmt, vocab_file=vocab_file, merge_file=merge_file, info=info
     )
+
+
+def _umask() -> int:
+    """The process's umask (from /proc where it says, else set and restored at once)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _chmod_files(directory: str) -> None:
+    """Give every file in ``directory`` the mode ``open()`` and ``torch.save`` give, ``0o666 & ~umask``:
+    safetensors >= 0.8 writes ``model.safetensors`` as 0600, which other users (a shared cluster's
+    group) cannot read."""
+    mode = 0o666 & ~_umask()
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if os.path.isfile(path) and not os.path.islink(path):
+            os.chmod(path, mode)
 
 
 def register_auto_classes() -> None:
@@ -327,6 +356,7 @@ def write_hf_dir(
         vocab_file or str(REPO / "data" / "gpt2-bpe" / "encoder.json"),
         merge_file or str(REPO / "data" / "gpt2-bpe" / "vocab.bpe"),
         config.vocab_size,
+        model_max_length=config.seq_len,
     )
     save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
@@ -337,6 +367,7 @@ def write_hf_dir(
     if fmt == "megaformer":
         for name in REMOTE_FILES:
             shutil.copyfile(REMOTE_CODE / name, os.path.join(tmp, name))
+    _chmod_files(tmp)
     if os.path.isdir(output):
         shutil.rmtree(output)
     os.replace(tmp, output)

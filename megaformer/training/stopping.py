@@ -60,13 +60,15 @@ class StopCheck:
         from megaformer.parallel.comm import all_reduce_max
 
         over = self.limit_s > 0 and time.monotonic() - self.started >= self.limit_s
-        spent = self.over_budget is not None and self.over_budget()
-        flags = all_reduce_max([1.0 if self.received else 0.0, 1.0 if over else 0.0, 1.0 if spent else 0.0])
+        values = [1.0 if self.received else 0.0, 1.0 if over else 0.0]
+        if self.over_budget is not None:  # a third flag only for a budget run: one host read fewer
+            values.append(1.0 if self.over_budget() else 0.0)
+        flags = all_reduce_max(values)
         if flags[0]:
             return f"signal {self.received or 'received by another rank'}"
         if flags[1]:
             return f"train.exit_duration_mins={self.limit_s / 60:g} reached"
-        if flags[2]:
+        if len(flags) > 2 and flags[2]:
             return BUDGET_SPENT
         return None
 

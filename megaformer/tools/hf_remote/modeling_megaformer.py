@@ -21,6 +21,33 @@ Positions are absolute, ``0 .. max_position_embeddings - 1``; a longer context r
 in megaformer. ``attention_mask`` (0 = padding) hides padded keys; positions come from ``position_ids``
 or count from 0 (plus the cached length): a left-padded batch needs ``position_ids`` from the mask,
 which ``generate()`` passes (tests/unit/test_export_hf.py checks such a batch against each row alone).
+The cache arrives as ``cache`` (the name in recent transformers 5 releases, whose ``generate()``
+passes it so) or ``past_key_values`` (the older name); outputs carry it under the installed version's
+field name.
+
+Outputs follow transformers' conventions, with ``return_dict`` True (a ``ModelOutput``) or False (its
+non-None fields as a tuple):
+
+* ``output_hidden_states=True``: ``hidden_states`` is a tuple of ``num_hidden_layers + 1`` tensors
+  ``float[B, T, d]``: the embedding output (tokens times the scale, plus positions), then each block's
+  output, except that under Pre-LN the last entry is taken *after* the final LayerNorm (it equals
+  ``last_hidden_state``; the last block's raw output is not returned): GPT-2's convention
+  (``GPT2Model`` puts ``ln_f``'s output last). Post-LN and DeepNorm have no final LayerNorm: the last
+  entry is the last block's output. With a KV cache only the new tokens' states are returned.
+* ``output_attentions=True``: ``attentions`` is a tuple of ``num_hidden_layers`` tensors
+  ``float[B, heads, q_len, kv_len]`` (``kv_len`` = cached + new tokens), the softmax weights over keys
+  (padded and future keys 0). ``F.scaled_dot_product_attention`` (the default kernel) cannot return
+  them, so such a call computes attention explicitly, ``softmax(q k^T / sqrt(head_dim) + mask) v``
+  (softmax in fp32), in every layer; its outputs equal the SDPA path's within fp32 rounding. The explicit
+  path is also used for every call when the model is loaded with ``attn_implementation="eager"``;
+  otherwise SDPA. The weights are those applied to v: after ``qkv_ln`` (when on) and before HeadScale
+  and ``out_proj``, in every norm scheme.
+* Gradient (activation) checkpointing: ``model.gradient_checkpointing_enable()`` (or
+  ``activation_checkpointing_enable()``, or ``Trainer``'s ``gradient_checkpointing=True``) recomputes
+  each block in the backward pass (the blocks are transformers' ``GradientCheckpointingLayer``); while
+  training with it the KV cache is off (``use_cache=False``, as in GPT-2).
+* ``labels``: with ``num_items_in_batch`` (which ``Trainer`` passes) the loss is the summed token loss
+  divided by it, as transformers' own causal LMs do, so gradient accumulation scales correctly.
 """
 
 from __future__ import annotations
@@ -33,9 +60,39 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.utils import logging
 
 from .configuration_megaformer import MegaformerConfig
+
+logger = logging.get_logger(__name__)
+
+# The outputs' cache field: ``cache`` in recent transformers 5 releases, ``past_key_values`` before.
+_CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def _one_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | None:
+    """The cache passed under either name (``cache``: what ``generate()`` passes in recent releases)."""
+    if past_key_values is not None and cache is not None and past_key_values is not cache:
+        raise ValueError("pass the KV cache once, as cache or as past_key_values")
+    return cache if cache is not None else past_key_values
+
+
+def eager_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``softmax(q k^T / sqrt(head_dim) + mask) v`` and the softmax weights ``[B, heads, T, S]``: what
+    ``F.scaled_dot_product_attention`` computes, with its weights. ``q: [B, heads, T, hs]``, ``k, v: [B,
+    heads, S, hs]``; ``mask``: bool (True: may attend), broadcast to ``[B, heads, T, S]``, or None for
+    causal attention (query i sees keys 0..i + S - T). The softmax runs in fp32."""
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if mask is None:
+        mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(n_k - n_q)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v), weights
 
 
 def sinusoidal_positions(num_positions: int, dim: int) -> torch.Tensor:
@@ -73,8 +130,10 @@ class QKVLayerNorm(nn.Module):
 class MegaformerAttention(nn.Module):
     """Causal multi-head attention with NormFormer's HeadScale and optional q/k/v LayerNorms.
 
-    ``x: float[B, T, d]`` -> ``float[B, T, d]``; with a cache the keys and values of earlier calls are
-    prepended (this layer's slot ``layer_idx``).
+    ``x: float[B, T, d]`` -> (``float[B, T, d]``, the attention weights ``[B, heads, T, past + T]`` when
+    ``output_attentions`` else None); with a cache the keys and values of earlier calls are prepended
+    (this layer's slot ``layer_idx``). SDPA unless weights are asked for or the model's attention
+    implementation is ``"eager"`` (then :func:`eager_attention`).
     """
 
     def __init__(self, config: MegaformerConfig, layer_idx: int) -> None:
@@ -85,10 +144,15 @@ class MegaformerAttention(nn.Module):
         self.qkv_ln = QKVLayerNorm(nh, d // nh, config.layer_norm_eps) if config.qkv_ln else None
         self.head_scale = nn.Parameter(torch.ones(nh)) if config.head_scale else None
         self.out_proj = nn.Linear(d, d)
+        self.config = config  # its _attn_implementation is read at call time (set_attn_implementation)
 
     def forward(
-        self, x: torch.Tensor, mask: torch.Tensor | None, past_key_values: Cache | None
-    ) -> torch.Tensor:
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None,
+        past_key_values: Cache | None,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T, _ = x.shape  # noqa: N806  (batch size, new tokens)
         nh, hs = self.num_heads, self.head_dim
         qkv = self.qkv(x)
@@ -97,18 +161,23 @@ class MegaformerAttention(nn.Module):
         q, k, v = qkv.view(B, T, nh, 3, hs).permute(3, 0, 2, 1, 4).unbind(0)  # 3 x (B, nh, T, hs)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)  # (B, nh, past + T, hs)
-        if mask is None:
+        weights = None
+        if output_attentions or getattr(self.config, "_attn_implementation", None) == "eager":
+            y, weights = eager_attention(q, k, v, mask)
+        elif mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         y = y.transpose(1, 2)  # (B, T, nh, hs)
         if self.head_scale is not None:
             y = y * self.head_scale.view(nh, 1)  # before W_O, as the paper
-        return self.out_proj(y.reshape(B, T, nh * hs))
+        return self.out_proj(y.reshape(B, T, nh * hs)), weights if output_attentions else None
 
 
-class MegaformerBlock(nn.Module):
-    """One decoder layer; ``[B, T, d]`` -> ``[B, T, d]`` (formulas in the module docstring)."""
+class MegaformerBlock(GradientCheckpointingLayer):
+    """One decoder layer; ``[B, T, d]`` -> (``[B, T, d]``, attention weights or None) (formulas in the
+    module docstring). Checkpointable: ``x`` is passed positionally, the rest by keyword (the
+    checkpoint wrapper drops ``cache`` while recomputing)."""
 
     def __init__(self, config: MegaformerConfig, layer_idx: int) -> None:
         super().__init__()
@@ -128,13 +197,19 @@ class MegaformerBlock(nn.Module):
     def act(self, x: torch.Tensor) -> torch.Tensor:
         return F.relu(x).square() if self.activation == "relu2" else F.gelu(x)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cache: Cache | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.norm_scheme != "pre_ln":
-            a = self.attn(x, mask, cache)
+            a, weights = self.attn(x, mask, cache, output_attentions)
             h = self.ln1(self.alpha * x + a if self.alpha != 1.0 else x + a)
             f = self.fc2(self.act(self.fc1(h)))
-            return self.ln2(self.alpha * h + f if self.alpha != 1.0 else h + f)
-        a = self.attn(self.ln1(x), mask, cache)
+            return self.ln2(self.alpha * h + f if self.alpha != 1.0 else h + f), weights
+        a, weights = self.attn(self.ln1(x), mask, cache, output_attentions)
         if self.post_attn_ln is not None:
             a = self.post_attn_ln(a)
         h = x + a
@@ -144,7 +219,7 @@ class MegaformerBlock(nn.Module):
         f = self.fc2(f)
         if self.resid_scale is not None:
             h = self.resid_scale * h  # ResScale weights the FFN residual only
-        return h + f
+        return h + f, weights
 
 
 class MegaformerPreTrainedModel(PreTrainedModel):
@@ -155,6 +230,7 @@ class MegaformerPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     _no_split_modules: ClassVar[list[str]] = ["MegaformerBlock"]
     _supports_sdpa = True
+    supports_gradient_checkpointing = True
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -192,7 +268,8 @@ def _attention_mask(
 
 
 class MegaformerModel(MegaformerPreTrainedModel):
-    """Token ids to the last hidden states ``float[B, T, d]`` (after the final LayerNorm under Pre-LN)."""
+    """Token ids to the last hidden states ``float[B, T, d]`` (after the final LayerNorm under Pre-LN),
+    and on request every layer's hidden states and attention weights (see the module docstring)."""
 
     def __init__(self, config: MegaformerConfig) -> None:
         super().__init__(config)
@@ -209,6 +286,7 @@ class MegaformerModel(MegaformerPreTrainedModel):
         self.final_norm = (
             nn.LayerNorm(d, eps=config.layer_norm_eps) if config.norm_scheme == "pre_ln" else None
         )
+        self.gradient_checkpointing = False  # set by gradient_checkpointing_enable() (with the blocks')
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -240,11 +318,25 @@ class MegaformerModel(MegaformerPreTrainedModel):
         past_key_values: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        cache: Cache | None = None,
         **kwargs,
-    ) -> BaseModelOutputWithPast:
+    ) -> BaseModelOutputWithPast | tuple:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
-        use_cache = self.config.use_cache if use_cache is None else use_cache
+        past_key_values = _one_cache(past_key_values, cache)
+        cfg = self.config
+        output_attentions = cfg.output_attentions if output_attentions is None else output_attentions
+        output_hidden_states = (
+            cfg.output_hidden_states if output_hidden_states is None else output_hidden_states
+        )
+        return_dict = cfg.return_dict if return_dict is None else return_dict
+        use_cache = cfg.use_cache if use_cache is None else use_cache
+        if use_cache and self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            logger.warning_once("use_cache=True is incompatible with gradient checkpointing: use_cache=False")
+            use_cache = False
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         if inputs_embeds is None:
@@ -255,13 +347,23 @@ class MegaformerModel(MegaformerPreTrainedModel):
             position_ids = torch.arange(past, past + new, device=inputs_embeds.device).unsqueeze(0)
         x = inputs_embeds * self.embed_scale + self._positions(position_ids).to(inputs_embeds.dtype)
         mask = _attention_mask(attention_mask, past, new, x.device)
+        hidden_states = (x,) if output_hidden_states else None
+        attentions = () if output_attentions else None
         for layer in self.layers:
-            x = layer(x, mask, past_key_values)
+            x, weights = layer(x, mask=mask, cache=past_key_values, output_attentions=output_attentions)
+            if output_hidden_states:
+                hidden_states += (x,)
+            if output_attentions:
+                attentions += (weights,)
         if self.final_norm is not None:
             x = self.final_norm(x)
-        return BaseModelOutputWithPast(
-            last_hidden_state=x, past_key_values=past_key_values if use_cache else None
+            if output_hidden_states:  # GPT-2's convention: the last entry is after the final LayerNorm
+                hidden_states = hidden_states[:-1] + (x,)
+        cache_out = {_CACHE_FIELD: past_key_values if use_cache else None}
+        out = BaseModelOutputWithPast(
+            last_hidden_state=x, hidden_states=hidden_states, attentions=attentions, **cache_out
         )
+        return out if return_dict else out.to_tuple()
 
 
 class MegaformerForCausalLM(MegaformerPreTrainedModel, GenerationMixin):
@@ -299,8 +401,12 @@ class MegaformerForCausalLM(MegaformerPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int = 0,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        cache: Cache | None = None,
         **kwargs,
-    ) -> CausalLMOutputWithPast:
+    ) -> CausalLMOutputWithPast | tuple:
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -308,6 +414,10 @@ class MegaformerForCausalLM(MegaformerPreTrainedModel, GenerationMixin):
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+            cache=cache,
         )
         hidden = out.last_hidden_state
         if logits_to_keep:
@@ -315,7 +425,21 @@ class MegaformerForCausalLM(MegaformerPreTrainedModel, GenerationMixin):
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:
+            num_items = kwargs.get("num_items_in_batch")  # Trainer's token count over accumulated batches
             loss = F.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
+                logits[:, :-1].flatten(0, 1).float(),
+                labels[:, 1:].flatten().to(logits.device),
+                ignore_index=-100,
+                reduction="mean" if num_items is None else "sum",
             )
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)
+            if num_items is not None:
+                loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+        result = CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            hidden_states=out.hidden_states,
+            attentions=out.attentions,
+            **{_CACHE_FIELD: getattr(out, _CACHE_FIELD)},
+        )
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        return result if return_dict else result.to_tuple()
