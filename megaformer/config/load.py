@@ -240,9 +240,18 @@ def check_model(cfg: RunConfig) -> None:
         f"model.position_embedding='{m.position_embedding}': use 'sinusoidal' or 'learned'.",
     )
     _require(m.activation in ("gelu", "relu2"), f"model.activation='{m.activation}': use 'gelu' or 'relu2'.")
-    for name in ("hidden_dropout", "attention_dropout"):
+    for name in ("hidden_dropout", "attention_dropout", "embedding_dropout"):
         p = getattr(m, name)
         _require(0.0 <= p < 1.0, f"model.{name}={p}: a probability in [0, 1).")
+    _require(
+        m.init in ("legacy", "gpt2", "fairseq"),
+        f"model.init='{m.init}': use 'legacy' (default), 'gpt2' or 'fairseq'.",
+    )
+    _require(
+        not (m.init == "gpt2" and m.scale_embedding),
+        "model.init='gpt2' with model.scale_embedding=true: GPT-2 does not multiply its token "
+        "embedding by sqrt(d); set model.scale_embedding=false (or use model.init='fairseq', which does).",
+    )
     _require(
         m.norm_scheme in ("pre_ln", "post_ln", "deepnorm"),
         f"model.norm_scheme='{m.norm_scheme}': use 'pre_ln', 'post_ln' or 'deepnorm'.",
@@ -331,6 +340,10 @@ def check_train(cfg: RunConfig) -> None:
         b = getattr(t, name)
         _require(0.0 <= b < 1.0, f"train.{name}={b}: must lie in [0, 1).")
     _require(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay}: must be >= 0.")
+    _require(
+        t.weight_decay_params in ("matrices", "all"),
+        f"train.weight_decay_params='{t.weight_decay_params}': use 'matrices' (default) or 'all' (fairseq).",
+    )
     _require(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip}: must be >= 0 (0 disables clipping).")
     _require(t.precision in ("fp32", "bf16", "fp16"), f"train.precision='{t.precision}': fp32, bf16 or fp16.")
     _require(

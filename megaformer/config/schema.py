@@ -69,19 +69,62 @@ class ModelConfig:
     heads), gain and shift of size hidden_size each; needs norm_scheme 'pre_ln'."""
     hidden_dropout: float = 0.0
     """Dropout on the attention and FFN outputs (probability)."""
+    embedding_dropout: float = 0.0
+    """Dropout on the embedding output (token embedding × scale + positions) before the first block
+    (probability). fairseq applies its model dropout (--dropout, i.e. hidden_dropout) there
+    (transformer_decoder.py forward_embedding: self.dropout_module(x)); 0 (no dropout) keeps runs from
+    before this key bitwise. Masks from the 'replicated' dropout stream (the 'sharded' one under
+    sequence parallelism), as the hidden dropout."""
     attention_dropout: float = 0.0
     """Dropout on the attention probabilities (probability)."""
     layernorm_eps: float = 1e-5
     """Epsilon of every LayerNorm."""
+    init: str = "legacy"
+    """Which reference's initialisation (NormFormer's own gains and scales, HeadScale γ, ResScale λ,
+    every LayerNorm γ = 1 and β = 0, are the same under all three):
+
+    'legacy' (default, what this project did before the key): a MIX of two references. The token
+    embedding is fairseq's, N(0, embedding_init_std or d^-0.5) times sqrt(d) (scale_embedding), but
+    every matrix is GPT-2's N(0, init_std), W_O and W2 over sqrt(2N) under pre_ln (β·init_std for
+    W_V, W_O, W1, W2 under deepnorm; init_std for all under post_ln), biases 0, learned positions and
+    an untied output N(0, init_std). The unit-scale token embedding against 0.02-scale sublayers
+    leaves the residual stream almost only the input token's own embedding, so the tied output
+    predicts the input token: at the 125M shape the loss at init on random tokens is ~22.8 nats
+    (ln V = 10.8). Kept as the default so existing runs and checkpoints reproduce bitwise; a new
+    run should pick one of the two below.
+
+    'gpt2' (nanoGPT model.py GPT._init_weights and the c_proj loop in GPT.__init__; HF
+    modeling_gpt2.py GPT2PreTrainedModel._init_weights): every Linear weight N(0, init_std = 0.02),
+    biases 0; the residual projections W_O and W2 N(0, init_std / sqrt(2N)) under pre_ln (under
+    post_ln / deepnorm as 'legacy': no depth scaling, β for deepnorm); token embedding and learned
+    positions N(0, init_std) (nanoGPT and HF; OpenAI's TF code drew wpe with 0.01); no sqrt(d)
+    scale: needs scale_embedding=false (refused otherwise).
+
+    'fairseq' (transformer_lm, the NormFormer paper's code base): token embedding N(0, d^-0.5)
+    (fairseq/models/transformer/transformer_base.py Embedding; fairseq zeroes its padding row, the
+    GPT-2 vocabulary here has none) times sqrt(d) with scale_embedding; q, k, v weights
+    xavier_uniform with gain 1/sqrt(2), per d × d block of the fused qkv, their biases nn.Linear's
+    default U(±1/sqrt(d)); W_O xavier_uniform (gain 1), bias 0
+    (fairseq/modules/multihead_attention.py MultiheadAttention.reset_parameters); W1 and W2 and
+    their biases nn.Linear's default U(±1/sqrt(fan_in)) (fairseq/modules/transformer_layer.py
+    TransformerDecoderLayerBase.build_fc1 / build_fc2); learned positions N(0, d^-0.5)
+    (fairseq/modules/positional_embedding.py); an untied output N(0, d^-0.5)
+    (transformer_decoder.py build_output_projection); no depth scaling; init_std unused. Under
+    deepnorm, W_V, W_O, W1, W2 (and the V, W1, W2 biases) are these inits times β = (8N)^(-1/4), as
+    torchscale (the DeepNet authors' code) divides its fairseq-style init by (8N)^(1/4). Line numbers
+    of each source: tests/unit/test_model_init.py."""
     init_std: float = 0.02
-    """Standard deviation of the normal initialisation of weight matrices."""
+    """Standard deviation of the normal initialisation of weight matrices ('legacy' and 'gpt2' init;
+    unused by 'fairseq', whose inits follow from the shapes)."""
     embedding_init_std: float = 0.0
-    """Standard deviation of the token (and tied output) embedding init; 0 means hidden_size^-0.5,
-    fairseq's choice for the paper's models (GPT-2 uses 0.02 with learned positions)."""
+    """Standard deviation of the token (and tied output) embedding init; 0 means the init's own:
+    hidden_size^-0.5 under 'legacy' and 'fairseq' (fairseq's choice for the paper's models), init_std
+    under 'gpt2'."""
     scale_embedding: bool = True
     """Multiply token embeddings by sqrt(hidden_size) before adding positions (Vaswani et al. 2017,
     Sec. 3.4; fairseq's default). With the unit-scale sinusoidal table and a small init, unscaled
-    token embeddings are drowned by the positions and training stalls at the unigram loss."""
+    token embeddings are drowned by the positions and training stalls at the unigram loss. Must be
+    false with init 'gpt2' (GPT-2 has no such scale)."""
     tie_embeddings: bool = True
     """Use the input embedding as the output projection."""
 
@@ -92,7 +135,10 @@ class ModelConfig:
 
     @property
     def token_embedding_std(self) -> float:
-        """The token embedding init std actually used (resolves 0 to hidden_size^-0.5)."""
+        """The token embedding init std actually used (resolves 0 to hidden_size^-0.5, or to
+        init_std under init 'gpt2')."""
+        if self.init == "gpt2":
+            return self.embedding_init_std or self.init_std
         return self.embedding_init_std or self.hidden_size**-0.5
 
     @property
@@ -197,7 +243,12 @@ class TrainConfig:
     adam_eps: float = 1e-8
     """AdamW ε."""
     weight_decay: float = 0.01
-    """Decoupled weight decay on weight matrices and embeddings (none on biases, norms, scales)."""
+    """Decoupled weight decay (on the parameters train.weight_decay_params names)."""
+    weight_decay_params: str = "matrices"
+    """Which parameters take train.weight_decay. 'matrices' (default): weight matrices and
+    embeddings; none on biases, LayerNorm gains and shifts, HeadScale and ResScale (GPT practice,
+    nanoGPT configure_optimizers). 'all': every parameter, as fairseq (fairseq/optim/adam.py: one
+    parameter group, decoupled decay on all), whose runs produced the paper's numbers."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 disables."""
     precision: str = "fp32"

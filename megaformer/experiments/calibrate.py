@@ -91,6 +91,7 @@ COMPUTE_NEUTRAL = frozenset(
         "train.adam_beta2",
         "train.adam_eps",
         "train.weight_decay",
+        "train.weight_decay_params",
         "train.steps",
         "train.resume",
         "train.init_from",

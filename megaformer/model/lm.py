@@ -105,8 +105,8 @@ def model_layers(
         tp_group: tensor-parallel group, or None for a single process.
         seed: base seed of every parameter's init.
         sequence_parallel: Megatron sequence parallelism (no effect with one TP rank).
-        dropout_rng: dropout generator states, one object shared by every block; None builds one
-            from ``seed`` and the TP rank.
+        dropout_rng: dropout generator states, one object shared by the embedding and every block;
+            None builds one from ``seed`` and the TP rank.
 
     Returns:
         ``num_layers + 3`` entries; nothing is built yet.
@@ -118,15 +118,12 @@ def model_layers(
     sp = sequence_parallel and tp_world_size(tp_group) > 1
     # One generator for all blocks: separate ones, all seeded alike, would repeat the same masks.
     rng = dropout_rng or DropoutRNG(seed, tp_rank=tp_rank(tp_group))
-    common = {"tp_group": tp_group, "seed": seed, "sequence_parallel": sp}
+    common = {"tp_group": tp_group, "seed": seed, "sequence_parallel": sp, "dropout_rng": rng}
     embed = LayerDef(
         NormFormerEmbedding, (config,), common, tied_key="embed", tied_weight_attr="token.weight"
     )
     plan = [embed]
-    plan += [
-        LayerDef(NormFormerBlock, (config, i), {**common, "dropout_rng": rng})
-        for i in range(config.num_layers)
-    ]
+    plan += [LayerDef(NormFormerBlock, (config, i), common) for i in range(config.num_layers)]
     plan.append(LayerDef(FinalNorm, (config,), {"tp_group": tp_group, "sequence_parallel": sp}))
     if config.tie_embeddings:
         plan.append(
@@ -140,7 +137,8 @@ def model_layers(
             )
         )
     else:
-        plan.append(LayerDef(OutputProjection, (config,), common))
+        output_kwargs = {k: common[k] for k in ("tp_group", "seed", "sequence_parallel")}
+        plan.append(LayerDef(OutputProjection, (config,), output_kwargs))
     return plan
 
 

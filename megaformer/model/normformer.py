@@ -42,6 +42,12 @@ all-gathers. The function computed is the same. Dropout draws from a
 replicated, different masks where they are sharded (attention probabilities of the local heads,
 sequence slices).
 
+Initialisation follows ``model.init``: ``legacy`` (the default: fairseq's unit-scale embedding with
+GPT-2's 0.02 matrices, a mix whose initial loss is ~23 nats at the 125M shape against ln V = 10.8),
+``gpt2`` (nanoGPT / HF GPT-2) or ``fairseq`` (transformer_lm, the paper's); the docstring of
+``ModelConfig.init`` lists each tensor with its source. NormFormer's own parameters (HeadScale
+``g`` = 1, ResScale ``λ`` = 1, LayerNorms γ = 1, β = 0) are the same under all three.
+
 Every parameter's full tensor is drawn from a generator seeded by the base seed and a fixed name
 (``embedding.token``, ``embedding.position``, ``layers.<i>.<sub-layer>``, ``output``; see
 :func:`~megaformer.parallel.utils.derive_seed`), so a layer built on its own (by a pipeline stage)
@@ -70,6 +76,7 @@ from megaformer.parallel.layers import sequence_region_param
 from megaformer.parallel.mappings import gather_from_sequence_region, sum_across_tp_region
 from megaformer.parallel.rng import DropoutRNG
 from megaformer.parallel.utils import (
+    InitSpec,
     derive_seed,
     divide,
     mark_no_weight_decay,
@@ -84,6 +91,7 @@ from megaformer.parallel.utils import (
 _POSITION_EMBEDDINGS = ("sinusoidal", "learned")
 _ACTIVATIONS = ("gelu", "relu2")
 NORM_SCHEMES = ("pre_ln", "post_ln", "deepnorm")
+INITS = ("legacy", "gpt2", "fairseq")
 # Switches defined on a Pre-LN layer only (paper Sec. 2 and Table 4); see _check_config.
 _PRE_LN_ONLY = ("post_attn_ln", "head_scale", "ffn_ln", "resid_scale", "qkv_ln")
 
@@ -98,6 +106,55 @@ def deepnorm_beta(num_layers: int) -> float:
     """DeepNorm's init gain for W_V, W_O, W1, W2 in a decoder-only model, ``β = (8N)^(-1/4)`` (Wang et
     al. 2022, Fig. 2 / Table 1; torchscale divides those weights by ``math.pow(8.0 * layers, 0.25)``)."""
     return (8.0 * num_layers) ** -0.25
+
+
+def block_inits(config: ModelConfig) -> tuple[dict[str, tuple[InitSpec, InitSpec | None]], float]:
+    """The init of one block's matrices under ``config.init`` and ``config.norm_scheme``.
+
+    Returns ``({name: (weight init, bias init or None for zeros)}, v_scale)`` for ``qkv``,
+    ``out_proj``, ``fc1``, ``fc2``; ``v_scale`` multiplies the V rows of the drawn ``qkv`` weight
+    and bias (DeepNorm's β on W_V; 1 otherwise). Each init is that of the FULL tensor (see
+    :class:`~megaformer.parallel.utils.InitSpec`), so TP shards and pipeline stages agree.
+
+    ``legacy`` / ``gpt2``: ``N(0, init_std²)``, W_O and W2 over ``sqrt(2N)`` under ``pre_ln``
+    (GPT-2; nanoGPT ``c_proj``), β-scaled W_V, W_O, W1, W2 under ``deepnorm``, plain under
+    ``post_ln``; biases 0. ``fairseq``: q, k, v ``xavier_uniform_(gain=1/sqrt(2))`` on each d × d block
+    (bound ``sqrt(3 / (2d))``; the three blocks have the same shape, hence one bound for the fused
+    weight) with ``nn.Linear``'s default bias ``U(±1/sqrt(d))``; W_O ``xavier_uniform_`` (bound
+    ``sqrt(3/d)``), bias 0; W1, W2 and their biases ``nn.Linear``'s default ``U(±1/sqrt(fan_in))``;
+    under ``deepnorm`` the V rows, W_O, W1, W2 and their biases times β (torchscale's
+    ``p.data.div_((8N)^(1/4))`` over the parameters named v_proj / out_proj / fc1 / fc2).
+    """
+    d, ffn, n = config.hidden_size, config.ffn_size, config.num_layers
+    beta = deepnorm_beta(n) if config.norm_scheme == "deepnorm" else 1.0
+    if config.init == "fairseq":
+        fc1 = InitSpec("uniform", beta / math.sqrt(d))  # nn.Linear's default (weight and bias), times β
+        fc2 = InitSpec("uniform", beta / math.sqrt(ffn))
+        inits = {
+            "qkv": (InitSpec("uniform", math.sqrt(3.0 / (2 * d))), InitSpec("uniform", 1 / math.sqrt(d))),
+            "out_proj": (InitSpec("uniform", beta * math.sqrt(3.0 / d)), None),
+            "fc1": (fc1, fc1),
+            "fc2": (fc2, fc2),
+        }
+        return inits, beta
+    std = config.init_std
+    if config.norm_scheme == "pre_ln":
+        # GPT-2 (Radford et al. 2019, Sec. 2.3): scale the init of the layers that write into the
+        # residual stream (W_O, W2) by 1/sqrt(2·num_layers), two per layer, so the residual
+        # variance does not grow with depth.
+        v_scale, fc1_std, residual_std = 1.0, std, std / math.sqrt(2 * n)
+    elif config.norm_scheme == "deepnorm":
+        # DeepNet (Wang et al. 2022, Fig. 2): W_V, W_O, W1, W2 scaled by β; W_Q, W_K not.
+        v_scale, fc1_std, residual_std = beta, beta * std, beta * std
+    else:  # post_ln: each sublayer's output is re-normalised; no depth-dependent init
+        v_scale, fc1_std, residual_std = 1.0, std, std
+    inits = {
+        "qkv": (InitSpec("normal", std), None),
+        "out_proj": (InitSpec("normal", residual_std), None),
+        "fc1": (InitSpec("normal", fc1_std), None),
+        "fc2": (InitSpec("normal", residual_std), None),
+    }
+    return inits, v_scale
 
 
 def _check_config(config: ModelConfig) -> None:
@@ -115,6 +172,10 @@ def _check_config(config: ModelConfig) -> None:
         )
     if config.norm_scheme not in NORM_SCHEMES:
         raise ConfigError(f"model.norm_scheme={config.norm_scheme!r}; use one of {NORM_SCHEMES}")
+    if config.init not in INITS:
+        raise ConfigError(f"model.init={config.init!r}; use one of {INITS}")
+    if config.init == "gpt2" and config.scale_embedding:
+        raise ConfigError("model.init='gpt2' has no sqrt(d) embedding scale; set model.scale_embedding=false")
     on = [k for k in _PRE_LN_ONLY if getattr(config, k)]
     if config.norm_scheme != "pre_ln" and on:
         raise ConfigError(
@@ -246,7 +307,11 @@ def sinusoidal_positions(num_positions: int, dim: int) -> torch.Tensor:
 
 class NormFormerEmbedding(nn.Module):
     """Tokens to the first hidden state: vocab-parallel token embedding, times sqrt(d) when
-    ``scale_embedding`` (fairseq, the paper's code base), plus positions.
+    ``scale_embedding`` (fairseq, the paper's code base), plus positions, then dropout
+    ``embedding_dropout`` (fairseq's ``dropout_module`` on the embedding; 0 by default) drawn from
+    ``dropout_rng``. Init per ``model.init``: token table ``N(0, token_embedding_std²)`` (d^-0.5 for
+    legacy / fairseq, init_std for gpt2), learned positions ``N(0, init_std²)`` (legacy, gpt2) or
+    ``N(0, 1/d)`` (fairseq).
 
     Shapes: ``tokens: LongTensor[B, T]`` (``T <= seq_len``) -> ``float32[B, T, d]``, replicated; with
     ``sequence_parallel``, ``[B, T / tp, d]``, this rank's slice of the sequence. The token table is
@@ -268,12 +333,14 @@ class NormFormerEmbedding(nn.Module):
         tp_group: ProcessGroup | None = None,
         seed: int = 1234,
         sequence_parallel: bool = False,
+        dropout_rng: DropoutRNG | None = None,
     ):
         super().__init__()
         _check_config(config)
         self.config = config
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel and tp_world_size(tp_group) > 1
+        self.dropout_rng = dropout_rng or DropoutRNG(seed, tp_rank=tp_rank(tp_group))
         d = config.hidden_size
         self.token = VocabParallelEmbedding(
             config.padded_vocab_size(tp_world_size(tp_group)),
@@ -285,7 +352,9 @@ class NormFormerEmbedding(nn.Module):
             sequence_parallel=self.sequence_parallel,
         )
         if config.position_embedding == "learned":
-            full = normal_full((config.seq_len, d), config.init_std, derive_seed(seed, "embedding.position"))
+            # fairseq's LearnedPositionalEmbedding: N(0, d^-0.5); GPT-2 / legacy: N(0, init_std).
+            std = d**-0.5 if config.init == "fairseq" else config.init_std
+            full = normal_full((config.seq_len, d), std, derive_seed(seed, "embedding.position"))
             self.position = mark_replicated(nn.Parameter(full))
         else:
             # Fixed, so not saved in checkpoints (persistent=False) and not a parameter.
@@ -312,7 +381,11 @@ class NormFormerEmbedding(nn.Module):
         x = self.token(tokens) * self.scale  # (B, T, d), or (B, T/tp, d) with sequence parallelism
         # The sinusoidal table is a buffer, which DeepSpeed's bf16/fp16 conversion (ZeRO-3 in
         # particular) leaves in fp32: follow the embedding's dtype.
-        return x + positions.to(x.dtype)
+        x = x + positions.to(x.dtype)
+        # fairseq's dropout on the embedding output; replicated across TP ranks (the same mask on
+        # each), or this rank's own tokens under sequence parallelism (its own mask).
+        region = "sharded" if self.sequence_parallel else "replicated"
+        return _dropout(x, self.config.embedding_dropout, self.training, self.dropout_rng, region)
 
 
 class NormFormerBlock(nn.Module):
@@ -323,7 +396,12 @@ class NormFormerBlock(nn.Module):
     scheme: before the sublayer under ``pre_ln``, after its residual sum under ``post_ln`` and
     ``deepnorm`` (so the parameter names are the same for every scheme).
 
-    Init (every weight ``N(0, std²)``, drawn full from its seed name, biases 0):
+    Init (``model.init``; every tensor drawn full from its seed name; see :func:`block_inits`). Under
+    ``fairseq`` (the paper's code base): q, k, v ``xavier_uniform_(gain=1/sqrt(2))`` per d × d block,
+    biases ``U(±1/sqrt(d))``; W_O ``xavier_uniform_``, bias 0; W1, W2 and biases ``nn.Linear``'s default
+    ``U(±1/sqrt(fan_in))``; under ``deepnorm`` W_V, W_O, W1, W2 and their biases times β (torchscale).
+    Under ``legacy`` and ``gpt2`` (the same blocks; they differ in the embedding) every weight is
+    ``N(0, std²)``, biases 0:
 
     - ``pre_ln``: ``init_std``; W_O and W2 ``init_std / sqrt(2N)`` (GPT-2, Radford et al. 2019,
       Sec. 2.3: the Pre-LN residual stream sums 2N sublayer outputs).
@@ -382,18 +460,7 @@ class NormFormerBlock(nn.Module):
         n = config.num_layers
         # DeepNorm's α weights the residual inside the post-sublayer LayerNorm; 1 otherwise.
         self.alpha = deepnorm_alpha(n) if config.norm_scheme == "deepnorm" else 1.0
-        if config.norm_scheme == "pre_ln":
-            # GPT-2 (Radford et al. 2019, Sec. 2.3): scale the init of the layers that write into the
-            # residual stream (W_O, W2) by 1/sqrt(2·num_layers), two per layer, so the residual
-            # variance does not grow with depth.
-            v_scale, fc1_std = 1.0, config.init_std
-            residual_std = config.init_std / math.sqrt(2 * n)
-        elif config.norm_scheme == "deepnorm":
-            # DeepNet (Wang et al. 2022, Fig. 2): W_V, W_O, W1, W2 scaled by β; W_Q, W_K not.
-            beta = deepnorm_beta(n)
-            v_scale, fc1_std, residual_std = beta, beta * config.init_std, beta * config.init_std
-        else:  # post_ln: each sublayer's output is re-normalised; no depth-dependent init
-            v_scale, fc1_std, residual_std = 1.0, config.init_std, config.init_std
+        inits, v_scale = block_inits(config)  # model.init x norm_scheme (see block_inits)
 
         def seed_of(name: str) -> int:
             return derive_seed(seed, f"layers.{layer_index}.{name}")
@@ -406,13 +473,15 @@ class NormFormerBlock(nn.Module):
             d,
             3 * d,
             tp_group=tp_group,
-            init_std=config.init_std,
+            init=inits["qkv"][0],
+            bias_init=inits["qkv"][1],
             seed=seed_of("attention.qkv"),
             sequence_parallel=sp,
         )
         if v_scale != 1.0:
             with torch.no_grad():  # the V rows of every local head: [heads, 3, head_dim] rows, v = 2
                 self.qkv.weight.view(self.num_heads_per_partition, 3, self.head_dim, d)[:, 2].mul_(v_scale)
+                self.qkv.bias.view(self.num_heads_per_partition, 3, self.head_dim)[:, 2].mul_(v_scale)
         self.qkv_ln = (
             QKVLayerNorm(config.num_attention_heads, self.head_dim, config.layernorm_eps, tp_group=tp_group)
             if config.qkv_ln
@@ -428,7 +497,8 @@ class NormFormerBlock(nn.Module):
             d,
             d,
             tp_group=tp_group,
-            init_std=residual_std,
+            init=inits["out_proj"][0],
+            bias_init=inits["out_proj"][1],
             seed=seed_of("attention.out_proj"),
             sequence_parallel=sp,
         )
@@ -441,13 +511,25 @@ class NormFormerBlock(nn.Module):
         # --- feed-forward ----------------------------------------------------------------------
         self.ln2 = ReplicatedLayerNorm(d, config.layernorm_eps, tp_group=tp_group, sequence_parallel=sp)
         self.fc1 = ColumnParallelLinear(
-            d, ffn, tp_group=tp_group, init_std=fc1_std, seed=seed_of("ffn.fc1"), sequence_parallel=sp
+            d,
+            ffn,
+            tp_group=tp_group,
+            init=inits["fc1"][0],
+            bias_init=inits["fc1"][1],
+            seed=seed_of("ffn.fc1"),
+            sequence_parallel=sp,
         )
         self.ffn_ln = (
             ShardedLayerNorm(ffn, tp_group=tp_group, eps=config.layernorm_eps) if config.ffn_ln else None
         )
         self.fc2 = RowParallelLinear(
-            ffn, d, tp_group=tp_group, init_std=residual_std, seed=seed_of("ffn.fc2"), sequence_parallel=sp
+            ffn,
+            d,
+            tp_group=tp_group,
+            init=inits["fc2"][0],
+            bias_init=inits["fc2"][1],
+            seed=seed_of("ffn.fc2"),
+            sequence_parallel=sp,
         )
         # Selective recomputation of the attention core (train.recompute=selective; set by
         # megaformer.model.set_selective_recompute after the model is built).
@@ -610,7 +692,7 @@ def tied_output_logits(embedding: NormFormerEmbedding, hidden: torch.Tensor) -> 
 
 class OutputProjection(nn.Module):
     """Untied output projection: column-parallel over the padded vocabulary, no bias, weight drawn
-    from ``N(0, init_std²)`` under the seed name ``output``.
+    from ``N(0, init_std²)`` (``N(0, 1/d)`` under ``model.init`` fairseq) under the seed name ``output``.
 
     Shapes: ``float[B, T, d]`` (``[B, T / tp, d]`` with ``sequence_parallel``) -> this TP rank's raw
     logits ``float[B, T, V_pad / tp]`` (padded columns not masked). The weight is ``proj.weight``
@@ -637,7 +719,8 @@ class OutputProjection(nn.Module):
             config.padded_vocab_size(tp_world_size(tp_group)),
             tp_group=tp_group,
             bias=False,
-            init_std=config.init_std,
+            # fairseq's untied output_projection: N(0, d^-0.5); GPT-2 / legacy: N(0, init_std).
+            init_std=config.hidden_size**-0.5 if config.init == "fairseq" else config.init_std,
             seed=derive_seed(seed, "output"),
             num_valid_out_features=config.vocab_size,
             sequence_parallel=sequence_parallel and tp_world_size(tp_group) > 1,

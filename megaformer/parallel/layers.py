@@ -24,6 +24,8 @@ from torch.distributed import ProcessGroup
 from megaformer.parallel import mappings
 from megaformer.parallel.grads import DEFERRED_ATTR
 from megaformer.parallel.utils import (
+    InitSpec,
+    derive_seed,
     divide,
     mark_no_weight_decay,
     mark_parallel,
@@ -47,6 +49,9 @@ class ColumnParallelLinear(nn.Module):
             ready for a :class:`RowParallelLinear` or a sharded consumer.
         init_std: standard deviation of the normal weight initialisation.
         seed: seed of the full weight's generator.
+        init: the weight's init instead of ``N(0, init_std²)`` (e.g. fairseq's uniform inits).
+        bias_init: the bias's init, drawn full from ``derive_seed(seed, "bias")`` and sharded with
+            the rows; None: zeros.
         num_valid_out_features: draw only this many output rows and zero-init the rest (padded
             vocabulary rows of an output layer); None draws them all.
         sequence_parallel: the input is this rank's slice of the sequence, ``[B, T / tp, in]``;
@@ -69,6 +74,8 @@ class ColumnParallelLinear(nn.Module):
         gather_output: bool = False,
         init_std: float = 0.02,
         seed: int = 0,
+        init: InitSpec | None = None,
+        bias_init: InitSpec | None = None,
         num_valid_out_features: int | None = None,
         sequence_parallel: bool = False,
     ) -> None:
@@ -80,10 +87,15 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
         tp_size, rank = tp_world_size(tp_group), tp_rank(tp_group)
         self.out_features_per_partition = divide(out_features, tp_size)
-        full = normal_full((out_features, in_features), init_std, seed, valid_rows=num_valid_out_features)
+        init = init or InitSpec("normal", init_std)
+        full = init.full((out_features, in_features), seed, valid_rows=num_valid_out_features)
         self.weight = mark_parallel(nn.Parameter(shard(full, 0, rank, tp_size)), partition_dim=0)
         if bias:
-            b = nn.Parameter(torch.zeros(self.out_features_per_partition))
+            if bias_init is None:
+                b = nn.Parameter(torch.zeros(self.out_features_per_partition))
+            else:
+                full_b = bias_init.full((out_features,), derive_seed(seed, "bias"))
+                b = nn.Parameter(shard(full_b, 0, rank, tp_size))
             self.bias = mark_no_weight_decay(mark_parallel(b, partition_dim=0))
         else:
             self.register_parameter("bias", None)
@@ -117,6 +129,8 @@ class RowParallelLinear(nn.Module):
             output of a :class:`ColumnParallelLinear`); if False a full input is scattered first.
         init_std: standard deviation of the normal weight initialisation.
         seed: seed of the full weight's generator.
+        init: the weight's init instead of ``N(0, init_std²)`` (e.g. fairseq's uniform inits).
+        bias_init: the (replicated) bias's init, drawn from ``derive_seed(seed, "bias")``; None: zeros.
         sequence_parallel: reduce-scatter the output along the sequence (``dim=1``) instead of
             all-reducing it: ``[B, T, ...]`` in, ``[B, T / tp, out_features]`` out.
 
@@ -136,6 +150,8 @@ class RowParallelLinear(nn.Module):
         input_is_parallel: bool = True,
         init_std: float = 0.02,
         seed: int = 0,
+        init: InitSpec | None = None,
+        bias_init: InitSpec | None = None,
         sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
@@ -146,10 +162,13 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
         tp_size, rank = tp_world_size(tp_group), tp_rank(tp_group)
         self.in_features_per_partition = divide(in_features, tp_size)
-        full = normal_full((out_features, in_features), init_std, seed)
+        full = (init or InitSpec("normal", init_std)).full((out_features, in_features), seed)
         self.weight = mark_parallel(nn.Parameter(shard(full, 1, rank, tp_size)), partition_dim=1)
         if bias:
-            b = nn.Parameter(torch.zeros(out_features))
+            if bias_init is None:
+                b = nn.Parameter(torch.zeros(out_features))
+            else:
+                b = nn.Parameter(bias_init.full((out_features,), derive_seed(seed, "bias")))
             self.bias = mark_no_weight_decay(mark_replicated(b))
         else:
             self.register_parameter("bias", None)

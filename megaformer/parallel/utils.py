@@ -7,6 +7,7 @@ parallelism", i.e. a group of one).
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -69,6 +70,55 @@ def normal_full(
             0.0, std, generator=generator
         )
     return full
+
+
+def uniform_full(
+    shape: tuple[int, ...], bound: float, seed: int, *, valid_rows: int | None = None
+) -> torch.Tensor:
+    """Draw the FULL (unsharded) fp32 tensor ``U(-bound, bound)`` from a generator seeded with
+    ``seed``; as :func:`normal_full` (same slicing rule, same ``valid_rows`` zero padding).
+
+    ``torch.nn.init.xavier_uniform_(w, gain)`` is ``bound = gain·sqrt(6 / (fan_in + fan_out))``;
+    ``nn.Linear``'s default (``kaiming_uniform_(a=sqrt(5))``, and its bias) is ``bound = 1/sqrt(fan_in)``.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    rows = shape[0] if valid_rows is None else valid_rows
+    if not 0 <= rows <= shape[0]:
+        raise ValueError(f"valid_rows={valid_rows} must lie in [0, {shape[0]}] for a tensor of {shape}")
+    full = torch.zeros(shape, dtype=torch.float32)
+    if rows > 0 and bound > 0:
+        full[:rows] = torch.empty((rows, *shape[1:]), dtype=torch.float32).uniform_(
+            -bound, bound, generator=generator
+        )
+    return full
+
+
+@dataclass(frozen=True)
+class InitSpec:
+    """How a parameter's FULL tensor is drawn from its seed: ``kind`` ``"normal"`` (``N(0, scale²)``,
+    :func:`normal_full`), ``"uniform"`` (``U(-scale, scale)``, :func:`uniform_full`) or ``"zeros"``.
+    Every TP rank draws the same full tensor and keeps its slice, so the init is the same at any
+    TP degree and pipeline split."""
+
+    kind: str
+    scale: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("normal", "uniform", "zeros"):
+            raise ValueError(f"InitSpec kind {self.kind!r}; use 'normal', 'uniform' or 'zeros'")
+
+    def full(self, shape: tuple[int, ...], seed: int, *, valid_rows: int | None = None) -> torch.Tensor:
+        """The full fp32 tensor of ``shape`` (rows at and above ``valid_rows`` zero)."""
+        if self.kind == "normal":
+            return normal_full(shape, self.scale, seed, valid_rows=valid_rows)
+        if self.kind == "uniform":
+            return uniform_full(shape, self.scale, seed, valid_rows=valid_rows)
+        return torch.zeros(shape, dtype=torch.float32)
+
+    def scaled(self, factor: float) -> InitSpec:
+        """The same kind with ``scale`` times ``factor`` (``N(0, (f·σ)²)`` is ``f·N(0, σ²)``, and
+        ``U(-f·b, f·b)`` is ``f·U(-b, b)``, in distribution)."""
+        return InitSpec(self.kind, self.scale * factor)
 
 
 def shard(full: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:

@@ -170,7 +170,8 @@ def configure_tf32(enabled: bool) -> None:
 def build_optimizer(
     model: torch.nn.Module, cfg: RunConfig, start_step: int, schedule: Any = None
 ) -> tuple[Any, Any]:
-    """AdamW (no weight decay on biases, norms and scales) and a LambdaLR following ``schedule``
+    """AdamW (weight decay on the parameters ``train.weight_decay_params`` names: by default none on
+    biases, norms and scales) and a LambdaLR following ``schedule``
     (:class:`~megaformer.training.schedule.Schedule`, default over ``train.steps``), advanced to
     ``start_step`` (for ``train.init_from``; a resume restores DeepSpeed's state)."""
     from megaformer.model import param_groups
@@ -178,7 +179,7 @@ def build_optimizer(
 
     t = cfg.train
     optimizer = torch.optim.AdamW(
-        param_groups(model, t.weight_decay),
+        param_groups(model, t.weight_decay, t.weight_decay_params),
         lr=t.lr,
         betas=(t.adam_beta1, t.adam_beta2),
         eps=t.adam_eps,

@@ -20,11 +20,14 @@ NORMFORMER = ["model.post_attn_ln=true", "model.head_scale=true", "model.ffn_ln=
 
 
 def _budget_run(prefix: str, out, scheme: list[str]):
+    # train.budget_overrun=1: these runs test the decision (its step count, the schedule, the
+    # resume); the end-at-the-budget rule, which a loaded CI machine would trigger a step or two
+    # early, is tested on its own below.
     proc = run_pretrain(
         CONFIG,
         [*TINY, *SHAPE, *scheme, f"data.prefix={prefix}", "train.steps=5000", "train.warmup_steps=45",
          "train.budget_measure_steps=40", f"train.budget_device_hours={BUDGET}", "train.eval_interval=25",
-         "train.save_interval=25",
+         "train.save_interval=25", "train.budget_overrun=1",
          "train.log_interval=25", f"output.dir={out}"],
     )  # fmt: skip
     _check(proc)
@@ -77,3 +80,23 @@ def test_a_killed_budget_run_resumes_to_the_same_step(budget_runs, gutenberg_pre
     proc, again = _budget_run(gutenberg_prefix, resumed, [*PRE_LN, "train.resume=auto"])
     assert "as decided before the resume" in proc.stdout
     assert again["steps"] == summary["steps"] and again["resumed_from_step"] == 50
+
+
+def test_a_run_slower_than_its_calibration_ends_at_the_budget(gutenberg_prefix, tmp_path):
+    """Calibrated times far below the real ones (0.01 s a step): the run fixes a length it cannot
+    afford, then ends once one more step and the final evaluation would pass the budget by more
+    than train.budget_overrun; evaluated and saved there, complete (exit 0), and said so."""
+    out = tmp_path / "slow"
+    proc = run_pretrain(
+        CONFIG,
+        [*TINY, f"data.prefix={gutenberg_prefix}", "train.steps=5000", "train.eval_interval=1000",
+         "train.save_interval=0", "train.log_interval=50", "train.budget_device_hours=0.004",
+         "train.budget_step_seconds=0.01", "train.budget_eval_seconds=0.01", f"output.dir={out}"],
+    )  # fmt: skip
+    _check(proc)
+    summary = json.loads((out / "summary.json").read_text())
+    assert "calibrated step 0.0100 s" in proc.stdout and "budget spent at step" in proc.stdout
+    assert summary["budget_stopped_at"] == summary["steps"] < summary["budget_steps"]
+    assert summary["stopped"] is None and summary["final_valid_loss"] > 0  # evaluated at that step
+    assert summary["device_hours"] <= 0.004 * 1.02 * 1.05  # the rule's 2%, plus the final save
+    assert (out / "checkpoints" / "latest").read_text() == f"global_step{summary['steps']}"

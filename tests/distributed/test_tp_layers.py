@@ -226,6 +226,29 @@ MODEL_VARIANTS = [
         TINY, norm_scheme="deepnorm", post_attn_ln=False, head_scale=False, ffn_ln=False, tie_embeddings=False
     ),
     dataclasses.replace(TINY, qkv_ln=True, resid_scale=True),
+    # model.init: fairseq's uniform inits (drawn biases) and GPT-2's.
+    dataclasses.replace(
+        TINY, init="fairseq", resid_scale=True, tie_embeddings=False, position_embedding="learned"
+    ),
+    dataclasses.replace(TINY, init="gpt2", scale_embedding=False),
+]
+# Every model.init under every norm_scheme, with every parameter kind (learned positions, untied
+# output, q/k/v LayerNorms, ResScale): the full tensors must be the same at every TP degree.
+INIT_VARIANTS = [
+    dataclasses.replace(
+        TINY,
+        init=init,
+        scale_embedding=init != "gpt2",
+        tie_embeddings=False,
+        position_embedding="learned",
+        **(
+            dict(qkv_ln=True, resid_scale=True)
+            if scheme == "pre_ln"
+            else dict(norm_scheme=scheme, post_attn_ln=False, head_scale=False, ffn_ln=False)
+        ),
+    )
+    for init in ("legacy", "gpt2", "fairseq")
+    for scheme in ("pre_ln", "post_ln", "deepnorm")
 ]
 
 
@@ -263,6 +286,20 @@ def _check_model(group, sequence_parallel: bool = False) -> None:
             assert _rel(g[:rows], q.grad[:rows]) <= 1e-5, (name, _rel(g[:rows], q.grad[:rows]))
             if rows < g.shape[0]:
                 assert torch.all(g[rows:] == 0), name  # padded rows never get a gradient
+
+
+def _check_inits(group) -> None:
+    """TP = 1 and TP = n draw the same full tensors under every model.init (bitwise): shards
+    gathered along partition_dim, replicas as they are; the vocabulary padding rows (more of them
+    at TP = n) are zero."""
+    for config in INIT_VARIANTS:
+        sharded = NormFormerLM(config, tp_group=group, seed=11)
+        plain = NormFormerLM(config, seed=11)
+        for (name, p), q in zip(sharded.named_parameters(), plain.parameters(), strict=True):
+            full = _gather(p.detach(), p.partition_dim, group) if p.tensor_model_parallel else p.detach()
+            rows = min(full.shape[0], q.shape[0])
+            assert torch.equal(full[:rows], q.detach()[:rows]), (config.init, config.norm_scheme, name)
+            assert torch.all(full[rows:] == 0) and torch.all(q.detach()[rows:] == 0), name
 
 
 def _check_sequence_parallel_model(group) -> None:
@@ -354,6 +391,26 @@ def _check_dropout_rng(group) -> None:
     hs = _gather(seen[0].unsqueeze(0), 0, group)
     assert all(torch.equal(hs[0], hs[i]) for i in range(n))
 
+    # model.embedding_dropout: the embedding output is replicated, so its mask comes from the
+    # 'replicated' stream, whose seed has no TP rank: the same mask on every TP rank, and the same
+    # as at TP = 1. Under sequence parallelism each rank drops its own tokens ('sharded' stream).
+    tokens = torch.randint(0, TINY.vocab_size, (2, 16), generator=_gen(16))
+    config = dataclasses.replace(TINY, embedding_dropout=0.3)
+    sharded = NormFormerLM(config, tp_group=group, seed=3, dropout_rng=DropoutRNG(5, tp_rank=r)).train()
+    plain = NormFormerLM(config, seed=3, dropout_rng=DropoutRNG(5)).train()
+    out, ref = sharded.embedding(tokens), plain.embedding(tokens)
+    assert (out == 0).any() and torch.equal(out, ref)
+    assert torch.equal(sharded.eval().embedding(tokens), plain.eval().embedding(tokens).clone())
+    sp = NormFormerLM(
+        config, tp_group=group, seed=3, sequence_parallel=True, dropout_rng=DropoutRNG(5, tp_rank=r)
+    )
+    local = sp.train().embedding(tokens)  # (2, 16 / n, d): this rank's tokens
+    clean = _rank_slice(plain.eval().embedding(tokens), 1, group)
+    kept = local != 0
+    torch.testing.assert_close(local[kept], clean[kept] / 0.7)
+    masks = _gather(kept.unsqueeze(0).float(), 0, group)
+    assert all(not torch.equal(masks[i], masks[j]) for i in range(n) for j in range(i))
+
 
 CHECKS = {
     "linear": _check_linear_layers,
@@ -366,6 +423,7 @@ CHECKS = {
     "sequence_parallel_model": _check_sequence_parallel_model,
     "sequence_parallel_grads": _check_sequence_parallel_grads_once_per_step,
     "dropout_rng": _check_dropout_rng,
+    "inits": _check_inits,
     "parallel_state": lambda group: _check_parallel_state(),
 }
 

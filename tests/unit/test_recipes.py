@@ -143,6 +143,9 @@ def test_hyperparameters_are_the_papers(name):
     )
     assert (m.post_attn_ln, m.head_scale, m.ffn_ln, m.resid_scale) == (p["nf"], p["nf"], p["nf"], p["resid"])
     assert (m.hidden_dropout, m.attention_dropout) == (p["drop"], p["drop"])
+    # fairseq, whose runs gave the paper's numbers: its init, dropout on the embedding output too,
+    # weight decay on every parameter.
+    assert (m.init, m.embedding_dropout, t.weight_decay_params) == ("fairseq", p["drop"], "all")
     assert t.lr == p["lr"]
     big = name.startswith(("1.3b", "2.7b"))
     assert t.global_batch_size * SEQ == (2**20 if big else 2**19)  # 1M / 0.5M tokens
@@ -264,7 +267,7 @@ def test_layout_recipes_train_the_papers_models_with_its_hyperparameters(path, p
     assert cfg.model.padded_vocab_size(cfg.parallel.tp_size) == ROWS
     assert cfg.model == ref.model
     keys = ("steps", "global_batch_size", "lr", "min_lr", "warmup_steps", "lr_decay")
-    keys += ("adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "grad_clip")
+    keys += ("adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "weight_decay_params", "grad_clip")
     assert {k: getattr(cfg.train, k) for k in keys} == {k: getattr(ref.train, k) for k in keys}
     assert (cfg.parallel.pp_size, cfg.parallel.tp_size, cfg.train.zero_stage) == (
         expect["pp"], expect["tp"], expect["zero"],
