@@ -130,7 +130,8 @@ def markdown(rows: list[dict], best: dict[str, dict], budget: float) -> str:
 
 def plot(rows: list[dict], path: str, budget: float) -> None:
     """Final validation loss against learning rate (log axis), one line per scheme (and warm-up),
-    error bars over seeds; diverged cells are left out of the line and marked with an x."""
+    error bars over seeds, a star on each line's best rate; diverged cells are left out of the line
+    and marked with an x."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -152,6 +153,9 @@ def plot(rows: list[dict], path: str, budget: float) -> None:
             capsize=3,
             label=label,
         )
+        if ok:
+            best = min(ok, key=lambda r: r["mean"])
+            ax.plot([best["lr"]], [best["mean"]], marker="*", markersize=16, color=line[0].get_color())
         bad = [r["lr"] for r in mine if not math.isfinite(r["mean"])]
         if bad and ok:
             ax.plot(
@@ -160,7 +164,9 @@ def plot(rows: list[dict], path: str, budget: float) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("peak learning rate")
     ax.set_ylabel("final validation loss (nats)")
-    ax.set_title(f"learning-rate sweep at equal compute ({budget:g} device-hours per cell; x: diverged)")
+    ax.set_title(
+        f"learning-rate sweep at equal compute\n{budget:g} device-hours per cell; ★ best rate, x diverged"
+    )
     ax.legend()
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
