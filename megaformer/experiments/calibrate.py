@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -297,3 +298,33 @@ def load_or_calibrate(
     timings = calibrate(runs, overrides, out_dir / "calibration", nproc, rounds, warmup, measure, tag, groups)
     atomic_write_json(path, {"request": asked, "timings": {n: asdict(t) for n, t in timings.items()}})
     return timings
+
+
+def calibrate_runs(
+    runs: dict[str, str],
+    overrides: Sequence[str],
+    root: Path,
+    nproc: int,
+    calibration: dict[str, int] | None,
+    tag: str,
+    share: bool = True,
+) -> tuple[dict[str, Timing], dict[str, int], str]:
+    """What ``compare`` and ``sweep`` do first: each run's request (resolved config, data, code
+    version; :mod:`.provenance`), then :func:`load_or_calibrate` under ``root``.
+
+    Args:
+        calibration: ``{"rounds", "warmup", "measure"}`` (default 4, 10, 20).
+
+    Returns:
+        ``(timings by run, the calibration settings used, the code version)``.
+    """
+    from megaformer.experiments.provenance import code_version, run_request
+
+    root.mkdir(parents=True, exist_ok=True)
+    cal = {"rounds": 4, "warmup": 10, "measure": 20, **(calibration or {})}
+    code = code_version()
+    requests = {n: run_request(c, list(overrides), {}, code) for n, c in runs.items()}
+    timings = load_or_calibrate(
+        runs, requests, list(overrides), root, nproc, cal["rounds"], cal["warmup"], cal["measure"], tag, share
+    )
+    return timings, cal, code

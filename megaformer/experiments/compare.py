@@ -45,7 +45,7 @@ from pathlib import Path
 from megaformer.config import ConfigError
 from megaformer.experiments.calibrate import Timing
 from megaformer.experiments.launcher import launch_run
-from megaformer.experiments.provenance import code_version, differences, run_request
+from megaformer.experiments.provenance import differences, run_request
 
 
 def valid_curve(tb_dir: str) -> list[tuple[int, float, float]]:
@@ -262,25 +262,12 @@ def compare(
     Returns:
         The table's rows (baseline first).
     """
-    from megaformer.experiments.calibrate import load_or_calibrate
+    from megaformer.experiments.calibrate import calibrate_runs
 
     root = Path(output_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    cal = {"rounds": 4, "warmup": 10, "measure": 20, **(calibration or {})}
-    code = code_version()
     by_name = dict(zip(names, configs))
-    requests = {n: run_request(c, list(overrides), {}, code) for n, c in by_name.items()}
-    timings = load_or_calibrate(
-        by_name,
-        requests,
-        list(overrides),
-        root,
-        nproc,
-        cal["rounds"],
-        cal["warmup"],
-        cal["measure"],
-        "compare",
-        share_calibration,
+    timings, cal, code = calibrate_runs(
+        by_name, overrides, root, nproc, calibration, "compare", share_calibration
     )
     sequence = run_order(names, order, order_seed)
     print(f"[compare] training order: {', '.join(sequence)} ({order}, seed {order_seed})", flush=True)

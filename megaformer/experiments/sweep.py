@@ -39,9 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from megaformer.config import ConfigError
-from megaformer.experiments.calibrate import load_or_calibrate
+from megaformer.experiments.calibrate import calibrate_runs
 from megaformer.experiments.compare import add_calibration_args, calibration_settings, train_one
-from megaformer.experiments.provenance import code_version, run_request
 
 
 def cell_name(lr: float, warmup: int | None, seed: int) -> str:
@@ -207,14 +206,8 @@ def sweep(
 ) -> dict[str, dict]:
     """Run the grid (see the module docstring); return the best row per scheme."""
     root = Path(output_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    cal = {"rounds": 4, "warmup": 10, "measure": 20, **(calibration or {})}
-    code = code_version()
     by_name = dict(zip(names, configs))
-    requests = {n: run_request(c, list(overrides), {}, code) for n, c in by_name.items()}
-    timings = load_or_calibrate(
-        by_name, requests, list(overrides), root, nproc, cal["rounds"], cal["warmup"], cal["measure"], "sweep"
-    )
+    timings, cal, code = calibrate_runs(by_name, overrides, root, nproc, calibration, "sweep")
     grid_warmups: list[int | None] = list(warmups) or [None]
     order = schedule(list(names), lrs, grid_warmups, seeds, order_seed)
     cells = []
