@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 
@@ -21,3 +22,27 @@ GPUS: dict[str, GpuModel] = {
     "h100-80gb": GpuModel("NVIDIA H100 80GB HBM3", (9, 0), 80 * 1024**3),
     "h200-141gb": GpuModel("NVIDIA H200", (9, 0), 141 * 1024**3),
 }
+
+GPU_ALIASES = {
+    "v100": "v100-32gb",
+    "a100": "a100-80gb",
+    "a100-40": "a100-40gb",
+    "a100-80": "a100-80gb",
+    "h100": "h100-80gb",
+    "h200": "h200-141gb",
+}
+"""The obvious short names a user types (``--gpu h100``) for the devices of :data:`GPUS`."""
+
+
+def gpu_name(value: str) -> str:
+    """``--gpu`` of ``dryrun`` and ``plan``: a device of :data:`GPUS` or an alias (``h100``), any case.
+
+    Raises:
+        argparse.ArgumentTypeError: an unknown device, listing the known ones and the aliases.
+    """
+    key = GPU_ALIASES.get(value.lower(), value.lower())
+    if key not in GPUS:
+        raise argparse.ArgumentTypeError(
+            f"unknown GPU {value!r}; use one of {', '.join(GPUS)} (or {', '.join(GPU_ALIASES)})"
+        )
+    return key

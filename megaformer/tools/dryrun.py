@@ -34,31 +34,10 @@ import time
 from typing import Any
 
 from megaformer.config import ConfigError, load_config
+from megaformer.fakecuda.gpus import gpu_name
 
 GIB = 1024**3
-GPU_ALIASES = {
-    "v100": "v100-32gb",
-    "a100": "a100-80gb",
-    "a100-40": "a100-40gb",
-    "a100-80": "a100-80gb",
-    "h100": "h100-80gb",
-    "h200": "h200-141gb",
-}
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
-
-
-def gpu_name(value: str) -> str:
-    """``--gpu``: a device of :data:`megaformer.fakecuda.runtime.GPUS`, or an alias (``h100``).
-
-    Raises:
-        argparse.ArgumentTypeError: an unknown device, listing the known ones.
-    """
-    from megaformer.fakecuda.gpus import GPUS
-
-    key = GPU_ALIASES.get(value.lower(), value.lower())
-    if key not in GPUS:
-        raise argparse.ArgumentTypeError(f"unknown GPU {value!r}; use one of {', '.join(GPUS)}")
-    return key
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

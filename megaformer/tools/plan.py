@@ -429,12 +429,19 @@ def describe(plan: Plan) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megaformer.fakecuda.gpus import GPU_ALIASES, gpu_name
+
     parser = argparse.ArgumentParser(
         prog="python -m megaformer.tools.plan", description=__doc__.split("\n")[0]
     )
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*", help="section.key=value, as for the launcher")
-    parser.add_argument("--gpu", default="a100-80gb", choices=[*DEVICES, "cpu"])
+    parser.add_argument(
+        "--gpu",
+        default="a100-80gb",
+        type=lambda v: "cpu" if v.lower() == "cpu" else gpu_name(v),
+        help=f"one of {', '.join(DEVICES)} (aliases: {', '.join(GPU_ALIASES)}), or cpu",
+    )
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--gpus-per-node", type=int, default=8, help="devices (CPU: processes) per node")
     parser.add_argument(

@@ -87,3 +87,15 @@ def test_command_prints_memory_flops_time_and_the_recipe_devices(capsys):
     # 286,102 steps of 1M tokens at 9.5e15 FLOPs per step, 16 A100s at 40 % MFU
     plan = planner.make_plan(load_config(_path("1.3b-normformer")), planner.DEVICES["a100-40gb"], 16)
     assert plan.step_time_s == pytest.approx(plan.flops_per_step / (16 * 312e12 * 0.4))
+
+
+def test_gpu_aliases_are_accepted_and_an_unknown_one_is_named(capsys):
+    """``--gpu h100`` is what users type (issue 23): the aliases of the dry run, any case."""
+    assert (
+        planner.main([_path("125m-baseline"), "--gpu", "H100", "--nodes", "1", "--gpus-per-node", "8"]) == 0
+    )
+    assert "H100-SXM5-80GB" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        planner.main([_path("125m-baseline"), "--gpu", "h1000"])
+    err = capsys.readouterr().err
+    assert "unknown GPU 'h1000'" in err and "h100-80gb" in err and "(or v100, a100" in err
