@@ -88,6 +88,13 @@ def _dtype_code(dtype: np.dtype | type | str) -> tuple[np.dtype, int]:
     return dtype, _CODE_OF_DTYPE[dtype]
 
 
+def dataset_prefix(path: str | os.PathLike[str]) -> str:
+    """A dataset's prefix from what a user passes: the prefix itself, or its ``.bin`` or ``.idx``
+    path (as ``inspect`` and ``merge`` accept)."""
+    path = os.fspath(path)
+    return path[:-4] if path.endswith((".bin", ".idx")) else path
+
+
 def _paths(prefix: str | os.PathLike[str]) -> tuple[Path, Path]:
     prefix = os.fspath(prefix)
     return Path(prefix + ".bin"), Path(prefix + ".idx")

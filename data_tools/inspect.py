@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from data_tools.errors import DataToolsError, TokenizerError
-from data_tools.indexed_dataset import IndexedDataset
+from data_tools.indexed_dataset import IndexedDataset, dataset_prefix
 from data_tools.tokenizer import build_tokenizer
 
 __all__ = ["length_histogram", "main"]
@@ -119,9 +119,7 @@ def inspect(args: argparse.Namespace) -> None:
         TokenizerError: ``--doc`` without usable tokenizer flags.
         IndexError: ``--doc`` out of range.
     """
-    prefix = args.prefix
-    if prefix.endswith((".bin", ".idx")):
-        prefix = prefix[:-4]
+    prefix = dataset_prefix(args.prefix)
     # The tokenizer first: a missing flag should not wait for a large index to be checked.
     tokenizer = _tokenizer_for(args, prefix) if args.doc is not None else None
     ds = IndexedDataset(prefix)

@@ -28,7 +28,14 @@ import numpy as np
 
 from data_tools.atomic import sigterm_as_interrupt, write_error
 from data_tools.errors import DataFormatError, DataToolsError
-from data_tools.indexed_dataset import DTYPE_CODES, HEADER_SIZE, MAGIC, VERSION, IndexedDataset
+from data_tools.indexed_dataset import (
+    DTYPE_CODES,
+    HEADER_SIZE,
+    MAGIC,
+    VERSION,
+    IndexedDataset,
+    dataset_prefix,
+)
 from data_tools.stats import DatasetStats, compute_stats, merge_stats, read_stats, stats_path, write_stats
 
 __all__ = ["expand_prefixes", "main", "merge"]
@@ -45,7 +52,7 @@ def expand_prefixes(inputs: Sequence[str]) -> list[str]:
     """
     prefixes: list[str] = []
     for arg in inputs:
-        base = arg[:-4] if arg.endswith((".bin", ".idx")) else arg
+        base = dataset_prefix(arg)
         if os.path.isfile(base + ".idx"):
             found = [base]
         else:

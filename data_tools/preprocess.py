@@ -660,6 +660,7 @@ def preprocess(args: argparse.Namespace) -> PreprocessSummary:
     check_megatron_flags(args)
     paths = expand_inputs(args.input)
     lvl = level(args)  # "document", or "sentence" with --split-sentences (Megatron's names)
+    check_output_prefix(args.output_prefix)
     output_prefix = strip_suffix(args.output_prefix, args.json_keys, lvl)
     if args.num_shards != 1 or args.shard_index is not None:
         paths, output_prefix = shard_inputs(paths, output_prefix, args.num_shards, args.shard_index)
@@ -766,6 +767,33 @@ def _add_encoded(encoded: _Encoded, writers: list, accumulators: list, summary: 
         summary.tokens += tokens.size
     summary.documents += encoded.lengths.shape[1]
     summary.text_bytes += encoded.text_bytes
+
+
+def check_output_prefix(prefix: str) -> None:
+    """Refuse an ``--output-prefix`` that cannot name files: one ending in ``/`` or naming a
+    directory (the outputs would be hidden ``_text_document.*`` files inside it), or one under an
+    existing file (``raw/file.jsonl/x``), before any work.
+
+    Raises:
+        OutputError: naming the prefix, what is wrong and a prefix that works.
+    """
+    from data_tools.errors import OutputError
+
+    if prefix.endswith(("/", os.sep)) or os.path.isdir(prefix):
+        base = prefix.rstrip("/" + os.sep) or "."
+        raise OutputError(
+            f"--output-prefix {prefix!r} names a directory: the outputs would be hidden files "
+            f"'{base}/_text_document.bin/.idx'; give a name inside it, e.g. --output-prefix {base}/corpus"
+        )
+    ancestor = os.path.dirname(prefix)
+    while ancestor and not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if ancestor and not os.path.isdir(ancestor):
+        raise OutputError(
+            f"--output-prefix {prefix!r}: {ancestor} is a file, not a directory, so nothing can be "
+            f"written under it; choose a prefix in a directory, e.g. --output-prefix "
+            f"{os.path.join(os.path.dirname(ancestor) or '.', 'processed', os.path.basename(prefix))}"
+        )
 
 
 def shard_inputs(

@@ -319,7 +319,11 @@ def check_train(cfg: RunConfig) -> None:
     _positive("train", t, "steps", "micro_batch_size", "global_batch_size", "lr", "log_interval")
     _positive("train", t, "eval_interval", "eval_batches", "adam_eps")
     _require(t.min_lr >= 0 and t.min_lr <= t.lr, f"train.min_lr={t.min_lr}: must lie in [0, train.lr].")
-    _require(0 <= t.warmup_steps <= t.steps, f"train.warmup_steps={t.warmup_steps}: must lie in [0, steps].")
+    _require(
+        0 <= t.warmup_steps <= t.steps,
+        f"train.warmup_steps={t.warmup_steps}: must lie in [0, train.steps={t.steps}]; lower the warmup or "
+        "raise train.steps.",
+    )
     _require(
         t.lr_decay in ("cosine", "linear", "constant", "ramp"),
         f"train.lr_decay='{t.lr_decay}': cosine|linear|constant|ramp.",

@@ -74,6 +74,7 @@ def dataset_loss(
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns 0, or 2 for a bad checkpoint, dataset or flag."""
     from data_tools.errors import DataToolsError
+    from data_tools.indexed_dataset import dataset_prefix
     from megaformer.tools.generate import load_for_generation
     from megaformer.training.safe_load import TRUST_FLAG, CheckpointReadError
 
@@ -112,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 batch_size=args.batch_size,
                 device=args.device,
             )
-            for prefix in args.data_prefix
+            for prefix in [dataset_prefix(p) for p in args.data_prefix]
         ]
     except (DataToolsError, CheckpointReadError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,0 +1,59 @@
+"""Errors at the edges a new user meets (issue 23, item 5): each names the value and the fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from data_tools.errors import OutputError
+from data_tools.indexed_dataset import dataset_prefix
+from data_tools.preprocess import check_output_prefix
+from megaformer.config import ConfigError
+from megaformer.config.load import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_prefix_under_an_existing_file_is_refused_with_the_file(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "file.jsonl").write_text("{}\n")
+    with pytest.raises(OutputError, match=r"file\.jsonl is a file, not a directory"):
+        check_output_prefix(str(raw / "file.jsonl" / "x"))
+
+
+@pytest.mark.parametrize("form", ["slash", "directory"])
+def test_a_prefix_naming_a_directory_is_refused_instead_of_writing_hidden_files(tmp_path, form):
+    out = tmp_path / "processed"
+    out.mkdir()
+    prefix = f"{out}/" if form == "slash" else str(out)
+    with pytest.raises(OutputError, match=r"names a directory.*_text_document.*--output-prefix .*/corpus"):
+        check_output_prefix(prefix)
+    check_output_prefix(str(out / "corpus"))  # a name inside it is fine
+    check_output_prefix(str(tmp_path / "new" / "dir" / "corpus"))  # directories still to be made too
+
+
+def test_preprocess_command_prints_one_error_line_for_a_directory_prefix(tmp_path):
+    cmd = [
+        sys.executable, "-m", "data_tools.preprocess", "--input", str(REPO / "data" / "tinyshakespeare"),
+        "--output-prefix", f"{tmp_path}/", "--tokenizer-type", "GPT2BPETokenizer",
+        "--vocab-file", str(REPO / "data" / "gpt2-bpe" / "encoder.json"),
+        "--merge-file", str(REPO / "data" / "gpt2-bpe" / "vocab.bpe"),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "names a directory" in proc.stderr and "Traceback" not in proc.stderr
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_dataset_paths_are_accepted_with_their_suffix():
+    assert dataset_prefix("data/x_text_document.bin") == "data/x_text_document"
+    assert dataset_prefix("data/x_text_document.idx") == "data/x_text_document"
+    assert dataset_prefix("data/x_text_document") == "data/x_text_document"
+
+
+def test_warmup_longer_than_the_run_names_both_values():
+    with pytest.raises(ConfigError, match=r"train.warmup_steps=30: must lie in \[0, train.steps=2\]"):
+        load_config("configs/cpu-compare/pre_ln.yaml", ["train.steps=2"])
