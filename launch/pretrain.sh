@@ -69,6 +69,15 @@ if [[ -z "${MASTER_PORT:-}" ]]; then
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
+# A bad key or value in the config or an override: said once, here, before the launcher starts a
+# worker per rank (each would print it among the launcher's lines). Exit 2 is the check's verdict;
+# anything else (an interpreter without megaformer's requirements) leaves the check to the workers.
+CHECK_OUT="$("$PYTHON" -m megaformer.train --check-config "$CONFIG" "$@" 2>&1)" && CHECK_RC=0 || CHECK_RC=$?
+if [[ "$CHECK_RC" -eq 2 ]]; then
+  echo "$CHECK_OUT" >&2
+  exit 2
+fi
+
 ARGS=(--master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")
 if [[ -n "${HOSTFILE:-}" ]]; then
   [[ -f "$HOSTFILE" ]] || { echo "error: HOSTFILE='$HOSTFILE' not found" >&2; exit 2; }

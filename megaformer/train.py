@@ -21,6 +21,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("config", help="YAML run config (see configs/)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides applied after the YAML")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--check-config",
+        action="store_true",
+        help="only load and validate the config with its overrides (exit 0, or 2 with the error); "
+        "launch/pretrain.sh runs it before the launcher starts one worker per rank",
+    )
     return parser.parse_args(argv)
 
 
@@ -30,6 +36,13 @@ def main(argv: list[str] | None = None) -> None:
     for a signal or ``train.exit_duration_mins`` with its checkpoint saved (resume to continue),
     2 on a configuration, data or checkpoint error."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.check_config:  # before torch and DeepSpeed are imported: a fraction of a second
+        try:
+            load_config(args.config, args.overrides)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        sys.exit(0)
     # DeepSpeed's ZeRO still calls the deprecated torch name once per step; the warning says nothing
     # a user can act on and buries the step log.
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated", category=FutureWarning)

@@ -57,3 +57,20 @@ def test_dataset_paths_are_accepted_with_their_suffix():
 def test_warmup_longer_than_the_run_names_both_values():
     with pytest.raises(ConfigError, match=r"train.warmup_steps=30: must lie in \[0, train.steps=2\]"):
         load_config("configs/cpu-compare/pre_ln.yaml", ["train.steps=2"])
+
+
+def test_pretrain_sh_says_a_config_error_once_before_any_worker_starts(tmp_path):
+    """A typo'd key: one error line from the launch script, exit 2, and no launcher or worker
+    output (before, every rank printed it among DeepSpeed's INFO lines after ~5 s)."""
+    import os
+
+    env = dict(os.environ, NPROC_PER_NODE="2")
+    proc = subprocess.run(
+        ["bash", "launch/pretrain.sh", "configs/normformer-quickstart.yaml", "model.hiden_size=64",
+         f"output.dir={tmp_path}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("unknown key 'model.hiden_size'. Did you mean 'hidden_size'?") == 1
+    assert "[pretrain.sh]" not in proc.stderr and "launch.py" not in proc.stderr and proc.stdout == ""
+    assert not list(tmp_path.iterdir())
