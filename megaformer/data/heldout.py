@@ -95,10 +95,18 @@ def _train_samples(
     """Shuffled training samples over every document (or ``doc_ids``, one dataset) of each dataset of
     ``[(weight, prefix)]`` (a blend gets its weights' shares, as ``build_train_valid``).
 
-    Returns ``(samples, info)``, info with ``train_documents``, ``train_tokens`` and ``blend``.
+    Returns ``(samples, info)``, info with ``train_documents``, ``train_tokens``, ``blend`` and the
+    sample indices loaded from / written to the cache (``index_cache_hits`` / ``index_cache_builds``).
     """
     counts = apportion([w for w, _ in pairs], num_samples)
-    parts, info = [], {"train_documents": 0, "train_tokens": 0, "blend": []}
+    parts = []
+    info = {
+        "train_documents": 0,
+        "train_tokens": 0,
+        "blend": [],
+        "index_cache_hits": 0,
+        "index_cache_builds": 0,
+    }
     for (weight, prefix), n in zip(pairs, counts.tolist()):
         dataset = IndexedDataset(prefix)
         lengths = dataset.document_lengths(np.int64)
@@ -113,6 +121,10 @@ def _train_samples(
             doc_lengths=lengths,
         )
         parts.append(_samples(dataset, index, seq_len))
+        if index.cache_hit:
+            info["index_cache_hits"] += 1
+        elif index.paths is not None:
+            info["index_cache_builds"] += 1
         info["train_documents"] += len(ids)
         info["train_tokens"] += int(lengths[ids].sum())
         info["blend"].append({"prefix": prefix, "weight": weight, "train_samples": n})
@@ -176,5 +188,4 @@ def build_heldout_data(
         lengths = IndexedDataset(prefix).document_lengths(np.int64)
         ids = np.arange(len(lengths)) if ids is None else ids
         info[f"{name}_documents"], info[f"{name}_tokens"] = len(ids), int(lengths[ids].sum())
-    info |= {"index_cache_hits": 0, "index_cache_builds": 0}
     return train, valid, test, info

@@ -82,3 +82,21 @@ def test_held_out_prefixes_are_checked_before_training_and_read_in_order(tmp_pat
         assert np.array_equal(va[i], stream[32 * i : 32 * i + 33])
     assert te is None and info["train_documents"] == 40 and info["valid_documents"] == 10
     assert len(tr) == 8
+
+
+def test_held_out_runs_count_the_sample_indices_they_build_and_find(tmp_path):
+    """With data.valid_prefix the log said "0 hit, 0 built" whatever happened (the counts were reset
+    after the training indices were built): the first build counts 1 built, the second 1 hit."""
+    from megaformer.data.heldout import build_heldout_data
+    from tests.unit.test_preflight import _dataset, _docs
+
+    train = _dataset(tmp_path / "train", _docs(40))
+    valid = _dataset(tmp_path / "valid", _docs(10, max_id=500))
+    kwargs = dict(
+        pairs=[(1.0, train)], split="", valid_prefix=valid, test_prefix="", seq_len=32,
+        train_samples=8, eval_samples=4, seed=1, cache_dir=str(tmp_path / "cache"),
+    )  # fmt: skip
+    info = build_heldout_data(**kwargs)[3]
+    assert (info["index_cache_hits"], info["index_cache_builds"]) == (0, 1)
+    info = build_heldout_data(**kwargs)[3]
+    assert (info["index_cache_hits"], info["index_cache_builds"]) == (1, 0)
