@@ -125,6 +125,18 @@ def common_diagnostics_steps(runs: list[RunEvents]) -> list[int]:
     return sorted(steps or ())
 
 
+def fc2_missing_reason(runs: list[RunEvents]) -> str:
+    """Why no step is common to every run's FC2 gradient norms: the runs without any (logged only
+    with ``train.diagnostics_interval`` > 0), or steps that never coincide."""
+    without = [run.name for run in runs if not run.by_layer("grads/fc2_l1")]
+    if without:
+        return (
+            f"{', '.join(without)} logged no FC2 gradient norms (train with train.diagnostics_interval > 0, "
+            "e.g. 10, to record them)"
+        )
+    return "the runs logged them at no common step (give them the same train.diagnostics_interval)"
+
+
 def plot_fc2_by_layer(runs: list[RunEvents], steps: Sequence[int], path: str) -> None:
     """The paper's Fig. 3: average L1 norm of the FC2 weight gradient by layer, one panel per step
     of ``steps``, one line per run."""
@@ -244,6 +256,8 @@ def plot_runs(run_dirs: Sequence[str], output_dir: str, step: int | None = None)
         path = os.path.join(output_dir, "grads_fc2_l1_by_layer.png")
         plot_fc2_by_layer(runs, panel_steps(steps) if step is None else [step], path)
         written.append(path)
+    else:
+        print(f"note: grads_fc2_l1_by_layer.png not written: {fc2_missing_reason(runs)}", file=sys.stderr)
     for run in runs:
         if run.ops("grads/l2"):
             path = os.path.join(output_dir, f"{run.name}_grads_l2.png")

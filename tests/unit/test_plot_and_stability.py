@@ -60,3 +60,20 @@ def test_stability_overrides_load_and_the_median_skips_runs_that_did_not_diverge
     text = markdown(table, 5e-5, 2.0, 1000)
     assert "| pre_ln | 0.02 | 1: 0.01, 2: 0.03, 3: — | 1 |" in text
     json.dumps(table)  # the table is written as JSON
+
+
+def test_a_run_without_diagnostics_is_named_when_the_fc2_figure_is_skipped(tmp_path, capsys):
+    """One run without FC2 gradient norms: the figure is skipped, and the console says which run
+    and how to record them (before, it was skipped silently)."""
+    _fake_run(tmp_path / "a")
+    writer = MetricsWriter(str(tmp_path / "plain" / "tensorboard"), enabled=True, hparams={})
+    for step in range(1, 21):
+        writer.scalars(step, {"train/loss": 10.0 / step, "train/tokens": 512 * step})
+    writer.close()
+    assert (
+        plot_main([str(tmp_path / "a"), str(tmp_path / "plain"), "--output-dir", str(tmp_path / "png")]) == 0
+    )
+    assert not (tmp_path / "png" / "grads_fc2_l1_by_layer.png").exists()
+    err = capsys.readouterr().err
+    assert "grads_fc2_l1_by_layer.png not written: plain logged no FC2 gradient norms" in err
+    assert "train.diagnostics_interval > 0" in err
