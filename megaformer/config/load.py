@@ -400,7 +400,18 @@ def check_train(cfg: RunConfig) -> None:
 
 def check_data(cfg: RunConfig) -> None:
     d = cfg.data
-    _require(0.0 < d.valid_fraction < 1.0, f"data.valid_fraction={d.valid_fraction}: must lie in (0, 1).")
+    if d.valid_prefix or d.split:  # the held-out set comes from elsewhere: the fraction is not used
+        _require(
+            0.0 <= d.valid_fraction < 1.0,
+            f"data.valid_fraction={d.valid_fraction}: must lie in [0, 1) (it is not used with "
+            f"{'data.valid_prefix' if d.valid_prefix else 'data.split'}).",
+        )
+    else:
+        _require(
+            0.0 < d.valid_fraction < 1.0,
+            f"data.valid_fraction={d.valid_fraction}: must lie in (0, 1): the share of data.prefix's "
+            "documents held out for validation (or give data.valid_prefix or data.split instead).",
+        )
     _require(
         0 <= d.eod_token < cfg.model.vocab_size, f"data.eod_token={d.eod_token}: outside the vocabulary."
     )

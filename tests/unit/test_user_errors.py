@@ -74,3 +74,13 @@ def test_pretrain_sh_says_a_config_error_once_before_any_worker_starts(tmp_path)
     assert proc.stderr.count("unknown key 'model.hiden_size'. Did you mean 'hidden_size'?") == 1
     assert "[pretrain.sh]" not in proc.stderr and "launch.py" not in proc.stderr and proc.stdout == ""
     assert not list(tmp_path.iterdir())
+
+
+def test_valid_fraction_zero_is_allowed_where_it_is_not_used_and_explained_where_it_is():
+    cfg = load_config(
+        "configs/normformer-quickstart.yaml",
+        ["data.valid_prefix=/data/heldout_text_document", "data.valid_fraction=0"],
+    )
+    assert cfg.data.valid_fraction == 0.0
+    with pytest.raises(ConfigError, match=r"must lie in \(0, 1\): the share .*or give data.valid_prefix"):
+        load_config("configs/normformer-quickstart.yaml", ["data.valid_fraction=0"])
