@@ -770,16 +770,17 @@ def _add_encoded(encoded: _Encoded, writers: list, accumulators: list, summary: 
 
 
 def check_output_prefix(prefix: str) -> None:
-    """Refuse an ``--output-prefix`` that cannot name files: one ending in ``/`` or naming a
-    directory (the outputs would be hidden ``_text_document.*`` files inside it), or one under an
-    existing file (``raw/file.jsonl/x``), before any work.
+    """Refuse an ``--output-prefix`` that cannot name files: one ending in ``/`` (the outputs would
+    be hidden ``_text_document.*`` files inside that directory), or one under an existing file
+    (``raw/file.jsonl/x``), before any work. A prefix that is also a directory's name is fine: its
+    outputs (``{prefix}_text_document.*``) lie beside the directory, not in it.
 
     Raises:
         OutputError: naming the prefix, what is wrong and a prefix that works.
     """
     from data_tools.errors import OutputError
 
-    if prefix.endswith(("/", os.sep)) or os.path.isdir(prefix):
+    if prefix.endswith(("/", os.sep)):
         base = prefix.rstrip("/" + os.sep) or "."
         raise OutputError(
             f"--output-prefix {prefix!r} names a directory: the outputs would be hidden files "
