@@ -12,6 +12,8 @@ import pytest
 from tests.distributed.conftest import DATA, REPO, read_scalars, run_pretrain
 from tests.distributed.test_train_launch import CONFIG, TINY, _check
 
+pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
+
 BOOKS_A = ("pg42.txt.xz", "244-0.txt.xz")  # two different sets of novels
 BOOKS_B = ("pg2097.txt.xz", "pg345.txt.xz")
 

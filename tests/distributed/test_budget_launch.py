@@ -12,6 +12,8 @@ import pytest
 from tests.distributed.conftest import read_scalars, run_pretrain
 from tests.distributed.test_train_launch import CONFIG, TINY, _check
 
+pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
+
 BUDGET = 0.02  # device-hours: 36 s of wall-clock on 2 processes
 # A body deep and wide enough for NormFormer's extra LayerNorms to cost measurable time next to the
 # vocabulary projection (at TINY's 2 layers they are lost in it: measured -2 % .. +1 %; here +7 %).

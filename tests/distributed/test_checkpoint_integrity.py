@@ -17,6 +17,8 @@ from megaformer.training import ckpt_integrity as integrity
 from megaformer.training.preflight import check_checkpoint
 from tests.distributed.conftest import LIFECYCLE_TINY, run_pretrain
 
+pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
+
 CONFIG = "configs/normformer-quickstart.yaml"
 SUGGESTION = "newest intact checkpoint beside it is {}"
 

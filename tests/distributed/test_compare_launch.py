@@ -8,7 +8,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.distributed.conftest import REPO
+
+pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
 
 TINY = [
     "model.hidden_size=64", "model.num_layers=2", "model.num_attention_heads=2", "model.seq_len=64",

@@ -14,6 +14,8 @@ from megaformer.training.schedule import lr_at
 from tests.distributed.conftest import CPU_FP16_PATH, read_scalars, run_pretrain
 from tests.distributed.test_train_launch import CONFIG, TINY, _check
 
+pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
+
 
 def test_lr_1000_without_clipping_ends_cleanly_and_counts_nonfinite_steps(gutenberg_prefix, tmp_path):
     # ZeRO 0, fp32: nothing skips the non-finite updates, so the weights themselves become inf/NaN.

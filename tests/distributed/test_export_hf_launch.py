@@ -29,6 +29,8 @@ import torch
 
 from tests.distributed.conftest import REPO, free_port
 
+pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
+
 transformers = pytest.importorskip("transformers")
 
 OFF = "model.post_attn_ln=false;model.head_scale=false;model.ffn_ln=false"  # train_schemes.py splits at ;

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 
 import numpy as np
 import pytest
@@ -13,14 +12,15 @@ import pytest
 from tests.distributed.conftest import read_scalars, run_pretrain
 from tests.distributed.test_train_launch import CONFIG, TINY, _check
 
+pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
+
 
 def _fails_fast(prefix: str, tmp_path, *needles: str) -> None:
-    t0 = time.perf_counter()
+    # Failing fast, shown by what happened rather than by a wall-clock bound (a loaded machine
+    # would make one flaky): the preflight refused the data before a model or loader was built.
     proc = run_pretrain(CONFIG, [*TINY, f"data.prefix={prefix}", "train.steps=10", f"output.dir={tmp_path}"])
-    elapsed = time.perf_counter() - t0
     out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-3000:]
-    assert elapsed < 10, f"took {elapsed:.1f} s\n{out[-3000:]}"
+    assert proc.returncode == 2, out[-3000:]  # the configuration/data error's status
     assert "[megaformer] model:" not in out and "[megaformer] data:" not in out  # nothing was built
     for needle in needles:
         assert needle in out, (needle, out[-3000:])

@@ -5,7 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 
+import pytest
+
 from tests.distributed.conftest import REPO, free_port, read_scalars
+
+pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
 
 
 def test_two_nodes_by_hostfile_and_node_rank(gutenberg_prefix, tmp_path):

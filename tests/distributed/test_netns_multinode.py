@@ -14,6 +14,8 @@ import pytest
 
 from tests.distributed.conftest import REPO, free_port, read_scalars
 
+pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
+
 NS = [f"mf{os.getpid()}a", f"mf{os.getpid()}b"]
 ADDR = ["10.231.0.1", "10.231.0.2"]
 IFACE = ["mfva", "mfvb"]

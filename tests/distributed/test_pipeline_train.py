@@ -25,6 +25,8 @@ import pytest
 
 from tests.distributed.conftest import CPU_FP16_PATH, read_scalars, run_pretrain
 
+pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
+
 CONFIG = "configs/normformer-quickstart.yaml"
 # Every layout sees the same 8 samples per step: 1 process = 2 micro-batches of 4, pp = 2 (dp = 1)
 # = 2 pipeline micro-batches, pp = 1 × dp = 2 = one micro-batch per rank.

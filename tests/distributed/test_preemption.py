@@ -23,6 +23,8 @@ import torch
 from megaformer.training.stopping import EXIT_CODE_STOPPED
 from tests.distributed.conftest import LIFECYCLE_TINY, REPO, run_pretrain
 
+pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
+
 CONFIG = "configs/normformer-quickstart.yaml"
 
 

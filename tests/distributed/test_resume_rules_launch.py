@@ -13,6 +13,8 @@ from megaformer.config import load_config
 from megaformer.training.schedule import lr_at
 from tests.distributed.conftest import LIFECYCLE_TINY, read_scalars, run_pretrain
 
+pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
+
 CONFIG = "configs/normformer-quickstart.yaml"
 
 

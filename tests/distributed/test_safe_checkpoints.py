@@ -20,6 +20,8 @@ import pytest
 from tests.distributed.conftest import LIFECYCLE_TINY, REPO, run_pretrain
 from tests.support.malicious_checkpoint import plant_payload
 
+pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
+
 CONFIG = "configs/normformer-quickstart.yaml"
 ZERO_SHOT = REPO / "tests" / "fixtures" / "zero_shot"
 

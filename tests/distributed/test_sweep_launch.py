@@ -8,9 +8,13 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from megaformer.config.load import load_config
 from tests.distributed.conftest import REPO
 from tests.distributed.test_compare_launch import TINY
+
+pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
 
 
 def test_sweep_picks_a_rate_per_scheme_and_resumes(gutenberg_prefix, tmp_path):

@@ -20,6 +20,8 @@ from megaformer.model import NormFormerLM
 from megaformer.tools.reshard import load_module, reshard
 from tests.distributed.conftest import REPO, free_port, read_scalars, run_pretrain
 
+pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
+
 CONFIG = "configs/normformer-quickstart.yaml"
 # Two processes: tp=1 gives dp=2 (4 samples per rank), tp=2 gives dp=1 with 2 accumulation steps:
 # the same 8 samples per step, so the same losses up to float rounding.

@@ -15,6 +15,8 @@ import pytest
 
 from tests.distributed.conftest import REPO
 
+pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
+
 TINY = [
     "model.hidden_size=32",
     "model.num_layers=1",

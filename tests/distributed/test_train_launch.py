@@ -11,6 +11,8 @@ import pytest
 
 from tests.distributed.conftest import CPU_FP16_PATH, read_scalars, run_pretrain
 
+pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
+
 CONFIG = "configs/normformer-quickstart.yaml"
 TINY = [
     "model.hidden_size=64",

@@ -4,7 +4,6 @@ with a message that names the file or key and the fix."""
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 import pytest
@@ -64,10 +63,8 @@ def test_ids_beyond_the_vocabulary_name_the_largest_id_and_the_fix(tmp_path):
     docs = _docs()
     docs[7][3] = 60000  # a vocabulary of 60k tokens, a model of 50,257
     prefix = _dataset(tmp_path / "bigvocab", docs)
-    t0 = time.perf_counter()
     with pytest.raises(DataFormatError) as info:
         run_preflight(_cfg(prefix), world_size=1)
-    assert time.perf_counter() - t0 < 10
     message = str(info.value)
     assert "60000" in message and "model.vocab_size=50257" in message and "retokenize" in message
     assert prefix in message
