@@ -89,23 +89,9 @@ def _install_phase_marks(engine: Any, audit: Any) -> None:
         return wrapper
 
     if engine.pipelined:
-        cls = type(ds)
-        from deepspeed.runtime.pipe import schedule
+        from megaformer.training.ds_adapter import wrap_pipeline_instructions
 
-        phases = {
-            schedule.ForwardPass: "forward",
-            schedule.BackwardPass: "backward",
-            schedule.OptimizerStep: "optimizer",
-            schedule.ReduceGrads: "optimizer",
-            schedule.ReduceTiedGrads: "optimizer",
-            schedule.SendActivation: "forward",
-            schedule.RecvActivation: "forward",
-            schedule.SendGrad: "backward",
-            schedule.RecvGrad: "backward",
-        }
-        cls._INSTRUCTION_MAP = {
-            k: (marked(v, phases[k]) if k in phases else v) for k, v in cls._INSTRUCTION_MAP.items()
-        }
+        wrap_pipeline_instructions(type(ds), marked)
         return
     ds.forward = marked(ds.forward, "forward")
     backward = marked(ds.backward, "backward")

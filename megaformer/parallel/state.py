@@ -145,23 +145,6 @@ class ParallelState:
                     mine[kind] = (group, ranks)
         return cls(grid, rank, mine)
 
-    def topology(self):
-        """DeepSpeed's ``PipeModelDataParallelTopology`` of this grid (the same rank layout).
-
-        Given to the ``PipelineModule``, whose engine builds its own groups from it: the engine
-        takes no ``mpu`` with pipelines. Raises ``AssertionError`` if DeepSpeed ever lays the ranks
-        out differently from :func:`rank_of`.
-        """
-        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-
-        topo = PipeModelDataParallelTopology(num_pp=self.pp_size, num_mp=self.tp_size, num_dp=self.dp_size)
-        coord = topo.get_coord(self.rank)
-        assert (coord.pipe, coord.data, coord.model) == (self.pp_rank, self.dp_rank, self.tp_rank), (
-            f"DeepSpeed places rank {self.rank} at {coord}, megaformer at "
-            f"pipe={self.pp_rank} data={self.dp_rank} model={self.tp_rank}"
-        )
-        return topo
-
     def __repr__(self) -> str:
         return (
             f"ParallelState(rank={self.rank}, tp {self.tp_rank}/{self.tp_size} {self.tp_ranks}, "

@@ -5,8 +5,10 @@ from megaformer.pipeline.module import (
     PARTITION_METHODS,
     build_pipeline_module,
     checkpointed,
+    configure_recompute,
     layer_spec,
     layer_specs,
+    pipe_topology,
     vocab_param_names,
 )
 
@@ -14,7 +16,9 @@ __all__ = [
     "PARTITION_METHODS",
     "build_pipeline_module",
     "checkpointed",
+    "configure_recompute",
     "layer_spec",
     "layer_specs",
+    "pipe_topology",
     "vocab_param_names",
 ]

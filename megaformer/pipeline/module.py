@@ -23,6 +23,7 @@ uses :class:`~megaformer.model.NormFormerLM` itself.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
@@ -39,10 +40,46 @@ __all__ = [
     "PARTITION_METHODS",
     "build_pipeline_module",
     "checkpointed",
+    "configure_recompute",
     "layer_spec",
     "layer_specs",
+    "pipe_topology",
     "vocab_param_names",
 ]
+
+
+def pipe_topology(state: Any) -> Any:
+    """DeepSpeed's ``PipeModelDataParallelTopology`` of a :class:`~megaformer.parallel.state.ParallelState`.
+
+    Given to the ``PipelineModule``, whose engine builds its own groups from it (the engine takes
+    no ``mpu`` with pipelines): the same rank layout as megaformer's groups.
+
+    Raises:
+        AssertionError: DeepSpeed lays this rank out differently from
+            :func:`megaformer.parallel.state.rank_of` (a DeepSpeed change; the groups would disagree).
+    """
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    topo = PipeModelDataParallelTopology(num_pp=state.pp_size, num_mp=state.tp_size, num_dp=state.dp_size)
+    coord = topo.get_coord(state.rank)
+    assert (coord.pipe, coord.data, coord.model) == (state.pp_rank, state.dp_rank, state.tp_rank), (
+        f"DeepSpeed places rank {state.rank} at {coord}, megaformer at "
+        f"pipe={state.pp_rank} data={state.dp_rank} model={state.tp_rank}"
+    )
+    return topo
+
+
+def configure_recompute(mpu: Any, partition_activations: bool) -> None:
+    """Configure DeepSpeed's activation checkpointing (``train.recompute_mode=full``) once per process.
+
+    Args:
+        mpu: the model-parallel unit (``ParallelState.mpu()``) at tp > 1, else None.
+        partition_activations: split each stored block input over the TP group (False with
+            sequence parallelism, whose block inputs are already sliced and differ per rank).
+    """
+    from deepspeed.runtime.activation_checkpointing import checkpointing
+
+    checkpointing.configure(mpu, partition_activations=partition_activations)
 
 
 def layer_spec(layer: LayerDef) -> LayerSpec:

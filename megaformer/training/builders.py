@@ -95,7 +95,7 @@ def build_model(cfg: RunConfig, layout: Layout, dropout_rng: DropoutRNG) -> torc
     ``selective`` recomputes only each block's attention core. Also applies ``train.tf32``.
     """
     from megaformer.model import NormFormerLM, set_selective_recompute
-    from megaformer.pipeline import build_pipeline_module, checkpointed
+    from megaformer.pipeline import build_pipeline_module, checkpointed, configure_recompute, pipe_topology
 
     t, par = cfg.train, cfg.parallel
     tp_group = layout.tp_group
@@ -103,10 +103,8 @@ def build_model(cfg: RunConfig, layout: Layout, dropout_rng: DropoutRNG) -> torc
     full = t.recompute_mode == "full"
     configure_tf32(t.tf32)
     if full:
-        from deepspeed.runtime.activation_checkpointing import checkpointing
-
         # Sequence-parallel block inputs are already sliced and differ per rank: stored whole.
-        checkpointing.configure(
+        configure_recompute(
             layout.state.mpu() if tp_group is not None else None,
             partition_activations=tp_group is not None and not sequence_parallel,
         )
@@ -116,7 +114,7 @@ def build_model(cfg: RunConfig, layout: Layout, dropout_rng: DropoutRNG) -> torc
     if par.pp_size > 1:
         model = build_pipeline_module(
             cfg.model,
-            topology=layout.state.topology(),
+            topology=pipe_topology(layout.state),
             partition_method=par.partition_method,
             activation_checkpointing=full,
             **common,
@@ -139,12 +137,11 @@ def count_parameters_global(model: torch.nn.Module, layout: Layout) -> int:
     """
     from megaformer.model import count_parameters
     from megaformer.parallel.comm import all_reduce_ints
+    from megaformer.training.ds_adapter import is_pipe_replica
 
     state = layout.state
     local = torch.nn.Module()
-    local.params = torch.nn.ParameterList(
-        p for p in model.parameters() if not getattr(p, "ds_pipe_replicated", False)
-    )
+    local.params = torch.nn.ParameterList(p for p in model.parameters() if not is_pipe_replica(p))
     count = count_parameters(local, state.tp_size)
     if state.pp_size == 1:
         return count

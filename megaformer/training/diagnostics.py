@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from megaformer.parallel.comm import comm_device
+from megaformer.training.ds_adapter import full_grad, is_pipe_replica
 
 GRAD_OPS = (
     "qkv",
@@ -92,18 +93,6 @@ def _op_params(block: Any, op: str) -> list[torch.nn.Parameter]:
 def _counts_here(param: torch.nn.Parameter, first_tp_rank: bool) -> bool:
     """Whether this rank adds ``param``'s sums: sharded ones on every TP rank, replicated on rank 0."""
     return first_tp_rank or bool(getattr(param, "tensor_model_parallel", False))
-
-
-def full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
-    """This rank's whole gradient of ``param`` (its TP shard), assembled under ZeRO.
-
-    ``deepspeed.utils.safe_get_full_grad`` (``param.grad`` when it is there). A collective over the
-    data-parallel group under ZeRO 1–3: every data-parallel rank must call it for the same
-    parameters in the same order, after the backward pass and before the optimizer step.
-    """
-    from deepspeed.utils import safe_get_full_grad
-
-    return safe_get_full_grad(param)
 
 
 def ops_of(config: Any) -> tuple[list[str], list[str]]:
@@ -256,7 +245,7 @@ def param_norm_squared(module: torch.nn.Module, state: Any) -> torch.Tensor:
     params = [
         p.detach()
         for p in module.parameters()
-        if p.numel() > 0 and not getattr(p, "ds_pipe_replicated", False) and _counts_here(p, first)
+        if p.numel() > 0 and not is_pipe_replica(p) and _counts_here(p, first)
     ]
     total = torch.zeros((), dtype=torch.float32, device=device)
     if params:  # one fused kernel per device and dtype rather than one per parameter

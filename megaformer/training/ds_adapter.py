@@ -23,7 +23,15 @@ process group starts:
   wrapping ``DeepSpeedEngine.allreduce_gradients`` where the engine still holds whole gradients at
   the accumulation boundary (:func:`_install_sequence_parallel_grad_reduction`);
 * checkpoint file names (:data:`MODEL_STATES_FILE`, :data:`LAYER_STATES_FILE`), read by
-  :mod:`megaformer.tools.reshard`.
+  :mod:`megaformer.tools.reshard`, and the data classes DeepSpeed pickles into them
+  (:func:`checkpoint_data_classes`, allowed by :mod:`.safe_load`);
+* the pipeline engine's mark on its copy of a tied parameter (``ds_pipe_replicated``:
+  :func:`is_pipe_replica`), its instruction table (``PipelineEngine._INSTRUCTION_MAP``:
+  :func:`wrap_pipeline_instructions`, for the fake-CUDA dry run's phase audit), and ZeRO's
+  gradient assembly (``deepspeed.utils.safe_get_full_grad``: :func:`full_grad`).
+
+Outside this module only :mod:`megaformer.pipeline.module` (whose classes are DeepSpeed's) and
+``megaformer/tools`` import DeepSpeed; ``tests/unit/test_boundaries.py`` fails otherwise.
 
 Every tensor handed to a collective here is on the communication device of its group
 (:func:`megaformer.parallel.comm.comm_device`): CUDA under NCCL, which refuses CPU tensors.
@@ -148,6 +156,66 @@ def init_distributed(backend: str, timeout: Any = None) -> tuple[int, int, int]:
     return dist.get_rank(), dist.get_world_size(), local_rank
 
 
+def is_pipe_replica(param: torch.nn.Parameter) -> bool:
+    """Whether ``param`` is the pipeline engine's copy of a tied parameter (the tied embedding on
+    the last stage, which DeepSpeed marks ``ds_pipe_replicated``): counted once, on its owner."""
+    return bool(getattr(param, "ds_pipe_replicated", False))
+
+
+def full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """This rank's whole gradient of ``param`` (its TP shard), assembled under ZeRO.
+
+    ``deepspeed.utils.safe_get_full_grad`` (``param.grad`` when it is there). A collective over the
+    data-parallel group under ZeRO 1–3: every data-parallel rank must call it for the same
+    parameters in the same order, after the backward pass and before the optimizer step.
+    """
+    from deepspeed.utils import safe_get_full_grad
+
+    return safe_get_full_grad(param)
+
+
+def checkpoint_data_classes() -> list[type]:
+    """DeepSpeed's data classes that its optimizer state at ZeRO stage 0 puts into the module file.
+
+    Each is a plain data holder: an ``Enum``, a dataclass, and the loss scalers, whose pickles
+    restore attributes (``__dict__``) and call nothing. Empty when DeepSpeed is absent (then no
+    such file can have been written here).
+    """
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+    except ImportError:  # pragma: no cover - deepspeed is a requirement
+        return []
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def wrap_pipeline_instructions(engine_cls: type, wrap: Any) -> None:
+    """Replace each handler of the pipeline engine's instruction table with ``wrap(handler, phase)``.
+
+    ``engine_cls``: the ``PipelineEngine`` class whose ``_INSTRUCTION_MAP`` (instruction type →
+    handler) is rewritten in place; ``phase`` is ``"forward"``, ``"backward"`` or ``"optimizer"``
+    (communication instructions count as the pass they serve); instructions without a phase
+    (loads, buffer allocation) keep their handler.
+    """
+    from deepspeed.runtime.pipe import schedule
+
+    phases = {
+        schedule.ForwardPass: "forward",
+        schedule.BackwardPass: "backward",
+        schedule.OptimizerStep: "optimizer",
+        schedule.ReduceGrads: "optimizer",
+        schedule.ReduceTiedGrads: "optimizer",
+        schedule.SendActivation: "forward",
+        schedule.RecvActivation: "forward",
+        schedule.SendGrad: "backward",
+        schedule.RecvGrad: "backward",
+    }
+    engine_cls._INSTRUCTION_MAP = {
+        k: (wrap(v, phases[k]) if k in phases else v) for k, v in engine_cls._INSTRUCTION_MAP.items()
+    }
+
+
 def pipeline_grad_norm(params: Iterable[torch.nn.Parameter], state: Any) -> torch.Tensor:
     """L2 norm of the whole pipelined model's gradients, on every stage, as a device tensor.
 
@@ -155,7 +223,7 @@ def pipeline_grad_norm(params: Iterable[torch.nn.Parameter], state: Any) -> torc
     tied embedding's copy on the last stage, marked ``ds_pipe_replicated`` by DeepSpeed, skipped)
     summed over the pipeline group, in fp32 on the group's communication device.
     """
-    owned = [p for p in params if not getattr(p, "ds_pipe_replicated", False)]
+    owned = [p for p in params if not is_pipe_replica(p)]
     tp_group = state.tp_group if state.tp_size > 1 else None
     square = grad_norm_squared(owned, tp_group, device=comm_device(state.pp_group))
     if state.pp_size > 1:

@@ -64,25 +64,12 @@ class UntrustedCheckpointError(CheckpointReadError):
         )
 
 
-def _deepspeed_globals() -> list[Any]:
-    """DeepSpeed's data classes that its optimizer state at ZeRO stage 0 puts into the module file.
-
-    Imported lazily (and skipped when DeepSpeed is absent: then no such file can be written here).
-    Each is a plain data holder: an ``Enum``, a dataclass, and the loss scalers, whose pickles
-    restore attributes (``__dict__``) and call nothing.
-    """
-    try:
-        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-        from deepspeed.runtime.zero.config import ZeroStageEnum
-        from deepspeed.utils.tensor_fragment import fragment_address
-    except ImportError:  # pragma: no cover - deepspeed is a requirement
-        return []
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
-
-
 def allowed_globals() -> list[Any]:
-    """The globals a megaformer checkpoint file may name besides torch's defaults (see module doc)."""
-    return _deepspeed_globals()
+    """The globals a megaformer checkpoint file may name besides torch's defaults (see module doc):
+    DeepSpeed's plain data classes (:func:`~megaformer.training.ds_adapter.checkpoint_data_classes`)."""
+    from megaformer.training.ds_adapter import checkpoint_data_classes
+
+    return checkpoint_data_classes()
 
 
 def _qualified(obj: Any) -> str:

@@ -112,12 +112,12 @@ def _layout(tp: int, pp: int, dp: int):
 def _check_pipeline_count_and_clipping() -> None:
     """pp = 2: the parameter count over stages, and the fp32 pipeline clipping with its norm."""
     from megaformer.model import NormFormerLM, count_parameters
-    from megaformer.pipeline import build_pipeline_module
+    from megaformer.pipeline import build_pipeline_module, pipe_topology
     from megaformer.training.builders import count_parameters_global
     from megaformer.training.ds_adapter import _install_pipeline_fp32_clipping
 
     layout = _layout(1, 2, 1)
-    stage = build_pipeline_module(TINY, topology=layout.state.topology(), tp_group=None, seed=1)
+    stage = build_pipeline_module(TINY, topology=pipe_topology(layout.state), tp_group=None, seed=1)
     seen: list[str] = []
     with strict_collectives(seen):
         total = count_parameters_global(stage, layout)
