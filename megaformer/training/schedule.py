@@ -55,6 +55,11 @@ class Schedule:
         """The learning rate of update ``step`` (0-based)."""
         return lr_at(step, self.t, self.total_steps)
 
+    def resume_decay_end(self, total_steps: int) -> None:
+        """Decay toward ``total_steps`` as the saved run did (a budget's length, decided before the
+        resume and read from the checkpoint): no guard, since the saved run already decayed toward it."""
+        self.total_steps = total_steps
+
     def set_total_steps(self, total_steps: int, step: int) -> None:
         """Fix the run's length at ``total_steps``, at update ``step``.
 

@@ -103,10 +103,10 @@ class TrainLoop:
         self.checkpointer = checkpointer
         self.start_step = start_step
         self.compute = compute  # a flops.ComputeMeter: tokens, device-hours, TFLOP/s, MFU
-        self.schedule = schedule  # the learning-rate schedule; its end is the run's last step
+        self.schedule = schedule  # maps a step to its learning rate; the loop decides when to stop
         self.budget = None
         if "budget_steps" in client_state:  # decided before a resume: kept
-            schedule.total_steps = int(client_state["budget_steps"])
+            schedule.resume_decay_end(int(client_state["budget_steps"]))
             log(layout, f"budget: run length {schedule.total_steps} steps, as decided before the resume")
         elif cfg.train.budget_device_hours > 0:
             self.budget = BudgetKeeper(cfg, layout.world_size, start_step)
@@ -133,6 +133,9 @@ class TrainLoop:
         self.budget_planned: int | None = None  # its decided length, when it ended before it
         self.eval_seconds: list[float] = []  # wall-clock of each validation (for calibrations)
         self.last_step = start_step
+        # The run's last step: train.steps (an extension's new length), a budget's decision, or the
+        # step where it ended early (divergence, an exhausted loss scale, a budget spent).
+        self.total: int = schedule.total_steps
         self._init_diagnostics(int(client_state.get("nonfinite_steps", 0)))
 
     def _init_diagnostics(self, nonfinite_steps: int) -> None:
@@ -183,10 +186,13 @@ class TrainLoop:
             self.writer.histograms(done, self.diagnostics.scale_histograms())
         return values
 
-    @property
-    def total(self) -> int:
-        """The run's last step (``train.steps``, or the budget's decision)."""
-        return self.schedule.total_steps
+    def _fix_length(self, total: int, step: int) -> None:
+        """Fix the run's length at ``total`` at step ``step`` (a budget's decision): the loop ends
+        there, and the learning rate decays to its minimum there. ``total <= step``: not one more
+        step fits, the run ends at ``step`` (the schedule is left as it was: no update follows)."""
+        if total > step:
+            self.schedule.set_total_steps(total, step)
+        self.total = max(total, step)
 
     def _batches(self, start_step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         from megaformer.data.loader import train_loader
@@ -276,14 +282,14 @@ class TrainLoop:
             return self.engine.train_step(batches)
         except LossScaleExhaustedError as e:
             self.diverged = {"diverged_at_step": step + 1, "diverged_at_lr": lr}
-            self.schedule.total_steps = step
+            self.total = step
             log(self.layout, f"diverged at step {step + 1}, lr {lr:.4g}: {e}; stopping after step {step}")
             return None
 
     def _stop_diverged(self, done: int, lr: float, loss: Any) -> None:
         """End the run at step ``done`` (evaluated, saved, summarised), for the stability test."""
         self.diverged = {"diverged_at_step": done, "diverged_at_lr": lr}
-        self.schedule.total_steps = done  # the loop's last step: evaluation and save follow
+        self.total = done  # the loop's last step: evaluation and save follow
         log(
             self.layout,
             f"diverged at step {done}, lr {lr:.4g}: training loss {float(loss):.4g} (non-finite, or above "
@@ -307,20 +313,14 @@ class TrainLoop:
         self.writer.scalars(done, {"valid/loss": self.valid_loss, "valid/ppl": safe_exp(self.valid_loss)})
         spent = self.compute.device_seconds / self.layout.world_size
         total = self.budget.decide(done, spent, eval_seconds)
-        if total > done:
-            self.schedule.set_total_steps(total, done)
-        else:
-            self.schedule.total_steps = done  # not one more step fits: the run ends here
+        self._fix_length(total, done)
         log(self.layout, self.budget.describe(done, self.layout.world_size))
 
     def _decide_budget_calibrated(self, start_step: int) -> None:
         """Fix the run's length before its first step from the calibrated step and evaluation
         times (``train.budget_step_seconds``; see :mod:`.budget`): the whole budget is left."""
         total = self.budget.decide(start_step, self.cfg.train.budget_fixed_seconds, self.budget.eval_seconds)
-        if total > start_step:
-            self.schedule.set_total_steps(total, start_step)
-        else:
-            self.schedule.total_steps = start_step
+        self._fix_length(total, start_step)
         log(self.layout, self.budget.describe(start_step, self.layout.world_size))
 
     def _ahead_seconds(self) -> float:
@@ -338,7 +338,7 @@ class TrainLoop:
         t = self.cfg.train
         planned, self.budget_stopped_at, self.stopped = self.total, done, None
         self.budget_planned = planned
-        self.schedule.total_steps = done
+        self.total = done
         hours = self.compute.device_hours
         log(
             self.layout,
