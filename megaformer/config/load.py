@@ -25,7 +25,12 @@ from typing import Any, get_type_hints
 import yaml
 
 from megaformer.config.schema import (
+    ACTIVATIONS,
     BUDGET_SKIP_STEPS,
+    INITS,
+    NORM_SCHEMES,
+    POSITION_EMBEDDINGS,
+    PRE_LN_ONLY,
     ConfigError,
     DataConfig,
     ModelConfig,
@@ -224,8 +229,25 @@ def _positive(section: str, obj: Any, *names: str) -> None:
         _require(value > 0, f"{section}.{name}={value}: must be > 0.")
 
 
+def _one_of(key: str, value: str, allowed: tuple[str, ...], note: str = "") -> None:
+    shown = (
+        " or ".join(f"'{a}'" for a in allowed)
+        if len(allowed) < 3
+        else (", ".join(f"'{a}'" for a in allowed[:-1]) + f" or '{allowed[-1]}'")
+    )
+    _require(value in allowed, f"{key}='{value}': use {shown}{note}.")
+
+
 def check_model(cfg: RunConfig) -> None:
-    m = cfg.model
+    check_model_config(cfg.model)
+
+
+def check_model_config(m: ModelConfig) -> None:
+    """The model section's rules, also applied by the model to a config built without the loader.
+
+    Raises:
+        ConfigError: a value out of range or not one of the allowed choices (message: key, value, fix).
+    """
     _positive("model", m, "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "seq_len")
     _positive("model", m, "make_vocab_size_divisible_by", "layernorm_eps", "init_std")
     _require(m.embedding_init_std >= 0, f"model.embedding_init_std={m.embedding_init_std}: must be >= 0.")
@@ -235,32 +257,23 @@ def check_model(cfg: RunConfig) -> None:
         f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
         f"{m.num_attention_heads}; pick a head count that divides it.",
     )
-    _require(
-        m.position_embedding in ("sinusoidal", "learned"),
-        f"model.position_embedding='{m.position_embedding}': use 'sinusoidal' or 'learned'.",
-    )
-    _require(m.activation in ("gelu", "relu2"), f"model.activation='{m.activation}': use 'gelu' or 'relu2'.")
+    _one_of("model.position_embedding", m.position_embedding, POSITION_EMBEDDINGS)
+    _one_of("model.activation", m.activation, ACTIVATIONS)
     for name in ("hidden_dropout", "attention_dropout", "embedding_dropout"):
         p = getattr(m, name)
         _require(0.0 <= p < 1.0, f"model.{name}={p}: a probability in [0, 1).")
-    _require(
-        m.init in ("legacy", "gpt2", "fairseq"),
-        f"model.init='{m.init}': use 'legacy' (default), 'gpt2' or 'fairseq'.",
-    )
+    _one_of("model.init", m.init, INITS, " ('legacy' is the default)")
     _require(
         not (m.init == "gpt2" and m.scale_embedding),
         "model.init='gpt2' with model.scale_embedding=true: GPT-2 does not multiply its token "
         "embedding by sqrt(d); set model.scale_embedding=false (or use model.init='fairseq', which does).",
     )
-    _require(
-        m.norm_scheme in ("pre_ln", "post_ln", "deepnorm"),
-        f"model.norm_scheme='{m.norm_scheme}': use 'pre_ln', 'post_ln' or 'deepnorm'.",
-    )
+    _one_of("model.norm_scheme", m.norm_scheme, NORM_SCHEMES)
     # NormFormer's operations and the '+ 3 More LN' ablation are defined on a Pre-LN layer (paper
     # Sec. 2, Table 4); under Post-LN / DeepNorm no reference defines them (and LN on v would undo
     # DeepNorm's beta-scaled W_V init): refuse rather than train an architecture nobody specified.
     if m.norm_scheme != "pre_ln":
-        on = [k for k in ("post_attn_ln", "head_scale", "ffn_ln", "resid_scale", "qkv_ln") if getattr(m, k)]
+        on = [k for k in PRE_LN_ONLY if getattr(m, k)]
         _require(
             not on,
             f"model.norm_scheme='{m.norm_scheme}' with {', '.join(f'model.{k}=true' for k in on)}: "

@@ -19,6 +19,17 @@ class ConfigError(ValueError):
     """A configuration key or value that cannot work; the message names the key and the fix."""
 
 
+# The values a model's choices may take: the config's validators (megaformer.config.load) and the
+# model read them from here.
+POSITION_EMBEDDINGS = ("sinusoidal", "learned")
+ACTIVATIONS = ("gelu", "relu2")
+NORM_SCHEMES = ("pre_ln", "post_ln", "deepnorm")
+INITS = ("legacy", "gpt2", "fairseq")
+# Switches defined on a Pre-LN layer only: NormFormer's operations and the '+ 3 More LN' ablation
+# (paper Sec. 2, Table 4).
+PRE_LN_ONLY = ("post_attn_ln", "head_scale", "ffn_ln", "resid_scale", "qkv_ln")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The decoder LM: NormFormer (Shleifer et al. 2021, arXiv:2110.09456) or its Pre-LN baseline.

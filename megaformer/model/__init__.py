@@ -5,9 +5,9 @@
 :mod:`megaformer.pipeline` turns the same plan into DeepSpeed pipeline stages.
 """
 
+from megaformer.config.schema import NORM_SCHEMES
 from megaformer.model.lm import LayerDef, NormFormerLM, layer_prefixes, model_layers, vocab_param_names
 from megaformer.model.normformer import (
-    NORM_SCHEMES,
     FinalNorm,
     LMLoss,
     NormFormerBlock,

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from megaformer.config.load import check_model_config
 from megaformer.config.schema import ModelConfig
 from megaformer.model.normformer import (
     FinalNorm,
@@ -45,7 +46,6 @@ from megaformer.model.normformer import (
     NormFormerBlock,
     NormFormerEmbedding,
     OutputProjection,
-    _check_config,
     tied_output_logits,
 )
 from megaformer.parallel import mask_padded_vocab
@@ -112,9 +112,9 @@ def model_layers(
         ``num_layers + 3`` entries; nothing is built yet.
 
     Raises:
-        ConfigError: an unknown ``position_embedding`` / ``activation``, or heads not dividing d.
+        ConfigError: a config the loader would refuse (:func:`megaformer.config.load.check_model_config`).
     """
-    _check_config(config)
+    check_model_config(config)  # the loader's rules: a config built without it is checked too
     sp = sequence_parallel and tp_world_size(tp_group) > 1
     # One generator for all blocks: separate ones, all seeded alike, would repeat the same masks.
     rng = dropout_rng or DropoutRNG(seed, tp_rank=tp_rank(tp_group))
@@ -203,7 +203,7 @@ class NormFormerLM(nn.Module):
     (the blocks), ``<L+1>.norm.*`` (final LayerNorm), ``<L+2>.proj.weight`` (untied output only).
 
     Raises:
-        ConfigError: an unknown ``position_embedding`` / ``activation`` or heads not dividing d.
+        ConfigError: a config the loader would refuse (:func:`megaformer.config.load.check_model_config`).
         ValueError: heads, FFN width or padded vocabulary not dividing by the TP size.
     """
 

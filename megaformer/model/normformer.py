@@ -63,7 +63,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from megaformer.config.schema import ConfigError, ModelConfig
+from megaformer.config.load import check_model_config
+from megaformer.config.schema import ModelConfig
 from megaformer.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -87,13 +88,6 @@ from megaformer.parallel.utils import (
     tp_rank,
     tp_world_size,
 )
-
-_POSITION_EMBEDDINGS = ("sinusoidal", "learned")
-_ACTIVATIONS = ("gelu", "relu2")
-NORM_SCHEMES = ("pre_ln", "post_ln", "deepnorm")
-INITS = ("legacy", "gpt2", "fairseq")
-# Switches defined on a Pre-LN layer only (paper Sec. 2 and Table 4); see _check_config.
-_PRE_LN_ONLY = ("post_attn_ln", "head_scale", "ffn_ln", "resid_scale", "qkv_ln")
 
 
 def deepnorm_alpha(num_layers: int) -> float:
@@ -155,33 +149,6 @@ def block_inits(config: ModelConfig) -> tuple[dict[str, tuple[InitSpec, InitSpec
         "fc2": (InitSpec("normal", residual_std), None),
     }
     return inits, v_scale
-
-
-def _check_config(config: ModelConfig) -> None:
-    """Reject values the model cannot build (the config loader may have been bypassed)."""
-    if config.position_embedding not in _POSITION_EMBEDDINGS:
-        raise ConfigError(
-            f"model.position_embedding={config.position_embedding!r}; use one of {_POSITION_EMBEDDINGS}"
-        )
-    if config.activation not in _ACTIVATIONS:
-        raise ConfigError(f"model.activation={config.activation!r}; use one of {_ACTIVATIONS}")
-    if config.hidden_size % config.num_attention_heads != 0:
-        raise ConfigError(
-            f"model.hidden_size={config.hidden_size} is not divisible by "
-            f"model.num_attention_heads={config.num_attention_heads}"
-        )
-    if config.norm_scheme not in NORM_SCHEMES:
-        raise ConfigError(f"model.norm_scheme={config.norm_scheme!r}; use one of {NORM_SCHEMES}")
-    if config.init not in INITS:
-        raise ConfigError(f"model.init={config.init!r}; use one of {INITS}")
-    if config.init == "gpt2" and config.scale_embedding:
-        raise ConfigError("model.init='gpt2' has no sqrt(d) embedding scale; set model.scale_embedding=false")
-    on = [k for k in _PRE_LN_ONLY if getattr(config, k)]
-    if config.norm_scheme != "pre_ln" and on:
-        raise ConfigError(
-            f"model.norm_scheme={config.norm_scheme!r} with {on} on: these are defined on Pre-LN only; "
-            f"turn them off or use model.norm_scheme='pre_ln'"
-        )
 
 
 class ReplicatedLayerNorm(nn.LayerNorm):
@@ -317,8 +284,10 @@ class NormFormerEmbedding(nn.Module):
     ``sequence_parallel``, ``[B, T / tp, d]``, this rank's slice of the sequence. The token table is
     ``token.weight``, ``float32[V_pad / tp, d]`` (read again by :func:`tied_output_logits`).
 
+    The config's rules are checked once, by :func:`megaformer.model.model_layers` (the model's
+    plan), not again here.
+
     Raises:
-        ConfigError: an unknown ``position_embedding`` / ``activation``, heads not dividing d.
         ValueError: (forward) more than ``seq_len`` tokens, or, with sequence parallelism, a length
             not divisible by the TP size.
     """
@@ -336,7 +305,6 @@ class NormFormerEmbedding(nn.Module):
         dropout_rng: DropoutRNG | None = None,
     ):
         super().__init__()
-        _check_config(config)
         self.config = config
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel and tp_world_size(tp_group) > 1
@@ -430,8 +398,7 @@ class NormFormerBlock(nn.Module):
     ``[B, T / tp, d]`` -> ``[B, T / tp, d]`` with ``sequence_parallel``).
 
     Raises:
-        ConfigError: an unknown ``norm_scheme`` / ``position_embedding`` / ``activation``, or a
-            NormFormer switch or ``qkv_ln`` on with ``norm_scheme`` other than ``pre_ln``.
+        ConfigError: a config the loader would refuse (:func:`megaformer.config.load.check_model_config`).
         ValueError: when the heads or the FFN width do not divide by the TP size.
     """
 
@@ -446,7 +413,7 @@ class NormFormerBlock(nn.Module):
         dropout_rng: DropoutRNG | None = None,
     ) -> None:
         super().__init__()
-        _check_config(config)
+        check_model_config(config)  # built alone (tests, tools): the loader's rules still hold
         self.config = config
         self.layer_index = layer_index
         d, ffn = config.hidden_size, config.ffn_size
@@ -590,12 +557,8 @@ class NormFormerBlock(nn.Module):
             if not runs or snapshot is None:  # the forward itself (or nothing random to replay)
                 runs.append(1)
                 return self._core_attention(q, k, v)
-            after = self.dropout_rng.state_dict()
-            self.dropout_rng.load_state_dict(snapshot)
-            try:
+            with self.dropout_rng.replaying(snapshot):
                 return self._core_attention(q, k, v)
-            finally:
-                self.dropout_rng.load_state_dict(after)
 
         return torch.utils.checkpoint.checkpoint(run, q, k, v, use_reentrant=False, preserve_rng_state=False)
 

@@ -124,6 +124,18 @@ class DropoutRNG:
         for region in REGIONS:
             self._states[region] = states[region].clone()
 
+    @contextlib.contextmanager
+    def replaying(self, snapshot: dict[str, torch.Tensor]) -> Iterator[None]:
+        """Draw again the masks drawn from ``snapshot`` (a :meth:`state_dict` taken before the
+        original forward): for a recomputation under activation checkpointing. On exit the states
+        are those the original forward left, so later blocks draw as if nothing was recomputed."""
+        after = self.state_dict()
+        self.load_state_dict(snapshot)
+        try:
+            yield
+        finally:
+            self.load_state_dict(after)
+
 
 def cuda_philox_state(seed: int) -> torch.Tensor:
     """``torch.Generator("cuda").manual_seed(seed).get_state()`` without a CUDA device: CUDA's

@@ -108,6 +108,12 @@ class ParallelState:
         self.pp_group, self.pp_ranks = groups["pp"]
         self.mp_group, self.mp_ranks = groups["mp"]
 
+    @property
+    def split_tp_group(self) -> ProcessGroup | None:
+        """The tensor-parallel group where the model is split (tp > 1), else None: what the layers
+        take (None: no TP communication) and what picks a collective's device."""
+        return self.tp_group if self.tp_size > 1 else None
+
     @classmethod
     def build(cls, tp: int, pp: int, dp: int, *, timeout: Any = None) -> ParallelState:
         """Create every group of the ``tp × pp × dp`` grid (collectively, on every rank).

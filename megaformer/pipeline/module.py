@@ -145,12 +145,8 @@ def checkpointed(
         def replay(*args: torch.Tensor) -> torch.Tensor:
             if not torch.is_grad_enabled():  # the first (no-grad) forward
                 return run(*args)
-            after = dropout_rng.state_dict()
-            dropout_rng.load_state_dict(snapshot)
-            try:
+            with dropout_rng.replaying(snapshot):
                 return run(*args)
-            finally:
-                dropout_rng.load_state_dict(after)
 
         return base(replay, *inputs)
 

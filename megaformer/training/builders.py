@@ -45,7 +45,7 @@ class Layout:
     @property
     def tp_group(self) -> Any:
         """The tensor-parallel group, or None at tp = 1 (the layers then skip communication)."""
-        return self.state.tp_group if self.state.tp_size > 1 else None
+        return self.state.split_tp_group
 
     def rng_layout(self) -> dict[str, int]:
         """The coordinates a generator-state file is valid for (see :mod:`.rng_state`)."""

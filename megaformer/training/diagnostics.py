@@ -127,7 +127,7 @@ class LayerDiagnostics:
         self.state = state
         self.loss_scale = loss_scale
         self.first_tp_rank = state.tp_rank == 0
-        self.device = comm_device(state.tp_group if state.tp_size > 1 else None)
+        self.device = comm_device(state.split_tp_group)
         self.ops, self.scale_ops = ops_of(config)
         self._grads: torch.Tensor | None = None
 
@@ -240,7 +240,7 @@ def param_norm_squared(module: torch.nn.Module, state: Any) -> torch.Tensor:
 
     Under ZeRO-3 a rank holds parameter partitions, not parameters: the norm is then not the
     model's (not gathered; a known limitation, as for the learned scales)."""
-    device = comm_device(state.tp_group if state.tp_size > 1 else None)
+    device = comm_device(state.split_tp_group)
     first = state.tp_rank == 0
     params = [
         p.detach()

@@ -224,7 +224,7 @@ def pipeline_grad_norm(params: Iterable[torch.nn.Parameter], state: Any) -> torc
     summed over the pipeline group, in fp32 on the group's communication device.
     """
     owned = [p for p in params if not is_pipe_replica(p)]
-    tp_group = state.tp_group if state.tp_size > 1 else None
+    tp_group = state.split_tp_group
     square = grad_norm_squared(owned, tp_group, device=comm_device(state.pp_group))
     if state.pp_size > 1:
         dist.all_reduce(square, group=state.pp_group)
@@ -368,7 +368,7 @@ class Engine:
             total = loss.detach().double() if total is None else total + loss.detach().double()
             if self._fp32_plain and self.engine.is_gradient_accumulation_boundary():
                 # DeepSpeed clips fp32 gradients without reporting the norm: ours, TP-aware.
-                tp_group = self.state.tp_group if self.state.tp_size > 1 else None
+                tp_group = self.state.split_tp_group
                 self._grad_norm = grad_norm_squared(self.engine.module.parameters(), tp_group).sqrt()
             self.engine.step()
         if self._grad_norm is None:

@@ -27,7 +27,9 @@ from tests.tiny_model import TINY_MODEL
 torch.set_num_threads(1)
 
 TINY = dataclasses.replace(TINY_MODEL, num_layers=3, resid_scale=True)
-ONE = SimpleNamespace(tp_size=1, pp_size=1, tp_rank=0, dp_rank=0, tp_group=None, pp_group=None)
+ONE = SimpleNamespace(
+    tp_size=1, pp_size=1, tp_rank=0, dp_rank=0, tp_group=None, pp_group=None, split_tp_group=None
+)
 
 
 def _model_with_grads(config: ModelConfig = TINY, scale: float = 1.0) -> NormFormerLM:

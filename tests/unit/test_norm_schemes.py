@@ -247,7 +247,7 @@ def test_config_accepts_every_scheme_and_the_model_refuses_a_bypassed_loader():
     assert load_config(None, ["model.norm_scheme=post_ln", *off]).model.norm_scheme == "post_ln"
     assert load_config(None, ["model.norm_scheme=deepnorm", *off]).model.norm_scheme == "deepnorm"
     assert load_config(None, ["model.qkv_ln=true"]).model.qkv_ln  # with NormFormer: the ablation
-    with pytest.raises(ConfigError, match=r"model.norm_scheme='deepnorm' with .*'head_scale'"):
+    with pytest.raises(ConfigError, match=r"model.norm_scheme='deepnorm' with .*model\.head_scale=true"):
         NormFormerBlock(dataclasses.replace(DEEPNORM, head_scale=True), layer_index=0)
     with pytest.raises(ConfigError, match=r"model.norm_scheme='preln'"):
         NormFormerLM(dataclasses.replace(TINY, norm_scheme="preln"))
