@@ -299,7 +299,7 @@ class TrainConfig:
     boundary (Megatron's --exit-duration-in-mins); counted from this process's start. 0: off."""
     extend_steps: bool = False
     """Allow a resumed run's train.steps to differ from the checkpoint's (extending a run). The
-    learning-rate schedule is then rebuilt for the new length (see README, Resume rules)."""
+    learning-rate schedule is then rebuilt for the new length (see docs/train.md, "Extending a run")."""
     budget_device_hours: float = 0.0
     """Compute-matched run length, in device-hours summed over all ranks (0: off, the run takes
     train.steps steps). The run measures its step time over train.budget_measure_steps steps
