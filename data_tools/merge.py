@@ -95,6 +95,46 @@ def input_stats(prefixes: Sequence[str], eod_token: int | None = None) -> list[D
     return [found[p] for p in prefixes]
 
 
+def _concatenate_bins(datasets: Sequence[IndexedDataset], bin_tmp: Path) -> None:
+    """Copy the inputs' ``.bin`` files one after another into ``bin_tmp`` (a progress bar in bytes)."""
+    from tqdm import tqdm
+
+    total_bytes = sum(d.bin_path.stat().st_size for d in datasets)
+    with (
+        open(bin_tmp, "wb") as out,
+        tqdm(
+            total=total_bytes, unit="B", unit_scale=True, desc="merging", disable=None, file=sys.stderr
+        ) as bar,
+    ):
+        for d in datasets:
+            with open(d.bin_path, "rb") as f:
+                while block := f.read(_COPY_BLOCK):
+                    out.write(block)
+                    bar.update(len(block))
+
+
+def _write_merged_index(
+    datasets: Sequence[IndexedDataset], idx_tmp: Path, code: int, n_seq: int, n_docs: int
+) -> None:
+    """Megatron's ``.idx`` of the concatenation, by sections: the header, all lengths, then all
+    pointers (shifted by the bytes before each input), then all document indices (shifted by the
+    sequences before each input)."""
+    itemsize = datasets[0].dtype.itemsize
+    with open(idx_tmp, "wb") as out:
+        out.write(struct.pack("<9sQBQQ", MAGIC, VERSION, code, n_seq, n_docs + 1))
+        for d in datasets:
+            out.write(np.asarray(d.sequence_lengths, dtype="<i4").tobytes())
+        byte_offset = 0
+        for d in datasets:
+            out.write((np.asarray(d.sequence_pointers, dtype="<i8") + byte_offset).tobytes())
+            byte_offset += d.num_tokens * itemsize
+        seq_offset = 0
+        out.write(np.zeros(1, dtype="<i8").tobytes())
+        for d in datasets:
+            out.write((np.asarray(d.document_indices[1:], dtype="<i8") + seq_offset).tobytes())
+            seq_offset += len(d)
+
+
 def merge(prefixes: Sequence[str], output_prefix: str, eod_token: int | None = None) -> tuple[int, int]:
     """Writes ``output_prefix.bin/.idx`` and its statistics sidecar, the datasets one after another;
     returns (documents, tokens).
@@ -106,8 +146,6 @@ def merge(prefixes: Sequence[str], output_prefix: str, eod_token: int | None = N
     Raises:
         DataFormatError: no inputs, a corrupt input, mixed dtypes, or an output that is an input.
     """
-    from tqdm import tqdm
-
     if not prefixes:
         raise DataFormatError("no datasets to merge")
     datasets = [IndexedDataset(p) for p in prefixes]
@@ -115,8 +153,7 @@ def merge(prefixes: Sequence[str], output_prefix: str, eod_token: int | None = N
     if len(dtypes) != 1:
         found = ", ".join(f"{p}: {d.dtype.name}" for p, d in zip(prefixes, datasets))
         raise DataFormatError(f"expected one token dtype for all inputs, found {found}")
-    dtype = datasets[0].dtype
-    code = next(c for c, d in DTYPE_CODES.items() if d == dtype)
+    code = next(c for c, d in DTYPE_CODES.items() if d == datasets[0].dtype)
     bin_path, idx_path = Path(output_prefix + ".bin"), Path(output_prefix + ".idx")
     if any(os.path.abspath(p) == os.path.abspath(output_prefix) for p in prefixes):
         raise DataFormatError(f"{output_prefix}: the output is also an input; choose another --output-prefix")
@@ -132,35 +169,10 @@ def merge(prefixes: Sequence[str], output_prefix: str, eod_token: int | None = N
         )
     bin_tmp, idx_tmp = Path(f"{bin_path}.tmp"), Path(f"{idx_path}.tmp")
     bin_path.parent.mkdir(parents=True, exist_ok=True)
-    total_bytes = sum(d.bin_path.stat().st_size for d in datasets)
     bin_moved = False
     try:
-        with (
-            open(bin_tmp, "wb") as out,
-            tqdm(
-                total=total_bytes, unit="B", unit_scale=True, desc="merging", disable=None, file=sys.stderr
-            ) as bar,
-        ):
-            for d in datasets:
-                with open(d.bin_path, "rb") as f:
-                    while block := f.read(_COPY_BLOCK):
-                        out.write(block)
-                        bar.update(len(block))
-        # The index by sections: all lengths, then all pointers (shifted by the bytes before each
-        # input), then all document indices (shifted by the sequences before each input).
-        with open(idx_tmp, "wb") as out:
-            out.write(struct.pack("<9sQBQQ", MAGIC, VERSION, code, n_seq, n_docs + 1))
-            for d in datasets:
-                out.write(np.asarray(d.sequence_lengths, dtype="<i4").tobytes())
-            byte_offset = 0
-            for d in datasets:
-                out.write((np.asarray(d.sequence_pointers, dtype="<i8") + byte_offset).tobytes())
-                byte_offset += d.num_tokens * dtype.itemsize
-            seq_offset = 0
-            out.write(np.zeros(1, dtype="<i8").tobytes())
-            for d in datasets:
-                out.write((np.asarray(d.document_indices[1:], dtype="<i8") + seq_offset).tobytes())
-                seq_offset += len(d)
+        _concatenate_bins(datasets, bin_tmp)
+        _write_merged_index(datasets, idx_tmp, code, n_seq, n_docs)
         assert idx_tmp.stat().st_size == HEADER_SIZE + 12 * n_seq + 8 * (n_docs + 1)
         idx_path.unlink(missing_ok=True)  # no old .idx next to the new .bin in between
         os.replace(bin_tmp, bin_path)

@@ -129,6 +129,83 @@ class BlendedSamples:
         return self.parts[int(self.dataset_index[i])][int(self.dataset_sample_index[i])]
 
 
+def _datasets_of(prefix: str, blend: str) -> list[tuple[float, str]]:
+    """``[(weight, prefix)]`` of a blend (checked), or ``[(1.0, prefix)]``.
+
+    Raises:
+        DataFormatError: a bad blend, or a missing ``.bin`` / ``.idx`` (named, with the command that
+            builds it).
+    """
+    if blend:
+        pairs = parse_blend(blend)
+        check_prefixes(pairs)
+        return pairs
+    missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
+    if missing:
+        raise DataFormatError(
+            f"data.prefix='{prefix}': {', '.join(missing)} not found; build the dataset with "
+            "python -m data_tools.preprocess --output-prefix ... (the prefix ends in _text_document)"
+        )
+    return [(1.0, prefix)]
+
+
+def _split_one(
+    path: str,
+    weight: float,
+    n_train: int,
+    n_valid: int,
+    seq_len: int,
+    valid_fraction: float,
+    seed: int,
+    cache_dir: str | None,
+    info: dict,
+) -> tuple[GPTSamples, GPTSamples]:
+    """One dataset's training and validation samples (``n_train`` / ``n_valid`` of them), its counts
+    added to ``info`` (see :func:`build_train_valid`).
+
+    Raises:
+        DataFormatError: its held-out documents hold fewer than ``n_valid`` samples.
+    """
+    dataset = IndexedDataset(path)
+    lengths = dataset.document_lengths(np.int64)
+    train_ids, valid_ids = split_documents(len(lengths), valid_fraction, seed)
+    valid_tokens = int(lengths[valid_ids].sum())
+    max_valid = (valid_tokens - 1) // seq_len
+    if max_valid < n_valid:
+        raise DataFormatError(
+            f"{path}: the held-out documents hold {valid_tokens} tokens = {max_valid} samples of "
+            f"{seq_len + 1}, fewer than the {n_valid} one evaluation reads; raise "
+            "data.valid_fraction or lower train.eval_batches"
+        )
+    common = {"seq_len": seq_len, "seed": seed, "cache_dir": cache_dir, "doc_lengths": lengths}
+    # A dataset whose share rounds to 0 samples still gets a 1-sample index: simpler than
+    # special cases, and the blend index never points at it.
+    tr = load_or_build(dataset, num_samples=max(n_train, 1), doc_ids=train_ids, **common)
+    va = load_or_build(dataset, num_samples=max(n_valid, 1), doc_ids=valid_ids, shuffle=False, **common)
+    for index in (tr, va):
+        if index.cache_hit:
+            info["index_cache_hits"] += 1
+        elif index.paths is not None:
+            info["index_cache_builds"] += 1
+    info["train_documents"] += len(train_ids)
+    info["valid_documents"] += len(valid_ids)
+    info["train_tokens"] += int(lengths[train_ids].sum())
+    info["valid_tokens"] += valid_tokens
+    info["blend"].append(
+        {
+            "prefix": path,
+            "weight": weight,
+            "train_samples": n_train,
+            "valid_samples": n_valid,
+            "index_cache_hit": tr.cache_hit,
+        }
+    )
+    return (
+        GPTSamples(dataset, tr.doc_idx, tr.sample_idx, tr.shuffle_idx, seq_len),
+        GPTSamples(dataset, va.doc_idx, va.sample_idx, va.shuffle_idx, seq_len),
+    )
+
+
 def build_train_valid(
     prefix: str,
     seq_len: int,
@@ -158,17 +235,7 @@ def build_train_valid(
     Raises:
         DataFormatError: missing or corrupt dataset files, a bad blend, too little data.
     """
-    if blend:
-        pairs = parse_blend(blend)
-        check_prefixes(pairs)
-    else:
-        pairs = [(1.0, prefix)]
-        missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
-        if missing:
-            raise DataFormatError(
-                f"data.prefix='{prefix}': {', '.join(missing)} not found; build the dataset with "
-                "python -m data_tools.preprocess --output-prefix ... (the prefix ends in _text_document)"
-            )
+    pairs = _datasets_of(prefix, blend)
     weights = [w for w, _ in pairs]
     train_counts = apportion(weights, train_samples)
     valid_counts = apportion(weights, valid_samples)
@@ -176,42 +243,9 @@ def build_train_valid(
     info |= {"index_cache_hits": 0, "index_cache_builds": 0}  # sample indices loaded / built (cached)
     trains, valids = [], []
     for (weight, path), n_train, n_valid in zip(pairs, train_counts.tolist(), valid_counts.tolist()):
-        dataset = IndexedDataset(path)
-        lengths = dataset.document_lengths(np.int64)
-        train_ids, valid_ids = split_documents(len(lengths), valid_fraction, seed)
-        valid_tokens = int(lengths[valid_ids].sum())
-        max_valid = (valid_tokens - 1) // seq_len
-        if max_valid < n_valid:
-            raise DataFormatError(
-                f"{path}: the held-out documents hold {valid_tokens} tokens = {max_valid} samples of "
-                f"{seq_len + 1}, fewer than the {n_valid} one evaluation reads; raise "
-                "data.valid_fraction or lower train.eval_batches"
-            )
-        common = {"seq_len": seq_len, "seed": seed, "cache_dir": cache_dir, "doc_lengths": lengths}
-        # A dataset whose share rounds to 0 samples still gets a 1-sample index: simpler than
-        # special cases, and the blend index never points at it.
-        tr = load_or_build(dataset, num_samples=max(n_train, 1), doc_ids=train_ids, **common)
-        va = load_or_build(dataset, num_samples=max(n_valid, 1), doc_ids=valid_ids, shuffle=False, **common)
-        trains.append(GPTSamples(dataset, tr.doc_idx, tr.sample_idx, tr.shuffle_idx, seq_len))
-        valids.append(GPTSamples(dataset, va.doc_idx, va.sample_idx, va.shuffle_idx, seq_len))
-        for index in (tr, va):
-            if index.cache_hit:
-                info["index_cache_hits"] += 1
-            elif index.paths is not None:
-                info["index_cache_builds"] += 1
-        info["train_documents"] += len(train_ids)
-        info["valid_documents"] += len(valid_ids)
-        info["train_tokens"] += int(lengths[train_ids].sum())
-        info["valid_tokens"] += valid_tokens
-        info["blend"].append(
-            {
-                "prefix": path,
-                "weight": weight,
-                "train_samples": n_train,
-                "valid_samples": n_valid,
-                "index_cache_hit": tr.cache_hit,
-            }
-        )
+        tr, va = _split_one(path, weight, n_train, n_valid, seq_len, valid_fraction, seed, cache_dir, info)
+        trains.append(tr)
+        valids.append(va)
     if len(pairs) == 1:
         return trains[0], valids[0], info
     train = BlendedSamples(trains, *blend_indices(train_counts))

@@ -87,32 +87,21 @@ class _FakeStream:
         return 0.0
 
 
-def install_cuda_stubs(gpu: GpuModel) -> None:
-    """Give a CPU build of torch the ``torch.cuda`` functions DeepSpeed and megaformer call, for one
-    device described by ``gpu``. Generator states are 16-byte Philox states (seed, offset), as
-    CUDA's; memory counters report 0 (the audit measures the fake allocations instead)."""
-    cuda = torch.cuda
-    rng: dict[str, Any] = {"state": torch.zeros(16, dtype=torch.uint8)}
+class _FakePhilox:
+    """The fake device's generator: a 16-byte Philox state (seed, offset), as CUDA's, behind
+    ``torch.cuda.get_rng_state`` / ``set_rng_state`` / ``manual_seed`` and
+    ``torch.cuda.default_generators[0]``."""
 
-    def props(device: Any = None) -> Any:
-        return type(
-            "FakeDeviceProperties",
-            (),
-            {
-                "name": gpu.name,
-                "major": gpu.capability[0],
-                "minor": gpu.capability[1],
-                "total_memory": gpu.memory_bytes,
-                "multi_processor_count": 132,
-            },
-        )()
+    def __init__(self) -> None:
+        self.state = torch.zeros(16, dtype=torch.uint8)
 
-    def get_rng_state(device: Any = "cuda") -> torch.Tensor:
+    def get_rng_state(self, device: Any = "cuda") -> torch.Tensor:
         # CUDA's generator state is a host tensor on a real GPU too (no device work): not counted.
         with host_by_design():
-            return rng["state"].clone()
+            return self.state.clone()
 
-    def set_rng_state(state: torch.Tensor, device: Any = "cuda") -> None:
+    def set_rng_state(self, state: torch.Tensor, device: Any = "cuda") -> None:
+        """Raises RuntimeError for anything but a 16-byte uint8 CPU tensor, as CUDA's generator does."""
         if state.dtype != torch.uint8 or state.numel() != 16 or state.device.type != "cpu":
             # CUDA's Philox generator takes exactly this; a CPU generator's 5,056-byte state is the
             # mistake this stand-in must not forgive.
@@ -121,43 +110,54 @@ def install_cuda_stubs(gpu: GpuModel) -> None:
                 f"got {state.dtype} × {state.numel()} on {state.device}"
             )
         with host_by_design():
-            rng["state"] = state.clone()
+            self.state = state.clone()
 
-    def manual_seed(seed: int) -> None:
-        rng["state"] = torch.tensor(list(int(seed).to_bytes(8, "little")) + [0] * 8, dtype=torch.uint8)
+    def manual_seed(self, seed: int) -> None:
+        self.state = torch.tensor(list(int(seed).to_bytes(8, "little")) + [0] * 8, dtype=torch.uint8)
 
-    class FakeCudaGenerator:
-        """``torch.cuda.default_generators[0]``: the same 16-byte Philox state as the functions."""
+    def generator(self) -> Any:
+        """``torch.cuda.default_generators[0]``: the same state as the functions."""
+        rng = self
 
-        device = torch.device("cuda", 0)
+        class FakeCudaGenerator:
+            device = torch.device("cuda", 0)
 
-        def get_state(self) -> torch.Tensor:
-            return get_rng_state()
+            def get_state(self) -> torch.Tensor:
+                return rng.get_rng_state()
 
-        def set_state(self, state: torch.Tensor) -> None:
-            set_rng_state(state)
+            def set_state(self, state: torch.Tensor) -> None:
+                rng.set_rng_state(state)
 
-        def manual_seed(self, seed: int) -> FakeCudaGenerator:
-            manual_seed(seed)
-            return self
+            def manual_seed(self, seed: int) -> FakeCudaGenerator:
+                rng.manual_seed(seed)
+                return self
 
-        def initial_seed(self) -> int:
-            return 0
+            def initial_seed(self) -> int:
+                return 0
 
-        def seed(self) -> int:
-            return 0
+            def seed(self) -> int:
+                return 0
 
-    cuda.default_generators = (FakeCudaGenerator(),)
-    import importlib
+        return FakeCudaGenerator()
 
-    importlib.import_module("torch.cuda.nccl").version = lambda: (
-        2,
-        21,
-        5,
-    )  # torch's c10d logger asks it on every call
+
+def _device_properties(gpu: GpuModel) -> Any:
+    """``torch.cuda.get_device_properties``'s answer for ``gpu``."""
+    fields = {
+        "name": gpu.name,
+        "major": gpu.capability[0],
+        "minor": gpu.capability[1],
+        "total_memory": gpu.memory_bytes,
+        "multi_processor_count": 132,
+    }
+    return type("FakeDeviceProperties", (), fields)()
+
+
+def _cuda_stub_table(gpu: GpuModel, rng: _FakePhilox) -> dict[str, Any]:
+    """``torch.cuda``'s functions (by name) as one device described by ``gpu`` answers them."""
     zero = lambda *a, **k: 0  # noqa: E731
     none = lambda *a, **k: None  # noqa: E731
-    stubs = {
+    return {
         "is_available": lambda: True,
         "is_initialized": lambda: True,
         "device_count": lambda: 1,
@@ -167,7 +167,7 @@ def install_cuda_stubs(gpu: GpuModel) -> None:
         "_lazy_init": none,
         "get_device_name": lambda device=None: gpu.name,
         "get_device_capability": lambda device=None: gpu.capability,
-        "get_device_properties": props,
+        "get_device_properties": lambda device=None: _device_properties(gpu),
         "is_bf16_supported": lambda *a, **k: gpu.capability >= (8, 0),
         "synchronize": none,
         "empty_cache": none,
@@ -183,12 +183,12 @@ def install_cuda_stubs(gpu: GpuModel) -> None:
         "reset_max_memory_cached": none,
         "mem_get_info": lambda device=None: (gpu.memory_bytes, gpu.memory_bytes),
         "memory_stats": lambda device=None: {},
-        "get_rng_state": get_rng_state,
-        "set_rng_state": set_rng_state,
-        "get_rng_state_all": lambda: [get_rng_state()],
-        "set_rng_state_all": lambda states: set_rng_state(states[0]),
-        "manual_seed": manual_seed,
-        "manual_seed_all": manual_seed,
+        "get_rng_state": rng.get_rng_state,
+        "set_rng_state": rng.set_rng_state,
+        "get_rng_state_all": lambda: [rng.get_rng_state()],
+        "set_rng_state_all": lambda states: rng.set_rng_state(states[0]),
+        "manual_seed": rng.manual_seed,
+        "manual_seed_all": rng.manual_seed,
         "seed": none,
         "seed_all": none,
         "initial_seed": zero,
@@ -200,7 +200,20 @@ def install_cuda_stubs(gpu: GpuModel) -> None:
         "device": lambda *a, **k: contextlib.nullcontext(),
         "nvtx": type("nvtx", (), {"range_push": none, "range_pop": none, "range": none})(),
     }
-    for name, fn in stubs.items():
+
+
+def install_cuda_stubs(gpu: GpuModel) -> None:
+    """Give a CPU build of torch the ``torch.cuda`` functions DeepSpeed and megaformer call, for one
+    device described by ``gpu``. Generator states are 16-byte Philox states (seed, offset), as
+    CUDA's; memory counters report 0 (the audit measures the fake allocations instead)."""
+    import importlib
+
+    cuda = torch.cuda
+    rng = _FakePhilox()
+    cuda.default_generators = (rng.generator(),)
+    # torch's c10d logger asks the NCCL version on every call
+    importlib.import_module("torch.cuda.nccl").version = lambda: (2, 21, 5)
+    for name, fn in _cuda_stub_table(gpu, rng).items():
         # One function object per name: dynamo's trace rules key torch.cuda's functions by identity
         # and refuse one object under two names.
         setattr(cuda, name, _distinct(fn, name))

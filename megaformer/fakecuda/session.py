@@ -272,36 +272,18 @@ def run(request: dict) -> dict:
     return report
 
 
-def _run_rank(cfg: Any, dp_size: int, audit: Any, report: dict, steps: int, out_dir: str) -> None:
+def _audited_engine(cfg: Any, layout: Any, dp_size: int, audit: Any, report: dict) -> tuple[Any, Any]:
+    """Build this rank's model (its parameters tracked by ``audit``), optimizer and DeepSpeed engine
+    as the trainer does; the engine's phases marked. Returns ``(engine, schedule)``."""
     import torch
 
     from megaformer.parallel.rng import DropoutRNG
-    from megaformer.training.builders import (
-        Data,
-        build_layout,
-        build_model,
-        build_optimizer,
-        count_parameters_global,
-    )
+    from megaformer.training.builders import build_model, build_optimizer, count_parameters_global
     from megaformer.training.deepspeed_config import build_deepspeed_config
     from megaformer.training.ds_adapter import initialize
     from megaformer.training.schedule import Schedule
-    from megaformer.training.stopping import StopCheck
-    from megaformer.training.trainer import TrainLoop, _compute_meter
 
-    t = cfg.train
-    layout = build_layout(cfg, dp_size)
-    s = layout.state
-    for name in ("tp", "dp", "pp", "mp"):
-        audit.name_group(getattr(s, f"{name}_group"), name)
-        audit.name_ranks(getattr(s, f"{name}_ranks"), name)
-    audit.name_group(torch.distributed.group.WORLD, "world")
-    report["layout"] = {"tp": s.tp_size, "pp": s.pp_size, "dp": s.dp_size, "pp_rank": s.pp_rank,
-                        "tp_rank": s.tp_rank, "dp_rank": s.dp_rank, "backend": layout.backend}  # fmt: skip
-    vocab = cfg.model.vocab_size
-    count = t.steps * t.global_batch_size
-    samples = SyntheticSamples(cfg.model.seq_len, vocab, count)
-    data = Data(samples, SyntheticSamples(cfg.model.seq_len, vocab, t.global_batch_size), {}, 0.0)
+    t, s = cfg.train, layout.state
     torch.manual_seed(t.seed)
     dropout_rng = DropoutRNG(
         t.seed, tp_rank=s.tp_rank, dp_rank=s.dp_rank, pp_rank=s.pp_rank, device=layout.device
@@ -319,6 +301,13 @@ def _run_rank(cfg: Any, dp_size: int, audit: Any, report: dict, steps: int, out_
     report["engine"] = {"class": type(ds).__name__, "optimizer": type(ds.optimizer).__name__}
     report["engine"]["gas"] = engine.gas
     _install_phase_marks(engine, audit)
+    return engine, schedule
+
+
+def _label_gradients(engine: Any, audit: Any, report: dict) -> set[str]:
+    """Label every gradient for the audit (as accumulated, and as DeepSpeed holds them before the
+    optimizer step); returns the set the gradients' dtypes are collected into."""
+    grad_dtypes: set[str] = set()
 
     def before_step() -> None:  # the gradients are complete; label what DeepSpeed holds them in
         for p in engine.module.parameters():
@@ -327,7 +316,6 @@ def _run_rank(cfg: Any, dp_size: int, audit: Any, report: dict, steps: int, out_
         report["dtypes"] = dtypes(engine)
 
     engine.before_optimizer_step(before_step)
-    grad_dtypes: set[str] = set()
 
     def grad_made(p: Any) -> None:  # every gradient a parameter accumulates, wherever it goes next
         if p.grad is not None:  # (ZeRO-2 and the fp16 optimizer move it out before the step)
@@ -337,17 +325,12 @@ def _run_rank(cfg: Any, dp_size: int, audit: Any, report: dict, steps: int, out_
     for p in engine.module.parameters():
         if p.requires_grad:
             p.register_post_accumulate_grad_hook(grad_made)
-    checkpoints = _NoCheckpoints()
-    compute = _compute_meter(cfg, layout, 0, {})
-    loop = TrainLoop(engine, cfg, layout, data, checkpoints, 0, compute, schedule, {})
-    real_stop = StopCheck(t.exit_signals, t.exit_duration_mins)
-    done = {"steps": 0}
+    return grad_dtypes
 
-    def stop() -> str | None:
-        done["steps"] += 1
-        reason = real_stop()
-        return f"dry run: {steps} steps" if done["steps"] >= steps else reason
 
+def _instrument_loop(loop: Any, engine: Any, audit: Any) -> list:
+    """Count steps and mark the step and data phases of ``loop``; returns the list each step's loss
+    is appended to."""
     original_train_step = engine.train_step
     losses: list = []
 
@@ -374,6 +357,43 @@ def _run_rank(cfg: Any, dp_size: int, audit: Any, report: dict, steps: int, out_
     for evaluator in (loop.evaluate, loop.evaluate_test):
         if evaluator is not None:
             evaluator.loader = _InPhase(evaluator.loader, audit, "data")
+    return losses
+
+
+def _run_rank(cfg: Any, dp_size: int, audit: Any, report: dict, steps: int, out_dir: str) -> None:
+    import torch
+
+    from megaformer.training.builders import Data, build_layout
+    from megaformer.training.stopping import StopCheck
+    from megaformer.training.trainer import TrainLoop, _compute_meter
+
+    t = cfg.train
+    layout = build_layout(cfg, dp_size)
+    s = layout.state
+    for name in ("tp", "dp", "pp", "mp"):
+        audit.name_group(getattr(s, f"{name}_group"), name)
+        audit.name_ranks(getattr(s, f"{name}_ranks"), name)
+    audit.name_group(torch.distributed.group.WORLD, "world")
+    report["layout"] = {"tp": s.tp_size, "pp": s.pp_size, "dp": s.dp_size, "pp_rank": s.pp_rank,
+                        "tp_rank": s.tp_rank, "dp_rank": s.dp_rank, "backend": layout.backend}  # fmt: skip
+    vocab = cfg.model.vocab_size
+    count = t.steps * t.global_batch_size
+    samples = SyntheticSamples(cfg.model.seq_len, vocab, count)
+    data = Data(samples, SyntheticSamples(cfg.model.seq_len, vocab, t.global_batch_size), {}, 0.0)
+    engine, schedule = _audited_engine(cfg, layout, dp_size, audit, report)
+    grad_dtypes = _label_gradients(engine, audit, report)
+    checkpoints = _NoCheckpoints()
+    compute = _compute_meter(cfg, layout, 0, {})
+    loop = TrainLoop(engine, cfg, layout, data, checkpoints, 0, compute, schedule, {})
+    real_stop = StopCheck(t.exit_signals, t.exit_duration_mins)
+    done = {"steps": 0}
+
+    def stop() -> str | None:
+        done["steps"] += 1
+        reason = real_stop()
+        return f"dry run: {steps} steps" if done["steps"] >= steps else reason
+
+    losses = _instrument_loop(loop, engine, audit)
     with audit.in_phase("step"):
         loop.run(resumed=False, stop=stop)
     audit.step += 1

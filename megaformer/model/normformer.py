@@ -416,23 +416,38 @@ class NormFormerBlock(nn.Module):
         check_model_config(config)  # built alone (tests, tools): the loader's rules still hold
         self.config = config
         self.layer_index = layer_index
-        d, ffn = config.hidden_size, config.ffn_size
+        d = config.hidden_size
         tp_size = tp_world_size(tp_group)
         self.tp_group = tp_group
-        sp = self.sequence_parallel = sequence_parallel and tp_size > 1
+        self.sequence_parallel = sequence_parallel and tp_size > 1
         self.dropout_rng = dropout_rng or DropoutRNG(seed, tp_rank=tp_rank(tp_group))
         self.num_heads_per_partition = divide(config.num_attention_heads, tp_size)
         self.head_dim = config.head_dim
         self.norm_scheme = config.norm_scheme
-        n = config.num_layers
         # DeepNorm's α weights the residual inside the post-sublayer LayerNorm; 1 otherwise.
-        self.alpha = deepnorm_alpha(n) if config.norm_scheme == "deepnorm" else 1.0
+        self.alpha = deepnorm_alpha(config.num_layers) if config.norm_scheme == "deepnorm" else 1.0
         inits, v_scale = block_inits(config)  # model.init x norm_scheme (see block_inits)
+        self._build_attention(config, inits, v_scale, seed)
+        self._build_ffn(config, inits, seed)
+        # Selective recomputation of the attention core (train.recompute=selective; set by
+        # megaformer.model.set_selective_recompute after the model is built).
+        self.recompute_core_attention = False
+        if config.resid_scale:
+            lam = nn.Parameter(torch.ones(d))  # paper Sec. 2: λ_resid initialised to 1
+            self.resid_scale = mark_no_weight_decay(mark_replicated(lam))
+        else:
+            self.register_parameter("resid_scale", None)
 
-        def seed_of(name: str) -> int:
-            return derive_seed(seed, f"layers.{layer_index}.{name}")
+    def _seed_of(self, seed: int, name: str) -> int:
+        """The seed of this layer's parameter ``name``: derived from its global name, so a
+        parameter's initial value does not depend on the layout (TP degree, pipeline stage)."""
+        return derive_seed(seed, f"layers.{self.layer_index}.{name}")
 
-        # --- attention -------------------------------------------------------------------------
+    def _build_attention(self, config: ModelConfig, inits: dict, v_scale: float, seed: int) -> None:
+        """LN1, the fused QKV (V rows scaled by ``v_scale``), the q/k/v LayerNorms, HeadScale, W_O
+        and POSTATTN_LN, in this order (the order of the state dict and of the optimizer's groups)."""
+        d, tp_group, sp = config.hidden_size, self.tp_group, self.sequence_parallel
+        tp_size = tp_world_size(tp_group)
         self.ln1 = ReplicatedLayerNorm(d, config.layernorm_eps, tp_group=tp_group, sequence_parallel=sp)
         # Fused QKV; the full weight's rows are ordered [heads, 3, head_dim], so TP rank r's
         # contiguous slice holds the whole q, k and v of heads [r·nh/tp, (r+1)·nh/tp).
@@ -442,7 +457,7 @@ class NormFormerBlock(nn.Module):
             tp_group=tp_group,
             init=inits["qkv"][0],
             bias_init=inits["qkv"][1],
-            seed=seed_of("attention.qkv"),
+            seed=self._seed_of(seed, "attention.qkv"),
             sequence_parallel=sp,
         )
         if v_scale != 1.0:
@@ -466,7 +481,7 @@ class NormFormerBlock(nn.Module):
             tp_group=tp_group,
             init=inits["out_proj"][0],
             bias_init=inits["out_proj"][1],
-            seed=seed_of("attention.out_proj"),
+            seed=self._seed_of(seed, "attention.out_proj"),
             sequence_parallel=sp,
         )
         self.post_attn_ln = (
@@ -475,7 +490,9 @@ class NormFormerBlock(nn.Module):
             else None
         )
 
-        # --- feed-forward ----------------------------------------------------------------------
+    def _build_ffn(self, config: ModelConfig, inits: dict, seed: int) -> None:
+        """LN2, W1, FFN_LN and W2, in this order."""
+        d, ffn, tp_group, sp = config.hidden_size, config.ffn_size, self.tp_group, self.sequence_parallel
         self.ln2 = ReplicatedLayerNorm(d, config.layernorm_eps, tp_group=tp_group, sequence_parallel=sp)
         self.fc1 = ColumnParallelLinear(
             d,
@@ -483,7 +500,7 @@ class NormFormerBlock(nn.Module):
             tp_group=tp_group,
             init=inits["fc1"][0],
             bias_init=inits["fc1"][1],
-            seed=seed_of("ffn.fc1"),
+            seed=self._seed_of(seed, "ffn.fc1"),
             sequence_parallel=sp,
         )
         self.ffn_ln = (
@@ -495,17 +512,9 @@ class NormFormerBlock(nn.Module):
             tp_group=tp_group,
             init=inits["fc2"][0],
             bias_init=inits["fc2"][1],
-            seed=seed_of("ffn.fc2"),
+            seed=self._seed_of(seed, "ffn.fc2"),
             sequence_parallel=sp,
         )
-        # Selective recomputation of the attention core (train.recompute=selective; set by
-        # megaformer.model.set_selective_recompute after the model is built).
-        self.recompute_core_attention = False
-        if config.resid_scale:
-            lam = nn.Parameter(torch.ones(d))  # paper Sec. 2: λ_resid initialised to 1
-            self.resid_scale = mark_no_weight_decay(mark_replicated(lam))
-        else:
-            self.register_parameter("resid_scale", None)
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         """``HeadScaleMHA(LN1(x))`` before POSTATTN_LN (with ``qkv_ln``, LayerNorms on q, k, v) under

@@ -54,6 +54,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -245,6 +246,35 @@ class TaskDataError(ValueError):
     """A task's dataset that lm_eval (through ``datasets``) could not load; says why and what to do."""
 
 
+def _task_selection(
+    task_files: dict[str, str], task_dir: str, tasks: Sequence[str], include_paths: Sequence[str]
+) -> tuple[list[str], Any, Any]:
+    """What :func:`evaluate_tasks` hands lm_eval: ``(specs, task_manager, selection)``, the paper's
+    local tasks written as YAMLs into ``task_dir`` first.
+
+    Raises:
+        TaskFileError: an unknown task name. ValueError: a paper task given twice.
+    """
+    from lm_eval.tasks import TaskManager
+
+    from megaformer.tools.lm_eval_tasks import check_names, resolve_task_specs
+
+    selection = resolve_task_specs(tasks, include_paths)
+    local = write_task_configs(task_files, task_dir) if task_files else []
+    if local:
+        selection.include_paths.append(task_dir)
+        selection.data_files += [os.path.abspath(p) for p in task_files.values()]
+    manager = TaskManager(
+        include_path=selection.include_paths or None, include_defaults=selection.needs_defaults
+    )
+    names = check_names(selection.names, manager) if selection.names else []
+    paths = [s for s in selection.specs if s not in selection.names]
+    keys = [paper_name(s) for s in local + names]
+    for key in {k for k in keys if k is not None and keys.count(k) > 1}:
+        raise ValueError(f"{key}: given twice (by --task {key}=FILE and by --tasks); keep one")
+    return local + names + paths, manager, selection
+
+
 def evaluate_tasks(
     lm,
     task_files: dict[str, str],
@@ -284,24 +314,10 @@ def evaluate_tasks(
     import datasets.exceptions
     import jinja2
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
-    from megaformer.tools.lm_eval_tasks import check_names, explain_missing_field, resolve_task_specs
+    from megaformer.tools.lm_eval_tasks import explain_missing_field
 
-    selection = resolve_task_specs(tasks, include_paths)
-    local = write_task_configs(task_files, task_dir) if task_files else []
-    if local:
-        selection.include_paths.append(task_dir)
-        selection.data_files += [os.path.abspath(p) for p in task_files.values()]
-    manager = TaskManager(
-        include_path=selection.include_paths or None, include_defaults=selection.needs_defaults
-    )
-    names = check_names(selection.names, manager) if selection.names else []
-    paths = [s for s in selection.specs if s not in selection.names]
-    specs = local + names + paths
-    keys = [paper_name(s) for s in local + names]
-    for key in {k for k in keys if k is not None and keys.count(k) > 1}:
-        raise ValueError(f"{key}: given twice (by --task {key}=FILE and by --tasks); keep one")
+    specs, manager, selection = _task_selection(task_files, task_dir, tasks, include_paths)
     try:
         results = simple_evaluate(
             model=lm,
@@ -449,9 +465,9 @@ def _check_task_files(task_files: dict[str, str], specs: Sequence[str], include_
         write_task_configs(task_files, tmp)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point; prints the table; 0, or 2 for a bad checkpoint, task or file."""
-    from megaformer.training.safe_load import TRUST_FLAG, CheckpointReadError
+def _parser() -> argparse.ArgumentParser:
+    """The command line of :func:`main`."""
+    from megaformer.training.safe_load import TRUST_FLAG
 
     p = argparse.ArgumentParser(
         prog="python -m megaformer.tools.zero_shot",
@@ -501,6 +517,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="--checkpoint: unpickle it in full; --hf-model: run the directory's own modeling code "
         "(trust_remote_code). Either can run code: only for a source you trust",
     )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; prints the table; 0, or 2 for a bad checkpoint, task or file."""
+    from megaformer.training.safe_load import CheckpointReadError
+
+    p = _parser()
     args = p.parse_args(argv)
     if args.num_fewshot is not None and args.num_fewshot < 0:
         p.error(f"--num-fewshot {args.num_fewshot}: a count of examples, 0 or more")

@@ -408,28 +408,17 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         DataFormatError: a missing or corrupt dataset, or one that does not fit the model
             (before any process group starts).
     """
-    from megaformer.parallel.rng import DropoutRNG
-    from megaformer.training.builders import (
-        build_data,
-        build_layout,
-        build_model,
-        build_optimizer,
-        count_parameters_global,
-    )
+    from megaformer.training.builders import build_data, build_layout
     from megaformer.training.checkpointer import (
         Checkpointer,
         check_output_dir,
         clear_output_dir,
         finished_run,
-        init_weights_from,
         resolve_resume,
         verify_before_load,
     )
-    from megaformer.training.deepspeed_config import build_deepspeed_config
-    from megaformer.training.ds_adapter import initialize
     from megaformer.training.preflight import run_preflight
     from megaformer.training.resume_rules import check_init_from_steps
-    from megaformer.training.schedule import Schedule
     from megaformer.training.stopping import StopCheck
 
     t = cfg.train
@@ -455,8 +444,28 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     data = build_data(cfg, layout, preflight.stats, preflight.datasets)
     _log_data(cfg, layout, data)
 
+    built = _build_engine(cfg, layout, preflight.dp_size, load_dir)
+    engine, dropout_rng, n_params, init_step, schedule = built
+    checkpointer = Checkpointer(engine, cfg, layout, dropout_rng)
+    start_step, client_state = checkpointer.resume(load_dir) if load_dir is not None else (init_step, {})
+    compute = _compute_meter(cfg, layout, start_step, client_state)
+    loop = TrainLoop(engine, cfg, layout, data, checkpointer, start_step, compute, schedule, client_state)
+    elapsed = loop.run(resumed=load_dir is not None, stop=stop)
+    return _summary(cfg, layout, loop, data, n_params, start_step, elapsed)
+
+
+def _build_engine(cfg: RunConfig, layout: Any, dp_size: int, load_dir: str | None) -> tuple:
+    """The model (weights from ``train.init_from`` on a fresh start), optimizer, schedule and
+    DeepSpeed engine of this rank; returns ``(engine, dropout_rng, n_params, init_step, schedule)``."""
+    from megaformer.parallel.rng import DropoutRNG
+    from megaformer.training.builders import build_model, build_optimizer, count_parameters_global
+    from megaformer.training.checkpointer import init_weights_from
+    from megaformer.training.deepspeed_config import build_deepspeed_config
+    from megaformer.training.ds_adapter import initialize
+    from megaformer.training.schedule import Schedule
+
+    t, s = cfg.train, layout.state
     torch.manual_seed(t.seed)
-    s = layout.state
     dropout_rng = DropoutRNG(
         t.seed, tp_rank=s.tp_rank, dp_rank=s.dp_rank, pp_rank=s.pp_rank, device=layout.device
     )
@@ -465,16 +474,10 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     init_step = init_weights_from(model, cfg, layout) if load_dir is None and t.init_from else 0
     schedule = Schedule(t)
     optimizer, scheduler = build_optimizer(model, cfg, init_step, schedule)
-    ds_config = build_deepspeed_config(cfg, preflight.dp_size)
+    ds_config = build_deepspeed_config(cfg, dp_size)
     engine = initialize(model, optimizer, scheduler, ds_config, s, pipelined=cfg.parallel.pp_size > 1)
     _log_layout(cfg, layout, n_params, engine.gas)
-
-    checkpointer = Checkpointer(engine, cfg, layout, dropout_rng)
-    start_step, client_state = checkpointer.resume(load_dir) if load_dir is not None else (init_step, {})
-    compute = _compute_meter(cfg, layout, start_step, client_state)
-    loop = TrainLoop(engine, cfg, layout, data, checkpointer, start_step, compute, schedule, client_state)
-    elapsed = loop.run(resumed=load_dir is not None, stop=stop)
-    return _summary(cfg, layout, loop, data, n_params, start_step, elapsed)
+    return engine, dropout_rng, n_params, init_step, schedule
 
 
 def _config_record(cfg: RunConfig) -> dict[str, Any]:
