@@ -82,7 +82,8 @@ def compare(
     return json.loads((out / "comparison.json").read_text())
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--budget", type=float, default=0.04, help="device-hours per run")
     p.add_argument("--repeats", type=int, default=3, help="A/A comparisons")
@@ -93,9 +94,12 @@ def main() -> int:
         help="time the A/A pair's two runs separately (the calibration's own noise) instead of once",
     )
     p.add_argument("--out", default=None, help="default bench/results/budget_fairness[_separate].json")
-    args = p.parse_args()
-    suffix = "_separate" if args.separate_calibration else ""
-    args.out = args.out or str(REPO / "bench" / "results" / f"budget_fairness{suffix}.json")
+    return p
+
+
+def _run_comparisons(args: argparse.Namespace) -> dict:
+    """The A/A comparisons and Pre-LN vs NormFormer, with ``--load-cores`` busy loops running beside
+    them; returns ``{"aa": [...], "pre_ln_vs_normformer": {...}}``."""
     load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load_cores)]
     results = {"aa": [], "pre_ln_vs_normformer": None}
     try:
@@ -147,12 +151,12 @@ def main() -> int:
     finally:
         for proc in load:
             proc.kill()
+    return results
+
+
+def _print_table(results: dict, checks: dict) -> None:
+    """Prints the Markdown table of the comparisons and the checks."""
     aa = results["aa"]
-    checks = {
-        "aa_steps_within_1pct": all(r["step_gap"] <= 0.01 for r in aa),
-        "aa_spend_within_2pct": all(abs(d) <= 0.02 for r in aa for d in r["spend_deviation"]),
-        "nf_step_ratio_matches_time_ratio_within_1pct": results["pre_ln_vs_normformer"]["ratio_gap"] <= 0.01,
-    }
     print("\n| comparison | steps | step gap | spend vs budget |")
     print("|---|---|---|---|")
     for i, r in enumerate(aa):
@@ -167,6 +171,20 @@ def main() -> int:
         + " |"
     )
     print(f"checks: {checks}")
+
+
+def main() -> int:
+    args = _parser().parse_args()
+    suffix = "_separate" if args.separate_calibration else ""
+    args.out = args.out or str(REPO / "bench" / "results" / f"budget_fairness{suffix}.json")
+    results = _run_comparisons(args)
+    aa = results["aa"]
+    checks = {
+        "aa_steps_within_1pct": all(r["step_gap"] <= 0.01 for r in aa),
+        "aa_spend_within_2pct": all(abs(d) <= 0.02 for r in aa for d in r["spend_deviation"]),
+        "nf_step_ratio_matches_time_ratio_within_1pct": results["pre_ln_vs_normformer"]["ratio_gap"] <= 0.01,
+    }
+    _print_table(results, checks)
     record = {
         "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",

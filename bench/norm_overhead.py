@@ -141,7 +141,8 @@ def _cpu_model() -> str:
     return platform.processor() or "cpu"
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
+    """The command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=4, help="timed rounds (one step of every row each)")
@@ -149,26 +150,27 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="also profile Pre-LN and NormFormer")
     parser.add_argument("--top", type=int, default=15, help="operators listed per profile")
     parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "norm_overhead.json"))
-    args = parser.parse_args()
-    torch.set_num_threads(THREADS)
-    wall0 = time.perf_counter()
-    load_before = os.getloadavg()
-    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return parser
 
-    runners = [Runner(overrides, args.seq_len) for _, overrides in ROWS]
-    build_s = time.perf_counter() - wall0
+
+def _timed_rounds(runners: list[Runner], rounds: int, warmup_rounds: int) -> list[list[float]]:
+    """Runs the interleaved rounds (order rotated by one each round), printing each; returns the step
+    times per row, per timed round (warm-up rounds discarded)."""
     n = len(runners)
     times: list[list[float]] = [[] for _ in range(n)]  # per row, per timed round
-    for r in range(args.warmup_rounds + args.rounds):
+    for r in range(warmup_rounds + rounds):
         order = [(r + i) % n for i in range(n)]
         got = {i: runners[i].step() for i in order}
-        tag = "warm-up" if r < args.warmup_rounds else "round"
+        tag = "warm-up" if r < warmup_rounds else "round"
         print(f"{tag} {r}: " + "  ".join(f"{SHORT[i]} {got[i]:.2f}s" for i in range(n)), flush=True)
-        if r >= args.warmup_rounds:
+        if r >= warmup_rounds:
             for i in range(n):
                 times[i].append(got[i])
-    load_after_steps = os.getloadavg()
+    return times
 
+
+def _rows(runners: list[Runner], times: list[list[float]], seq_len: int) -> list[dict]:
+    """Per row: the step times, their median and ratios to Pre-LN's, and the model FLOPs per token."""
     base_flops = model_flops_per_token(runners[0].config)
     base_median = statistics.median(times[0])
     rows = []
@@ -184,7 +186,7 @@ def main() -> None:
                 "parameters": runners[i].parameters,
                 "step_times_s": times[i],
                 "median_step_s": median,
-                "tokens_per_s": args.seq_len / median,
+                "tokens_per_s": seq_len / median,
                 "ratio_of_medians": median / base_median,
                 "per_round_ratios": per_round,
                 "per_round_ratio_median": statistics.median(per_round),
@@ -194,7 +196,11 @@ def main() -> None:
                 "flops_ratio": flops / base_flops,
             }
         )
+    return rows
 
+
+def _print_table(args: argparse.Namespace, rows: list[dict]) -> None:
+    """Prints the setup line and the table of step times and FLOPs per row."""
     print(
         f"\n125M shape, seq_len {args.seq_len}, micro-batch 1, fp32, {THREADS} threads, "
         f"{args.rounds} timed rounds ({args.warmup_rounds} warm-up)"
@@ -210,15 +216,36 @@ def main() -> None:
             f"{spread:>17} {row['model_flops_per_token'] / 1e9:>9.4f} {row['flops_ratio']:>6.4f}×"
         )
 
+
+def _profiles(runners: list[Runner], top: int) -> dict:
+    """Profiles Pre-LN and NormFormer (one step each), printing each; returns the profiles by key."""
     profiles = {}
-    if args.profile:
-        for i in (0, 1):
-            prof = profile_step(runners[i], args.top)
-            print(f"\nprofile: {ROWS[i][0]} (self CPU time of one step, s)")
-            print("  " + "  ".join(f"{k} {v:.2f}" for k, v in prof["self_cpu_s_by_category"].items()))
-            print("  phases: " + "  ".join(f"{k} {v:.2f}" for k, v in prof["phase_cpu_s"].items()))
-            print(prof.pop("table"))
-            profiles[SHORT[i]] = prof
+    for i in (0, 1):
+        prof = profile_step(runners[i], top)
+        print(f"\nprofile: {ROWS[i][0]} (self CPU time of one step, s)")
+        print("  " + "  ".join(f"{k} {v:.2f}" for k, v in prof["self_cpu_s_by_category"].items()))
+        print("  phases: " + "  ".join(f"{k} {v:.2f}" for k, v in prof["phase_cpu_s"].items()))
+        print(prof.pop("table"))
+        profiles[SHORT[i]] = prof
+    return profiles
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    torch.set_num_threads(THREADS)
+    wall0 = time.perf_counter()
+    load_before = os.getloadavg()
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+    runners = [Runner(overrides, args.seq_len) for _, overrides in ROWS]
+    build_s = time.perf_counter() - wall0
+    times = _timed_rounds(runners, args.rounds, args.warmup_rounds)
+    load_after_steps = os.getloadavg()
+
+    rows = _rows(runners, times, args.seq_len)
+    _print_table(args, rows)
+
+    profiles = _profiles(runners, args.top) if args.profile else {}
     load_after = os.getloadavg()
 
     result = {

@@ -119,23 +119,20 @@ def ours(inputs: list[Path], out_prefix: Path, workers: int) -> dict:
     return {"seconds": float(seconds), "peak_rss_mb": int(maxrss_kb) / 1024, "summary": line.strip()}
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
+    """The command line."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=5, help="copies of the Gutenberg JSONL in the big corpus")
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--trials", type=int, default=3, help="alternating trials per worker count (best kept)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "preprocess.json"))
-    args = ap.parse_args()
+    return ap
 
-    docs = gutenberg_documents()
-    text_mb = sum(len(d.encode("utf-8")) for d in docs) / 1e6
-    results: dict = {
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        "date": time.strftime("%Y-%m-%d"),
-        "corpus": {"documents": len(docs), "text_mb": round(text_mb, 2), "repeat": args.repeat},
-        "raw": {},
-        "ours": {},
-    }
+
+def _measure(args: argparse.Namespace, docs: list[str], text_mb: float, results: dict) -> None:
+    """Writes the corpus to a temporary directory, times raw and ours at every worker count, and
+    records into ``results`` the rates, the peak RSS at 1x and at the big corpus, and whether every
+    worker count wrote the same bytes."""
     with tempfile.TemporaryDirectory() as tmp:
         one = Path(tmp) / "gutenberg-00.jsonl"
         with open(one, "w", encoding="utf-8") as f:
@@ -177,6 +174,11 @@ def main() -> None:
         )
         results["same_bytes_for_all_workers"] = a.read_bytes() == b.read_bytes()
 
+
+def _report(args: argparse.Namespace, results: dict) -> None:
+    """Prints the table, the 1→2 worker scaling, the peak RSS and the 110B-token projection, adding
+    the scaling and the projection to ``results``."""
+    wmax = max(args.workers)
     print()
     print(f"{'':14} {'raw tiktoken':>24} {'data_tools.preprocess':>34} {'ratio':>7}")
     print(f"{'workers':14} {'MB/s':>11} {'Mtok/s':>12} {'MB/s':>11} {'Mtok/s':>10} {'RSS MB':>11} {'':>7}")
@@ -207,6 +209,21 @@ def main() -> None:
         f"{hours:.1f} h"
     )
     print(f"same bytes for every worker count: {results['same_bytes_for_all_workers']}")
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    docs = gutenberg_documents()
+    text_mb = sum(len(d.encode("utf-8")) for d in docs) / 1e6
+    results: dict = {
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "date": time.strftime("%Y-%m-%d"),
+        "corpus": {"documents": len(docs), "text_mb": round(text_mb, 2), "repeat": args.repeat},
+        "raw": {},
+        "ours": {},
+    }
+    _measure(args, docs, text_mb, results)
+    _report(args, results)
     atomic_write_json(args.out, results)
     print(f"wrote {args.out}")
 
