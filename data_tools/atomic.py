@@ -9,13 +9,22 @@ the temporaries are gone and gives the fix, instead of a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
+from collections.abc import Iterator
 
 from data_tools.errors import OutputError
 
-__all__ = ["OutputError", "is_output_error", "sigterm_as_interrupt", "write_error"]
+__all__ = [
+    "STOP_SIGNALS",
+    "OutputError",
+    "is_output_error",
+    "sigterm_as_interrupt",
+    "stop_signals_blocked",
+    "write_error",
+]
 
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _NOT_WRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM}
@@ -68,3 +77,26 @@ def sigterm_as_interrupt() -> None:
     """Make SIGTERM (a scheduler's kill, ``timeout``) unwind like Ctrl-C, so that ``except`` and
     ``finally`` blocks remove temporaries instead of the process dying with them on disk."""
     signal.signal(signal.SIGTERM, _raise_interrupt)
+
+
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Block Ctrl-C and SIGTERM in this thread, and so in every thread or process started inside;
+    a stop signal that came meanwhile is raised (as ``KeyboardInterrupt``) once the block is left.
+
+    For three things. A process-directed signal goes to any thread that does not block it, and on
+    CPython < 3.12 one that lands on a helper thread (tqdm's monitor) only sets a flag the main
+    thread may not look at until much later: seen here, a SIGTERM went unanswered for 30 s while
+    the main thread waited on a worker's result; started under this block, helper threads never
+    take the stop signals. A Python handler that raises in the middle of a fork runs inside an
+    at-fork hook, where the exception is printed and dropped. And a few steps must not be cut in
+    two: putting an output's files in place (``.bin``, sidecar, ``.idx``), removing temporaries.
+    """
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -24,6 +24,11 @@ class PreprocessError(DataToolsError):
     """An input file or record cannot be turned into tokens (and ``--skip-bad-records`` is off)."""
 
 
+class WorkerError(DataToolsError):
+    """A worker process ended in the middle of the run (killed by a signal, the out-of-memory
+    killer, a crash); the other workers have been stopped."""
+
+
 class OutputError(DataToolsError):
     """An output cannot be written (no space left, a quota, a read-only directory); the partial
     output has been removed."""

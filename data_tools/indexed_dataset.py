@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from data_tools.atomic import stop_signals_blocked
 from data_tools.errors import DataFormatError
 
 __all__ = [
@@ -255,14 +256,19 @@ class IndexedDatasetWriter:
                 f.write(pointers.astype("<i8", copy=False).tobytes())
                 f.write(document_indices.astype("<i8", copy=False).tobytes())
             # The .idx is what readers open first, so it appears last, and an older .idx must not
-            # sit next to the new .bin in between.
-            self.idx_path.unlink(missing_ok=True)
-            os.replace(self._bin_tmp, self.bin_path)
-            bin_moved = True
-            if before_index is not None:
-                before_index()
-            os.replace(self._idx_tmp, self.idx_path)
+            # sit next to the new .bin in between. SIGTERM / Ctrl-C wait for these few steps: one
+            # between the .bin's rename and bin_moved would leave a .bin without its .idx.
+            with stop_signals_blocked():
+                self.idx_path.unlink(missing_ok=True)
+                os.replace(self._bin_tmp, self.bin_path)
+                bin_moved = True
+                if before_index is not None:
+                    before_index()
+                os.replace(self._idx_tmp, self.idx_path)
+                self._closed = True
         except BaseException:
+            if self._closed:  # finished: a stop signal that waited for the block is raised as it ends
+                raise
             if bin_moved:  # this run's .bin, without its .idx: not left under the final name
                 self.bin_path.unlink(missing_ok=True)
             self.abort()

@@ -35,13 +35,10 @@ import contextlib
 import functools
 import glob
 import json
-import multiprocessing
-import multiprocessing.pool
 import os
-import signal
 import sys
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,11 +46,12 @@ from typing import BinaryIO
 
 import numpy as np
 
-from data_tools.atomic import is_output_error, sigterm_as_interrupt, write_error
+from data_tools.atomic import is_output_error, sigterm_as_interrupt, stop_signals_blocked, write_error
 from data_tools.errors import DataFormatError, DataToolsError, PreprocessError
 from data_tools.files import atomic_write_json
 from data_tools.indexed_dataset import IndexedDataset, optimal_dtype
 from data_tools.megatron_flags import add_megatron_flags, check_megatron_flags, level, strip_suffix
+from data_tools.ordered_pool import OrderedPool
 from data_tools.partitions import make_writer
 from data_tools.readers import open_input
 from data_tools.sentences import encode_sentences, sentence_lengths
@@ -73,10 +71,14 @@ __all__ = [
     "Document",
     "PreprocessError",
     "PreprocessSummary",
+    "RunPlan",
     "expand_inputs",
     "iter_records",
     "main",
+    "plan_run",
     "preprocess",
+    "shard_finished",
+    "shard_inputs",
 ]
 
 # Bad-record reasons, the keys of the summary's skip counts.
@@ -408,7 +410,7 @@ def iter_records(
 # ----------------------------------------------------------------------------- tokenizing
 
 # Per-process tokenizer state, set by _init_worker in each worker (and once in-process for
-# --workers 1): the Pool API passes a plain function, so it lives at module level.
+# --workers 1): the pool passes a plain function, so it lives at module level.
 _WORKER: dict = {}
 
 
@@ -420,12 +422,7 @@ def _init_worker(
     split: bool | None = None,
     tokenizer=None,
 ) -> None:
-    if tokenizer is None:  # in a pool worker
-        # Ctrl-C and SIGTERM are for the parent, which then terminates the pool and cleans up.
-        # They arrive blocked (see _start_pool) and are unblocked once these handlers are in place.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+    if tokenizer is None:  # in a pool worker (its stop signals are set by OrderedPool)
         # A forked worker inherits the tokenizer the parent set just before starting the pool (see
         # _encoded_units): no second build per worker. Other start methods build their own.
         tokenizer = _WORKER.get("tokenizer") or build_tokenizer(**tokenizer_kwargs)
@@ -434,41 +431,6 @@ def _init_worker(
     _WORKER["dtype"] = dtype
     _WORKER["keys"] = tuple(keys)
     _WORKER["split"] = split  # None: whole documents; else split sentences, keep_newlines=split
-
-
-_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
-
-
-@contextlib.contextmanager
-def _stop_signals_blocked() -> Iterator[None]:
-    """Block Ctrl-C and SIGTERM in this thread, and so in every thread or process started inside.
-
-    Two reasons. A process-directed signal goes to any thread that does not block it, and on
-    CPython < 3.12 one that lands on a helper thread (tqdm's monitor, the pool's handlers) only
-    sets a flag the main thread may not look at until much later: seen here, a SIGTERM went
-    unanswered for 30 s while the main thread waited on a worker's result. And a Python handler
-    that raises in the middle of a fork runs inside an at-fork hook, where the exception is printed
-    and dropped. Started under this block, helper threads never take the stop signals, so the main
-    thread does, as soon as the block is lifted here.
-    """
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-def _start_pool(workers: int, init_args: tuple) -> multiprocessing.pool.Pool:
-    """A pool whose workers ignore Ctrl-C and die on SIGTERM (see :func:`_stop_signals_blocked`)."""
-    pool = None
-    try:
-        with _stop_signals_blocked():
-            pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=init_args)
-    except BaseException:  # a stop signal that came during the fork is raised as the block lifts
-        if pool is not None:
-            pool.terminate()
-        raise
-    return pool
 
 
 @dataclass
@@ -587,10 +549,14 @@ def _work_units(paths: Sequence[Path], keys: Sequence[str], split_blank_lines: b
 def _encoded_units(units: Iterable[tuple], workers: int, init_args: tuple, tokenizer) -> Iterator[_Encoded]:
     """The units' results in input order, tokenized by ``workers`` processes.
 
-    Like ``Pool.imap`` but with at most ``2 * workers + 2`` units in flight: ``imap`` reads its
-    input as fast as it can, which on a corpus larger than memory fills the memory; this way peak
-    memory is a few MB per worker whatever the corpus size. With one worker everything runs in
-    this process, on the tokenizer already built.
+    At most ``2 * workers + 2`` units are in flight (``Pool.imap`` reads its input as fast as it
+    can, which on a corpus larger than memory fills the memory); this way peak memory is a few MB
+    per worker whatever the corpus size. With one worker everything runs in this process, on the
+    tokenizer already built. The workers are an :class:`OrderedPool`: on SIGTERM / Ctrl-C, or when
+    the generator is closed early, they are killed and waited for before this returns.
+
+    Raises:
+        WorkerError: a worker died in the middle of the run.
     """
     # Set here before the fork, so that forked workers share this tokenizer instead of each
     # building its own (0.1-0.3 s of a worker's time with GPT-2 BPE).
@@ -599,14 +565,8 @@ def _encoded_units(units: Iterable[tuple], workers: int, init_args: tuple, token
         for unit in units:
             yield _encode_unit(unit)
         return
-    with _start_pool(workers, init_args) as pool:
-        pending: deque = deque()
-        for unit in units:
-            pending.append(pool.apply_async(_encode_unit, (unit,)))
-            if len(pending) >= 2 * workers + 2:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
+    with OrderedPool(workers, _encode_unit, _init_worker, init_args) as pool:
+        yield from pool.imap(units, max_pending=2 * workers + 2)
 
 
 # ----------------------------------------------------------------------------- the pipeline
@@ -646,15 +606,44 @@ class PreprocessSummary:
         )
 
 
-def preprocess(args: argparse.Namespace) -> PreprocessSummary:
-    """Runs the pipeline for parsed command-line ``args`` (see ``build_parser``).
+@dataclass(frozen=True)
+class RunPlan:
+    """What the checks before any work settled (see :func:`plan_run`).
+
+    Attributes:
+        paths: the input files of this run (of its shard, with ``--num-shards``).
+        output_prefix: the outputs' prefix without ``_{key}_{level}`` (the shard's, when sharded).
+        outputs: the output prefixes, one per key (``{output_prefix}_{key}_{level}``).
+        tokenizer_kwargs: the arguments of ``build_tokenizer``, for the workers.
+        tokenizer: the tokenizer, built once here.
+        tokenizer_info: what the statistics sidecars record of the tokenizer.
+        eod: the EOD id every document ends with (``--append-eod``), else ``None``.
+        manifest: a shard's manifest (``--num-shards`` > 1), else ``None``.
+    """
+
+    paths: list[Path]
+    output_prefix: str
+    outputs: list[str]
+    tokenizer_kwargs: dict
+    tokenizer: object
+    tokenizer_info: dict
+    eod: int | None
+    manifest: dict | None
+
+
+def plan_run(args: argparse.Namespace, tokenizer=None) -> RunPlan:
+    """Checks the flags, the inputs, the output prefix and the tokenizer files before any work.
+
+    Args:
+        args: parsed command-line arguments (see ``build_parser``).
+        tokenizer: the tokenizer of these arguments if already built (one build for many shards);
+            ``None`` builds it.
 
     Raises:
-        PreprocessError: for a bad record (without ``--skip-bad-records``) or a bad input file,
-            after removing the temporary outputs.
-        TokenizerError: for bad tokenizer files.
+        PreprocessError: a bad flag or input, or a bad shard index.
+        OutputError: an ``--output-prefix`` that cannot name files.
+        TokenizerError: bad tokenizer files.
     """
-    start = time.perf_counter()
     if args.workers < 1:
         raise PreprocessError(f"--workers must be at least 1, got {args.workers}")
     check_megatron_flags(args)
@@ -670,89 +659,154 @@ def preprocess(args: argparse.Namespace) -> PreprocessSummary:
         "merge_file": args.merge_file,
         "tokenizer_model": args.tokenizer_model,
     }
-    tokenizer = build_tokenizer(**tokenizer_kwargs)  # here first, so bad files fail before any work
-    dtype = optimal_dtype(tokenizer.vocab_size)
-    # What the statistics sidecars record: the tokenizer (type, size, sha256 of its files) and the
-    # EOD id every document ends with (checked as the documents are added, not assumed).
-    tokenizer_info = tokenizer_entry(**tokenizer_kwargs, vocab_size=tokenizer.vocab_size)
-    eod = tokenizer.eod if args.append_eod else None
-    summary = PreprocessSummary()
-    summary.outputs = [f"{output_prefix}_{key}_{lvl}" for key in args.json_keys]
-    manifest = _shard_manifest(paths, args, tokenizer_kwargs) if args.num_shards > 1 else None
-    if manifest is not None:
-        done, why_not = _finished(summary.outputs, output_prefix, manifest)
+    if tokenizer is None:  # here first, so bad files fail before any work
+        tokenizer = build_tokenizer(**tokenizer_kwargs)
+    return RunPlan(
+        paths=paths,
+        output_prefix=output_prefix,
+        outputs=[f"{output_prefix}_{key}_{lvl}" for key in args.json_keys],
+        tokenizer_kwargs=tokenizer_kwargs,
+        tokenizer=tokenizer,
+        # What the statistics sidecars record: the tokenizer (type, size, sha256 of its files) and
+        # the EOD id every document ends with (checked as the documents are added, not assumed).
+        tokenizer_info=tokenizer_entry(**tokenizer_kwargs, vocab_size=tokenizer.vocab_size),
+        eod=tokenizer.eod if args.append_eod else None,
+        manifest=_shard_manifest(paths, args, tokenizer_kwargs) if args.num_shards > 1 else None,
+    )
+
+
+def preprocess(args: argparse.Namespace) -> PreprocessSummary:
+    """Runs the pipeline for parsed command-line ``args`` (see ``build_parser``).
+
+    The outputs are written under ``.tmp`` names and renamed once complete; on any error, and on
+    SIGINT / SIGTERM (a ``KeyboardInterrupt``, see :func:`main`), the workers are killed and
+    waited for and the temporaries removed before the exception leaves this function.
+
+    Raises:
+        PreprocessError: for a bad record (without ``--skip-bad-records``) or a bad input file,
+            after removing the temporary outputs.
+        TokenizerError: for bad tokenizer files.
+        OutputError: an output that cannot be written (no space, not writable).
+        WorkerError: a worker process died in the middle of the run.
+        KeyboardInterrupt: SIGINT or SIGTERM, after the cleanup.
+    """
+    start = time.perf_counter()
+    plan = plan_run(args)
+    summary = PreprocessSummary(outputs=list(plan.outputs))
+    if plan.manifest is not None:
+        done, why_not = shard_finished(plan)
         if done:
-            _complete_stats(summary.outputs, eod, tokenizer_info)
+            _complete_stats(plan.outputs, plan.eod, plan.tokenizer_info)
             summary.already_done = True
             summary.seconds = time.perf_counter() - start
             return summary
         if why_not:
             print(f"redoing shard {args.shard_index} of {args.num_shards}: {why_not}", file=sys.stderr)
+    dtype = optimal_dtype(plan.tokenizer.vocab_size)
+    writers: list = []  # IndexedDatasetWriter or RoundRobinWriter
+    try:
+        with stop_signals_blocked():  # a writer half made (its .tmp open, not in the list) would stay
+            for prefix in plan.outputs:
+                writers.append(make_writer(prefix, dtype, args.partitions, args.keep_sequential_samples))
+        accumulators = [StatsAccumulator(plan.eod, plan.tokenizer.vocab_size, where=p) for p in plan.outputs]
+        _tokenize(args, plan, dtype, writers, accumulators, summary, start)
+        _finish_outputs(plan, writers, accumulators, summary)
+    except BaseException as e:
+        with stop_signals_blocked():  # a second signal must not cut the cleanup short
+            for writer in writers:
+                writer.abort()
+            for prefix in plan.outputs:  # a sidecar written just before the failure, without its .idx
+                sidecar = stats_path(prefix)
+                if os.path.exists(sidecar) and not os.path.exists(f"{prefix}.idx"):
+                    with contextlib.suppress(OSError):
+                        os.remove(sidecar)
+        err = write_error(e, plan.output_prefix) if isinstance(e, OSError) else None
+        if err is not None and is_output_error(e, plan.output_prefix):
+            raise err from None
+        raise
+    summary.seconds = time.perf_counter() - start
+    return summary
 
+
+def _progress_bar(log_interval: int | None):
+    """tqdm's bar on stderr: on a terminal without ``--log-interval``, else disabled (then
+    ``--log-interval`` lines are printed instead)."""
     from tqdm import tqdm
 
-    # disable=None: a bar on a terminal, nothing in logs (where --log-interval lines are printed);
-    # an explicit --log-interval prints its lines on a terminal too, instead of the bar.
-    log_interval = _DEFAULT_LOG_INTERVAL if args.log_interval is None else args.log_interval
-    with _stop_signals_blocked():  # tqdm's monitor thread must not take the stop signals
-        bar = tqdm(
+    with stop_signals_blocked():  # tqdm's monitor thread must not take the stop signals
+        return tqdm(
             unit=" docs",
             file=sys.stderr,
-            disable=None if args.log_interval is None else True,
+            disable=None if log_interval is None else True,
             dynamic_ncols=True,
             desc="tokenizing",
         )
-    writers: list = []  # IndexedDatasetWriter or RoundRobinWriter
-    accumulators = [StatsAccumulator(eod, tokenizer.vocab_size, where=prefix) for prefix in summary.outputs]
+
+
+def _tokenize(
+    args: argparse.Namespace,
+    plan: RunPlan,
+    dtype: np.dtype,
+    writers: list,
+    accumulators: list,
+    summary: PreprocessSummary,
+    start: float,
+) -> None:
+    """Tokenizes the inputs with ``args.workers`` processes into the ``writers`` (not finalized),
+    counting into ``accumulators`` and ``summary``; the workers are gone when this returns or raises.
+
+    Raises:
+        PreprocessError: a bad record (without ``--skip-bad-records``) or a bad input file.
+        WorkerError: a worker died.
+    """
+    # disable=None: a bar on a terminal, nothing in logs (where --log-interval lines are printed);
+    # an explicit --log-interval prints its lines on a terminal too, instead of the bar.
+    log_interval = _DEFAULT_LOG_INTERVAL if args.log_interval is None else args.log_interval
     next_log = log_interval
-    try:
-        for prefix in summary.outputs:
-            writers.append(make_writer(prefix, dtype, args.partitions, args.keep_sequential_samples))
-        units = _work_units(paths, args.json_keys, args.text_split_blank_lines)
-        split = args.keep_newlines if args.split_sentences else None
-        init_args = (tokenizer_kwargs, args.append_eod, dtype, tuple(args.json_keys), split)
-        # closing(): on an interrupt the pool is terminated here, not whenever the suspended
-        # generator happens to be collected (after main() has already reported the interrupt).
-        encoded_units = contextlib.closing(_encoded_units(units, args.workers, init_args, tokenizer))
-        with encoded_units as encoded_iter:
-            for encoded in encoded_iter:
-                for record in encoded.bad:
-                    _skip(record, args.skip_bad_records, summary)
-                _add_encoded(encoded, writers, accumulators, summary)
-                if bar.disable and log_interval > 0 and summary.documents >= next_log:
-                    _log_progress(summary, time.perf_counter() - start)
-                    next_log = (summary.documents // log_interval + 1) * log_interval
-                bar.update(encoded.records)
-                bar.set_postfix_str(f"{summary.text_bytes / 1e6:.1f} MB", refresh=False)
-        if summary.documents == 0:
-            named = ", ".join(str(p) for p in paths[:3])
-            named += f" and {len(paths) - 3} more" if len(paths) > 3 else ""
-            raise PreprocessError(
-                f"no documents to write from {len(paths)} input file(s) ({named}): they are empty or "
-                "hold only blank lines; check --input"
-                + (f" (skipped {sum(summary.skipped.values())} bad records)" if summary.skipped else "")
-            )
-        if manifest is not None:  # a redone shard's old manifest must not vouch for new outputs
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(_manifest_path(output_prefix))
-        for writer, acc, prefix in zip(writers, accumulators, summary.outputs):
-            stats = acc.finish(tokenizer_info)
-            # The sidecar is written after the .bin and before the .idx is renamed into place: a
-            # dataset that looks finished always has its statistics.
-            writer.finalize(before_index=functools.partial(write_stats, prefix, stats))
-        if manifest is not None:  # last: a run killed before this point looks unfinished
-            atomic_write_json(_manifest_path(output_prefix), manifest, indent=1)
-    except BaseException as e:
-        for writer in writers:
-            writer.abort()
-        err = write_error(e, output_prefix) if isinstance(e, OSError) else None
-        if err is not None and is_output_error(e, output_prefix):
-            raise err from None
-        raise
-    finally:
-        bar.close()
-    summary.seconds = time.perf_counter() - start
-    return summary
+    units = _work_units(plan.paths, args.json_keys, args.text_split_blank_lines)
+    split = args.keep_newlines if args.split_sentences else None
+    init_args = (plan.tokenizer_kwargs, args.append_eod, dtype, tuple(args.json_keys), split)
+    bar = _progress_bar(args.log_interval)
+    # closing(): on an interrupt the pool is killed here, not whenever the suspended generator
+    # happens to be collected (after main() has already reported the interrupt).
+    encoded_units = contextlib.closing(_encoded_units(units, args.workers, init_args, plan.tokenizer))
+    with bar, encoded_units as encoded_iter:
+        for encoded in encoded_iter:
+            for record in encoded.bad:
+                _skip(record, args.skip_bad_records, summary)
+            _add_encoded(encoded, writers, accumulators, summary)
+            if bar.disable and log_interval > 0 and summary.documents >= next_log:
+                _log_progress(summary, time.perf_counter() - start)
+                next_log = (summary.documents // log_interval + 1) * log_interval
+            bar.update(encoded.records)
+            bar.set_postfix_str(f"{summary.text_bytes / 1e6:.1f} MB", refresh=False)
+
+
+def _finish_outputs(plan: RunPlan, writers: list, accumulators: list, summary: PreprocessSummary) -> None:
+    """Puts the outputs in place: per key its ``.bin``, statistics sidecar and ``.idx`` (last), then
+    a shard's manifest.
+
+    Raises:
+        PreprocessError: nothing to write (no documents in the inputs).
+    """
+    if summary.documents == 0:
+        named = ", ".join(str(p) for p in plan.paths[:3])
+        named += f" and {len(plan.paths) - 3} more" if len(plan.paths) > 3 else ""
+        raise PreprocessError(
+            f"no documents to write from {len(plan.paths)} input file(s) ({named}): they are empty or "
+            "hold only blank lines; check --input"
+            + (f" (skipped {sum(summary.skipped.values())} bad records)" if summary.skipped else "")
+        )
+    if plan.manifest is not None:  # a redone shard's old manifest must not vouch for new outputs
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(_manifest_path(plan.output_prefix))
+    for writer, acc, prefix in zip(writers, accumulators, plan.outputs):
+        stats = acc.finish(plan.tokenizer_info)
+        # The sidecar is written after the .bin and before the .idx is renamed into place: a
+        # dataset that looks finished always has its statistics.
+        writer.finalize(before_index=functools.partial(write_stats, prefix, stats))
+    if plan.manifest is not None:  # last: a run killed before this point looks unfinished
+        atomic_write_json(_manifest_path(plan.output_prefix), plan.manifest, indent=1)
 
 
 def _add_encoded(encoded: _Encoded, writers: list, accumulators: list, summary: PreprocessSummary) -> None:
@@ -876,6 +930,13 @@ def _finished(outputs: Sequence[str], shard_prefix: str, manifest: dict) -> tupl
     if changed:
         return False, f"its {', '.join(changed)} changed since it was written"
     return True, ""
+
+
+def shard_finished(plan: RunPlan) -> tuple[bool, str]:
+    """Whether the shard of ``plan`` (``--num-shards`` > 1) is finished from its current inputs and
+    settings, and if not, why (empty when nothing of it exists yet); see :func:`_finished`."""
+    assert plan.manifest is not None, "not a shard: --num-shards is 1"
+    return _finished(plan.outputs, plan.output_prefix, plan.manifest)
 
 
 def _complete_stats(outputs: Sequence[str], eod: int | None, tokenizer_info: dict) -> None:

@@ -1,7 +1,10 @@
-"""Fixtures of the data-tool tests: the shared data files, a CLI runner, a reference .bin/.idx writer."""
+"""Fixtures of the data-tool tests: the shared data files, a CLI runner, a reference .bin/.idx writer,
+a corpus large enough to interrupt."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -108,3 +111,23 @@ def write_reference(prefix: Path, documents: Sequence[Sequence[Sequence[int]]], 
 def reference_writer() -> Callable[..., None]:
     """``reference_writer(prefix, documents, dtype=np.uint16)``, see ``write_reference``."""
     return write_reference
+
+
+@pytest.fixture(scope="session")
+def novels_corpus(shared_data: Path) -> Callable[[Path, int], Path]:
+    """``novels_corpus(directory, copies)``: the Gutenberg novels ``copies`` times over in the new
+    ``directory`` (hard links, or copies across file systems), returned; about ``copies`` seconds
+    of preprocessing at 2 workers, for tests that stop a run in the middle."""
+
+    def make(directory: Path, copies: int) -> Path:
+        directory.mkdir()
+        for k in range(copies):
+            for book in sorted((shared_data / "gutenberg-novels").glob("*.txt.xz")):
+                target = directory / f"{k:02d}-{book.name}"
+                try:
+                    os.link(book, target)
+                except OSError:
+                    shutil.copyfile(book, target)
+        return directory
+
+    return make

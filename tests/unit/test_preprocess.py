@@ -6,8 +6,6 @@ from __future__ import annotations
 import gzip
 import json
 import lzma
-import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -316,19 +314,11 @@ def test_input_that_matches_nothing(tmp_path, gpt2_flags, run_cli):
     assert result.returncode == 2 and "has no input files" in result.stderr
 
 
-def test_interrupted_run_leaves_no_output(tmp_path, shared_data, gpt2_flags):
+def test_interrupted_run_leaves_no_output(tmp_path, novels_corpus, gpt2_flags):
     """SIGTERM mid-run (a scheduler's kill): exit 130, temporaries removed, nothing that looks finished."""
-    # The novels 20 times over (hard links, or copies across filesystems): ~30 s of work at 2
-    # workers, so the run is surely still going when the signal comes once the .tmp files appear.
-    inputs = tmp_path / "inputs"
-    inputs.mkdir()
-    for k in range(20):
-        for book in sorted((shared_data / "gutenberg-novels").glob("*.txt.xz")):
-            target = inputs / f"{k:02d}-{book.name}"
-            try:
-                os.link(book, target)
-            except OSError:
-                shutil.copyfile(book, target)
+    # The novels 20 times over: ~30 s of work at 2 workers, so the run is surely still going when
+    # the signal comes once the .tmp files appear.
+    inputs = novels_corpus(tmp_path / "inputs", 20)
     out = tmp_path / "gut"
     proc = subprocess.Popen(
         [sys.executable, "-m", "data_tools.preprocess", "--input", str(inputs)]

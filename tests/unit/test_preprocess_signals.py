@@ -1,0 +1,170 @@
+"""``python -m data_tools.preprocess --workers 2`` stopped at any moment: SIGTERM or SIGINT to its
+process group (a scheduler's kill, Ctrl-C) or to the main process alone ends every process within
+seconds, with no temporary and no half-written output left, and no worker outliving it; SIGKILL of
+the main process leaves no orphaned worker.
+
+Regression (issue 22): SIGTERM to the process group while the workers started left the main process
+hung in ``multiprocessing.Pool.terminate()`` (a worker killed while holding the task queue's lock)
+and a worker orphaned.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+EXIT_TIMEOUT_S = 15  # generous: the main process normally ends in well under a second
+
+
+def _session_processes(sid: int) -> list[int]:
+    """Live (not zombie) processes of session ``sid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        state, session = fields[0], int(fields[3])
+        if session == sid and state != "Z":
+            found.append(int(entry))
+    return found
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _start(inputs: Path, out_dir: Path, gpt2_flags: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "data_tools.preprocess", "--input", str(inputs)]
+        + ["--output-prefix", str(out_dir / "gut"), *gpt2_flags, "--append-eod", "--workers", "2"]
+        + ["--log-interval", "0"],
+        cwd=REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own session and process group, as under a scheduler
+    )
+
+
+def _reach(moment: str, proc: subprocess.Popen, out_dir: Path) -> None:
+    """Waits until ``moment``: a delay after the start, the first worker forked, or mid-run."""
+    if moment.endswith("s"):
+        time.sleep(float(moment[:-1]))
+    elif moment == "workers starting":  # the main process and at least one worker
+        assert _wait_for(lambda: len(_session_processes(proc.pid)) >= 2, 60), "no worker started"
+    elif moment == "mid-run":  # a few MB of tokens written
+        tmp_bin = out_dir / "gut_text_document.bin.tmp"
+        assert _wait_for(lambda: tmp_bin.exists() and tmp_bin.stat().st_size > 4 << 20, 60), "no progress"
+    else:
+        raise AssertionError(moment)
+    assert proc.poll() is None, f"the run ended before {moment}: {proc.communicate()[1]}"
+
+
+def _stop_and_check(proc: subprocess.Popen, out_dir: Path, signum: int, *, group: bool) -> str:
+    """Sends ``signum`` and checks: the main process ends with 130 or by the signal, every process
+    of its session is gone, nothing is left in the output directory. Returns its stderr."""
+    (os.killpg if group else os.kill)(proc.pid, signum)
+    try:
+        _, stderr = proc.communicate(timeout=EXIT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        left = _session_processes(proc.pid)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError(f"the main process still ran {EXIT_TIMEOUT_S} s after the signal") from None
+    assert proc.returncode in (130, -signum), (proc.returncode, stderr)
+    # Workers see their parent go within a moment; a poll, not a fixed sleep.
+    left_over = _wait_for(lambda: not _session_processes(proc.pid), EXIT_TIMEOUT_S)
+    left = _session_processes(proc.pid)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert left_over and not left, f"processes outlived the main process: {left}"
+    assert sorted(p.name for p in out_dir.iterdir()) == [], stderr
+    assert "Traceback" not in stderr or proc.returncode == -signum, stderr  # before main() is reached
+    return stderr
+
+
+MOMENTS = ["0.2s", "0.5s", "workers starting", "1.0s", "mid-run"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_stop_signal_to_the_process_group_at_any_moment(tmp_path, novels_corpus, gpt2_flags, signum):
+    inputs = novels_corpus(tmp_path / "inputs", 10)
+    for moment in MOMENTS:
+        out_dir = tmp_path / f"out-{moment.replace(' ', '-')}"
+        out_dir.mkdir()
+        proc = _start(inputs, out_dir, gpt2_flags)
+        _reach(moment, proc, out_dir)
+        stderr = _stop_and_check(proc, out_dir, signum, group=True)
+        if proc.returncode == 130:
+            assert "interrupted" in stderr, stderr
+
+
+@pytest.mark.parametrize("moment", ["workers starting", "mid-run"])
+def test_sigterm_to_the_main_process_alone_ends_its_workers(tmp_path, novels_corpus, gpt2_flags, moment):
+    """``kill PID`` (not the group): the main process ends its workers itself."""
+    inputs = novels_corpus(tmp_path / "inputs", 10)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    proc = _start(inputs, out_dir, gpt2_flags)
+    _reach(moment, proc, out_dir)
+    _stop_and_check(proc, out_dir, signal.SIGTERM, group=False)
+
+
+def test_workers_do_not_outlive_a_killed_main_process(tmp_path, novels_corpus, gpt2_flags):
+    """SIGKILL (no cleanup possible in the main process): the workers notice and exit, none is
+    orphaned. Only the temporaries of the killed process may remain; a rerun replaces them."""
+    inputs = novels_corpus(tmp_path / "inputs", 10)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    proc = _start(inputs, out_dir, gpt2_flags)
+    _reach("mid-run", proc, out_dir)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=EXIT_TIMEOUT_S)
+    gone = _wait_for(lambda: not _session_processes(proc.pid), EXIT_TIMEOUT_S)
+    left = _session_processes(proc.pid)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert gone and not left, f"workers outlived the killed main process: {left}"
+    assert not (out_dir / "gut_text_document.bin").exists()  # nothing looks finished
+    assert not (out_dir / "gut_text_document.idx").exists()
+
+
+def test_a_worker_killed_alone_ends_the_run_with_an_error(tmp_path, novels_corpus, gpt2_flags):
+    """One worker killed (the out-of-memory killer's SIGKILL): the run stops with an error naming it,
+    instead of waiting forever for the lost work unit; the other worker goes too, no output left."""
+    inputs = novels_corpus(tmp_path / "inputs", 10)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    proc = _start(inputs, out_dir, gpt2_flags)
+    _reach("mid-run", proc, out_dir)
+    worker = next(pid for pid in _session_processes(proc.pid) if pid != proc.pid)
+    os.kill(worker, signal.SIGKILL)
+    try:
+        _, stderr = proc.communicate(timeout=EXIT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        for pid in _session_processes(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError(f"the main process still ran {EXIT_TIMEOUT_S} s after a worker died") from None
+    assert proc.returncode == 2, stderr
+    assert f"error: worker process {worker} was killed by SIGKILL" in stderr and "Traceback" not in stderr
+    assert _wait_for(lambda: not _session_processes(proc.pid), EXIT_TIMEOUT_S)
+    assert sorted(p.name for p in out_dir.iterdir()) == []
