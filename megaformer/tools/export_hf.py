@@ -264,16 +264,18 @@ def export(
             cannot express, bad tokenizer files.
         ReshardError: the checkpoint cannot be read (names the file).
         UntrustedCheckpointError: a file refers to a type loading weights does not allow.
-        CheckpointError: a file differs from the checkpoint's manifest (names it and the newest
+        CheckpointError: a weights file differs from the checkpoint's manifest (names it and the newest
             intact ``global_stepN``).
     """
     from megaformer.tools.reshard import consolidate, resolve_tag_dir
-    from megaformer.training.ckpt_integrity import verify
+    from megaformer.training.ckpt_integrity import NEEDS_WEIGHTS, verify
 
     if os.path.isdir(output) and os.listdir(output) and not overwrite:
         raise ExportError(f"{output}: exists and is not empty; pass --overwrite or another --output")
     tag_dir = resolve_tag_dir(checkpoint, tag)
-    verify(tag_dir)  # a damaged file is named (with the newest intact checkpoint) before loading
+    # A damaged weights file is named (with the newest intact checkpoint) before loading; a damaged
+    # optimizer or generator-state file, which is not read, in a warning.
+    verify(tag_dir, needs=NEEDS_WEIGHTS)
     full, run_config, extra = consolidate(tag_dir, trust_code=trust_code)
     config = ModelConfig(**run_config["model"])
     info = {"step": extra.get("step"), "checkpoint": os.path.abspath(checkpoint)}

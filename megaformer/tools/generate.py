@@ -42,13 +42,16 @@ def load_for_generation(
     Raises:
         ReshardError: the directory holds no loadable megaformer checkpoint (names the file).
         UntrustedCheckpointError: a file refers to a type loading weights does not allow.
-        CheckpointError: a file differs from the manifest.
+        CheckpointError: a weights file differs from the manifest (a damaged optimizer or
+            generator-state file is only named in a warning: it is not read).
     """
     from megaformer.tools.reshard import consolidate, load_full, resolve_tag_dir
-    from megaformer.training.ckpt_integrity import verify
+    from megaformer.training.ckpt_integrity import NEEDS_WEIGHTS, verify
 
     tag_dir = resolve_tag_dir(ckpt_dir, tag)
-    verify(tag_dir)  # a damaged file is named (with the newest intact checkpoint) before loading
+    # A damaged weights file is named (with the newest intact checkpoint) before loading; a damaged
+    # optimizer or generator-state file, which is not read, in a warning.
+    verify(tag_dir, needs=NEEDS_WEIGHTS)
     full, run_config, extra = consolidate(tag_dir, trust_code=trust_code)
     config = ModelConfig(**run_config["model"])
     model = NormFormerLM(config, tp_group=None, seed=0)  # the seed's weights are all replaced

@@ -306,11 +306,20 @@ def reshard(
 ) -> str:
     """Write ``input_dir``'s weights for ``tp`` ranks under ``output_dir``; return the tag directory.
 
-    The files written hold tensors and plain containers only (loadable with ``weights_only=True``)."""
+    The files written hold tensors and plain containers only (loadable with ``weights_only=True``).
+
+    Raises:
+        CheckpointError: a weights file differs from the manifest (names it and the newest intact
+            ``global_stepN``); a damaged optimizer or generator-state file, which is not read, is
+            only named in a warning on stderr.
+        ReshardError: see :func:`consolidate`; UntrustedCheckpointError: see :func:`consolidate`.
+    """
     from megaformer.training import ckpt_integrity as integrity
 
     tag_dir = resolve_tag_dir(input_dir, tag)
-    integrity.verify(tag_dir)  # a damaged file is named before torch.load reads it
+    # The weights files are verified before torch.load reads them; a damaged optimizer or
+    # generator-state file (not read here) is named in a warning.
+    integrity.verify(tag_dir, needs=integrity.NEEDS_WEIGHTS)
     full, run_config, extra = consolidate(tag_dir, trust_code=trust_code)
     config = ModelConfig(**run_config["model"])
     new_config = copy.deepcopy(run_config)

@@ -8,8 +8,9 @@ The ``latest`` tag moves only when the checkpoint is whole (DeepSpeed's own ``la
 rank 0 writes without waiting for the other ranks' files, is switched off):
 
 1. every rank writes its files and fsyncs them;
-2. the ranks agree that all succeeded (an all-reduce on the communication device, which is also
-   the barrier); a failed write (a full disk) on any rank removes the directory and raises on all;
+2. the ranks wait until all succeeded (an all-reduce on the communication device); a rank whose
+   write fails (a full disk, a quota, a read-only file system) raises at once naming the cause, and
+   the others' collectives fail with it or the launcher ends them: every rank stops, none waits;
 3. the ranks hash the files between them, rank 0 writes the manifest durably, then ``latest``;
 4. a last all-reduce: no rank goes on (deletes old checkpoints, exits) before ``latest`` moved.
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from typing import Any
 
 import torch
@@ -201,9 +201,16 @@ class Checkpointer:
         module docstring). ``extra`` joins the client state (e.g. tokens and device-seconds
         consumed, which a resumed run continues from).
 
+        A rank whose write fails raises at once, with no further collective: DeepSpeed's own
+        collectives inside the save cannot be matched by a rank that left it half way, so a rank
+        that waited for it would wait for ever. The other ranks' next collective then fails (gloo:
+        the peer closed its connections) or the launcher ends them when the failed rank exits.
+
         Raises:
-            CheckpointError: a rank failed to write its files (e.g. no space left); the partial
-                directory is removed and ``latest`` still names the previous checkpoint.
+            CheckpointError: this rank could not write its files (the cause named: no space left
+                on device, a quota, a read-only file system; with the path, the bytes written and
+                the free space), or another rank stopped during the save. ``latest`` still names
+                the previous checkpoint.
         """
         t, lay = self.cfg.train, self.layout
         tag, tag_dir = f"global_step{step}", self.tag_dir(step)
@@ -220,43 +227,64 @@ class Checkpointer:
             # not join this checkpoint's manifest.
             shutil.rmtree(tag_dir, ignore_errors=True)
         all_reduce_ints([0])  # no rank writes before the leftover is gone
-        error = ""
         try:
             save_rng_state(tag_dir, lay.rank, lay.rng_layout(), self.dropout_rng, lay.device)
             self.engine.save(self.ckpt_dir, tag, client_state)
-            _test_stall(lay.rank, step)
             for rel in integrity.checkpoint_files(tag_dir):  # ours among them: flushed to disk
                 integrity.fsync_path(os.path.join(tag_dir, rel))
-        except (OSError, RuntimeError) as e:  # torch.save's "iostream error" on a full disk
-            error = f"{type(e).__name__}: {e}"
-            print(f"[megaformer] rank {lay.rank}: writing {tag_dir} failed: {error}", flush=True)
-        failed = all_reduce_ints([int(bool(error))])[0]  # the barrier: every rank's files written
-        if failed:
-            self._abandon(tag_dir, failed, error)
+            all_reduce_ints([0])  # the barrier: every rank's files written
+            count = self._commit(tag_dir, tag, step, client_state["config"])
+            all_reduce_ints([0])  # nobody goes on before `latest` names the new checkpoint
+        except (OSError, RuntimeError) as e:  # torch.save's "unexpected pos" on a full disk
+            raise self._failed(tag_dir, e) from None
+        log(lay, f"saved checkpoint {tag_dir} ({count} files, manifest and latest written)")
+
+    def _commit(self, tag_dir: str, tag: str, step: int, config: dict) -> int:
+        """Hash the files (the ranks share them), then rank 0 writes the manifest and moves
+        ``latest``; return the number of files."""
+        lay = self.layout
         rels = integrity.checkpoint_files(tag_dir)
         mine = integrity.describe_files(tag_dir, rels[lay.rank :: lay.world_size])
         gathered: list[Any] = [None] * lay.world_size
         dist.all_gather_object(gathered, mine)
         if lay.is_main:
             files = {k: v for part in gathered for k, v in part.items()}
-            integrity.write_manifest(tag_dir, files, step, client_state["config"])
+            integrity.write_manifest(tag_dir, files, step, config)
             integrity.write_latest(self.ckpt_dir, tag)
             self._prune(tag)
-        all_reduce_ints([0])  # nobody goes on before `latest` names the new checkpoint
-        log(lay, f"saved checkpoint {tag_dir} ({len(rels)} files, manifest and latest written)")
+        return len(rels)
 
-    def _abandon(self, tag_dir: str, failed: int, error: str) -> None:
-        """Remove a checkpoint some rank could not write and raise on every rank."""
-        from megaformer.parallel.comm import all_reduce_ints
+    def _failed(self, tag_dir: str, error: BaseException) -> integrity.CheckpointError:
+        """The error of a save that failed on this rank (or that another rank left), its cause
+        named (:func:`~.storage.write_failure`). Alone, the rank removes the partial directory;
+        with others it leaves it, as they may still be writing into it."""
+        from megaformer.training.storage import write_failure
 
-        if self.layout.is_main:
+        why, known = write_failure(tag_dir, error)
+        try:
+            with open(os.path.join(self.ckpt_dir, "latest"), encoding="utf-8") as f:
+                named = f.read().strip()
+        except OSError:
+            named = ""
+        kept = f"'latest' still names {named}" if named else "No checkpoint was completed ('latest' absent)"
+        if named == os.path.basename(tag_dir):  # a peer lost after rank 0 moved `latest`
+            kept, left = "The checkpoint itself is complete: 'latest' names it", "nothing to remove"
+        elif self.layout.world_size == 1:
             shutil.rmtree(tag_dir, ignore_errors=True)
-        all_reduce_ints([0])
-        raise integrity.CheckpointError(
-            f"saving {tag_dir} failed on {failed} rank(s)"
-            + (f" (this rank: {error})" if error else "")
-            + "; the partial directory was removed and 'latest' still names the previous "
-            "checkpoint: free disk space (or set output.dir elsewhere) and resume"
+            left = "the partial directory was removed"
+        else:
+            left = (
+                f"the partial {tag_dir} has no manifest and 'latest' does not name it: delete it to "
+                "reclaim its space (a resumed run replaces it when it saves that step again)"
+            )
+        hint = (
+            ""
+            if known
+            else ". A rank that reports a lost connection (Connection closed by peer) stopped because "
+            "another rank failed: that rank's error names the cause"
+        )
+        return integrity.CheckpointError(
+            f"rank {self.layout.rank}: saving {tag_dir} failed: {why}. {kept}; {left}{hint}"
         )
 
     def _prune(self, keep_tag: str) -> None:
@@ -339,15 +367,16 @@ def init_weights_from(model: torch.nn.Module, cfg: RunConfig, layout: Layout) ->
 
 def verify_before_load(cfg: RunConfig, load_dir: str | None, layout: Layout) -> None:
     """Verify the checkpoint a run is about to load (resume's ``latest``, else ``train.init_from``)
-    against its manifest, before the model is built (every rank; see :func:`verify_collectively`)."""
+    against its manifest, before the model is built (every rank; see :func:`verify_collectively`):
+    for a resume every file but a missing generator-state file; for ``init_from`` the weights."""
     from megaformer.tools.reshard import resolve_tag_dir
 
     if load_dir is not None:
         tag_dir = integrity.resolve_latest(load_dir)
-        verify_collectively(tag_dir, layout)
+        verify_collectively(tag_dir, layout, integrity.NEEDS_RESUME)
         _check_config(cfg, tag_dir, layout)
     elif cfg.train.init_from:
-        verify_collectively(resolve_tag_dir(cfg.train.init_from), layout)
+        verify_collectively(resolve_tag_dir(cfg.train.init_from), layout, integrity.NEEDS_WEIGHTS)
 
 
 def _check_config(cfg: RunConfig, tag_dir: str, layout: Layout) -> None:
@@ -364,31 +393,25 @@ def _check_config(cfg: RunConfig, tag_dir: str, layout: Layout) -> None:
         log(layout, line)
 
 
-def verify_collectively(tag_dir: str, layout: Layout) -> None:
-    """Check every file of ``tag_dir`` against its manifest, the ranks sharing the hashing.
+def verify_collectively(tag_dir: str, layout: Layout, needs: str = integrity.NEEDS_ALL) -> None:
+    """Check the files of ``tag_dir`` the run reads (``needs``, see :func:`.ckpt_integrity.verify`)
+    against its manifest, the ranks sharing the hashing; rank 0 names a damaged file the run does
+    not read in a warning.
 
     Raises:
         CheckpointError: on every rank, naming the damaged files and the newest intact checkpoint.
     """
-    found = integrity.problems(tag_dir, (layout.rank, layout.world_size))
+    found = integrity.file_problems(tag_dir, (layout.rank, layout.world_size), needs)
     gathered: list[Any] = [None] * layout.world_size
     dist.all_gather_object(gathered, found)
-    found = [line for part in gathered for line in part]
-    if found:
-        raise integrity.CheckpointError(
-            f"checkpoint {tag_dir} is damaged: " + "; ".join(found[:5]) + integrity.way_out(tag_dir)
-        )
+    # Presence and sizes are checked on every rank: each such line comes once per rank.
+    found = list(dict.fromkeys(tuple(item) for part in gathered for item in part))
+    fatal, warnings = integrity.triage(found, needs)
+    if fatal:
+        raise integrity.damaged(tag_dir, fatal)
+    if layout.is_main:
+        integrity.warn(tag_dir, warnings)
     if integrity.read_manifest(tag_dir) is None:
         log(layout, f"{tag_dir} has no manifest (written before checksums existed): not verified")
     else:
         log(layout, f"verified {tag_dir} against its manifest (sizes and sha256)")
-
-
-def _test_stall(rank: int, step: int) -> None:
-    """Test hook: ``MEGAFORMER_TEST_SAVE_STALL=RANK:SECONDS[:STEP]`` makes that rank sleep after
-    DeepSpeed wrote the checkpoint of step STEP (of every checkpoint without it) and before the ranks
-    agree it is complete: a slow or stuck writer, so tests can damage a shard and kill the job
-    while the other ranks wait."""
-    spec = os.environ.get("MEGAFORMER_TEST_SAVE_STALL", "").split(":")
-    if len(spec) >= 2 and int(spec[0]) == rank and (len(spec) == 2 or int(spec[2]) == step):
-        time.sleep(float(spec[1]))

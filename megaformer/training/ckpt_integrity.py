@@ -6,6 +6,12 @@ has written and fsynced its files) and only then moves the ``latest`` tag. A rea
 files against it, so a truncated, zero-filled, deleted or half-written file is named before
 ``torch.load`` sees it, and the newest intact ``global_stepN`` beside it is suggested.
 
+A reader verifies what it reads (:func:`verify`'s ``needs``): the tools that need only the module
+weights (``reshard``, ``generate``, ``export_hf``, ``evaluate``, ``train.init_from``) still work when a
+ZeRO optimizer file or a generator-state file is truncated or deleted, and name it in a warning; a
+resume needs every file but a missing generator-state file (that rank's dropout masks restart from
+the seed, with a warning).
+
 Pure Python (no torch): the preflight, ``reshard`` and ``generate`` import it.
 """
 
@@ -15,6 +21,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 
 from megaformer.config import ConfigError
 
@@ -117,13 +124,41 @@ def read_manifest(tag_dir: str) -> dict | None:
     return body
 
 
-def problems(tag_dir: str, hash_share: tuple[int, int] | None = (0, 1)) -> list[str]:
-    """What is wrong with ``tag_dir`` against its manifest: one line per missing file, size
-    mismatch or digest mismatch, each naming the file ([] when intact or without a manifest).
+NEEDS_ALL, NEEDS_WEIGHTS, NEEDS_RESUME = "all", "weights", "resume"
+"""What a reader of a checkpoint needs from it (:func:`verify`'s ``needs``): every file; only the
+module weights (``reshard``, ``generate``, ``export_hf``, ``evaluate``, ``train.init_from``); or what
+an exact resume loads (every file, but a missing generator-state file only restarts that rank's
+dropout masks from the seed)."""
+
+
+def is_weights_file(rel: str) -> bool:
+    """Whether the checkpoint file ``rel`` (relative to its tag directory) holds module weights:
+    DeepSpeed's ``mp_rank_XX_model_states.pt``, the pipeline engine's
+    ``layer_LL-model_XX-model_states.pt``."""
+    return "/" not in rel and os.sep not in rel and rel.endswith("model_states.pt")
+
+
+def is_rng_file(rel: str) -> bool:
+    """Whether ``rel`` is a rank's generator-state file (``rng_state/rankNNNNN.pt``)."""
+    return rel.replace(os.sep, "/").startswith("rng_state/")
+
+
+def needed(rel: str, needs: str) -> bool:
+    """Whether a reader with ``needs`` reads the file ``rel``."""
+    return needs != NEEDS_WEIGHTS or is_weights_file(rel)
+
+
+def file_problems(
+    tag_dir: str, hash_share: tuple[int, int] | None = (0, 1), needs: str = NEEDS_ALL
+) -> list[tuple[str, str, bool]]:
+    """What is wrong with ``tag_dir`` against its manifest: ``(relative path, line naming the
+    file, whether it is missing)`` per missing file, size mismatch or digest mismatch ([] when
+    intact or without a manifest).
 
     Args:
         hash_share: ``(index, count)``: digest only the files ``index::count`` of the sorted list
             (ranks share the reading); sizes and presence are checked for all files. None: sizes only.
+        needs: the files a reader does not need (:func:`needed`) get presence and size checks only.
     """
     body = read_manifest(tag_dir)
     if body is None:
@@ -134,14 +169,47 @@ def problems(tag_dir: str, hash_share: tuple[int, int] | None = (0, 1)) -> list[
         want = body["files"][rel]
         path = os.path.join(tag_dir, rel)
         if not os.path.isfile(path):
-            out.append(f"{path}: missing (the manifest lists it, {want['size']:,} bytes)")
+            out.append((rel, f"{path}: missing (the manifest lists it, {want['size']:,} bytes)", True))
             continue
         size = os.path.getsize(path)
         if size != want["size"]:
-            out.append(f"{path}: {size:,} bytes, the manifest says {want['size']:,} (truncated or rewritten)")
-        elif _mine(i, hash_share) and sha256_file(path) != want["sha256"]:
-            out.append(f"{path}: sha256 differs from the manifest's (the file is damaged)")
+            line = f"{path}: {size:,} bytes, the manifest says {want['size']:,} (truncated or rewritten)"
+            out.append((rel, line, False))
+        elif _mine(i, hash_share) and needed(rel, needs) and sha256_file(path) != want["sha256"]:
+            out.append((rel, f"{path}: sha256 differs from the manifest's (the file is damaged)", False))
     return out
+
+
+def problems(tag_dir: str, hash_share: tuple[int, int] | None = (0, 1)) -> list[str]:
+    """The lines of :func:`file_problems` (every file needed)."""
+    return [line for _, line, _ in file_problems(tag_dir, hash_share)]
+
+
+def triage(found: list[tuple[str, str, bool]], needs: str) -> tuple[list[str], list[str]]:
+    """Split :func:`file_problems` into ``(fatal lines, warnings)`` for a reader with ``needs``: a
+    file it does not read is a warning; for a resume, so is a missing generator-state file (that
+    rank's dropout masks restart from the seed), while a damaged one stays fatal with the way to
+    drop it."""
+    fatal, warnings = [], []
+    for rel, line, missing in found:
+        if not needed(rel, needs):
+            warnings.append(f"{line}; not needed to read the weights, ignored")
+        elif needs == NEEDS_RESUME and is_rng_file(rel):
+            if missing:
+                warnings.append(f"{line}; that rank's dropout masks restart from the seed")
+            else:
+                fatal.append(
+                    f"{line} (or delete it to resume with that rank's dropout masks restarting from the seed)"
+                )
+        else:
+            fatal.append(line)
+    return fatal, warnings
+
+
+def warn(tag_dir: str, warnings: list[str]) -> None:
+    """Print each warning about a file of ``tag_dir`` on stderr."""
+    for line in warnings:
+        print(f"[megaformer] WARNING: checkpoint {tag_dir}: {line}", file=sys.stderr, flush=True)
 
 
 def _mine(index: int, share: tuple[int, int] | None) -> bool:
@@ -190,22 +258,37 @@ def way_out(tag_dir: str) -> str:
     )
 
 
-def verify(tag_dir: str, hash_share: tuple[int, int] | None = (0, 1)) -> bool:
+def verify(
+    tag_dir: str, hash_share: tuple[int, int] | None = (0, 1), needs: str = NEEDS_ALL, quiet: bool = False
+) -> bool:
     """Check ``tag_dir`` against its manifest; return whether it had one.
 
+    Args:
+        hash_share: see :func:`file_problems`.
+        needs: what the reader reads (:data:`NEEDS_ALL`, :data:`NEEDS_WEIGHTS`,
+            :data:`NEEDS_RESUME`): a damaged file it does not need is named in a warning on stderr
+            (none when ``quiet``), not refused.
+
     Raises:
-        CheckpointError: a missing, truncated or damaged file; the message lists them and names
-            the newest intact ``global_stepN`` beside it.
+        CheckpointError: a missing, truncated or damaged file the reader needs; the message lists
+            them and names the newest intact ``global_stepN`` beside it.
     """
-    found = problems(tag_dir, hash_share)
-    if found:
-        raise CheckpointError(
-            f"checkpoint {tag_dir} is damaged: "
-            + "; ".join(found[:5])
-            + (f" (and {len(found) - 5} more)" if len(found) > 5 else "")
-            + way_out(tag_dir)
-        )
+    fatal, warnings = triage(file_problems(tag_dir, hash_share, needs), needs)
+    if fatal:
+        raise damaged(tag_dir, fatal)
+    if not quiet:
+        warn(tag_dir, warnings)
     return read_manifest(tag_dir) is not None
+
+
+def damaged(tag_dir: str, lines: list[str]) -> CheckpointError:
+    """The error naming the damaged files of ``tag_dir`` (five at most) and the way out."""
+    return CheckpointError(
+        f"checkpoint {tag_dir} is damaged: "
+        + "; ".join(lines[:5])
+        + (f" (and {len(lines) - 5} more)" if len(lines) > 5 else "")
+        + way_out(tag_dir)
+    )
 
 
 def resolve_latest(ckpt_dir: str) -> str:

@@ -17,7 +17,11 @@ What is checked (each failure a :class:`~megaformer.config.ConfigError` or
   see :mod:`.data_checks`); its documents ending in ``data.eod_token``; a held-out split that holds
   one evaluation;
 * ``train.resume`` / ``train.init_from``: a checkpoint directory whose ``latest`` tag names a
-  directory of complete (readable zip) DeepSpeed files.
+  directory of complete (readable zip) DeepSpeed files;
+* ``output.dir`` (or the directory it would be created in) writable, and so the parent a missing
+  ``data.index_cache_dir`` would be created in (:mod:`.storage`): a read-only file system or a
+  directory without write permission is named here, not as a traceback and a lost connection
+  after the process groups started.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field
 
 from data_tools.errors import DataFormatError
 from megaformer.config import ConfigError, RunConfig, validate_layout
+from megaformer.training.ckpt_integrity import NEEDS_ALL, NEEDS_RESUME, NEEDS_WEIGHTS
 from megaformer.training.data_checks import check_heldout, check_token_ids
 from megaformer.training.tracking import check_wandb
 
@@ -53,7 +58,8 @@ def run_preflight(cfg: RunConfig, world_size: int) -> Preflight:
 
     Raises:
         ConfigError: a layout the world size cannot satisfy, an unusable DeepSpeed or engine JSON,
-            a checkpoint that is missing or incomplete.
+            a checkpoint that is missing or incomplete, an ``output.dir`` or ``data.index_cache_dir``
+            the run cannot write (read-only, no permission).
         UntrustedCheckpointError: a ``train.init_from`` file that refers to a type loading weights
             does not allow, without ``train.trust_checkpoint_code``.
         DataFormatError: a dataset that is missing, corrupt, without statistics sidecar, with token
@@ -66,6 +72,7 @@ def run_preflight(cfg: RunConfig, world_size: int) -> Preflight:
     dp_size = validate_layout(cfg, world_size)
     check_deepspeed_version()
     check_backend_and_precision(cfg)
+    check_output_dirs(cfg)
     if cfg.train.deepspeed_config:
         check_engine_combination(
             cfg, read_engine_json(cfg.train.deepspeed_config), cfg.train.deepspeed_config
@@ -78,17 +85,34 @@ def run_preflight(cfg: RunConfig, world_size: int) -> Preflight:
     check_heldout(cfg, datasets)
     check_wandb(cfg.output.wandb_project)
     if cfg.train.resume not in ("none", "auto"):
-        check_checkpoint(cfg.train.resume, "train.resume")
+        check_checkpoint(cfg.train.resume, "train.resume", NEEDS_RESUME)
     elif cfg.train.resume == "auto":
         ckpt_dir = os.path.join(cfg.output.dir, "checkpoints")
         if os.path.isfile(os.path.join(ckpt_dir, "latest")):
-            check_checkpoint(ckpt_dir, "train.resume=auto")
+            check_checkpoint(ckpt_dir, "train.resume=auto", NEEDS_RESUME)
     if cfg.train.init_from:
-        tag_dir = check_checkpoint(cfg.train.init_from, "train.init_from")
+        tag_dir = check_checkpoint(cfg.train.init_from, "train.init_from", NEEDS_WEIGHTS)
         # Someone else's weights, often: refused here, before any process group, if a file would
         # need the full unpickler (nothing of it runs: the scan reads opcodes only).
         refuse_untrusted(weight_files(tag_dir), cfg.train.trust_checkpoint_code)
     return Preflight(dp_size=dp_size, datasets=datasets, stats=stats)
+
+
+def check_output_dirs(cfg: RunConfig) -> None:
+    """Refuse an ``output.dir`` the run cannot write or create, and a missing
+    ``data.index_cache_dir`` it cannot create. An existing cache directory may be read-only (indices
+    prebuilt there by ``data_tools.build_index``): it is read, and a missing index is then built in
+    memory with a warning.
+
+    Raises:
+        ConfigError: naming the key, the path, why (read-only file system, permissions) and the fix.
+    """
+    from megaformer.training.storage import check_writable
+
+    check_writable(cfg.output.dir, "output.dir", "checkpoints, TensorBoard events and summary.json")
+    cache = cfg.data.index_cache_dir
+    if cache and not os.path.isdir(cache):
+        check_writable(cache, "data.index_cache_dir", "the sample indices (creating the directory)")
 
 
 def check_backend_and_precision(cfg: RunConfig) -> str:
@@ -185,30 +209,35 @@ def _latest_tag_dir(ckpt: str, key: str) -> str:
     return resolve_latest(ckpt)  # an empty or dangling tag: named, with the newest intact one
 
 
-def check_checkpoint(ckpt: str, key: str) -> str:
-    """Check that a checkpoint's files are complete; return its tag directory.
+def check_checkpoint(ckpt: str, key: str, needs: str = NEEDS_ALL) -> str:
+    """Check that the checkpoint files a run reads are complete; return its tag directory.
 
-    Every ``*.pt`` of the tag directory must be a complete zip archive (``torch.save``'s format
-    keeps its directory at the end, so a truncated file is refused without reading it whole).
+    Every ``*.pt`` of the tag directory it reads must be a complete zip archive (``torch.save``'s
+    format keeps its directory at the end, so a truncated file is refused without reading it whole).
+
+    Args:
+        needs: what the run reads (:data:`~.ckpt_integrity.NEEDS_WEIGHTS` for ``init_from``,
+            :data:`~.ckpt_integrity.NEEDS_RESUME` for a resume): a damaged file it does not read
+            passes here; the ranks' check (``checkpointer.verify_collectively``) warns about it.
 
     Raises:
-        ConfigError: no checkpoint there, a dangling ``latest``, or a truncated / damaged file;
-            the message names the file and an earlier ``global_stepN`` to use instead.
+        ConfigError: no checkpoint there, a dangling ``latest``, or a truncated / damaged file it
+            reads; the message names the file and an earlier ``global_stepN`` to use instead.
     """
-    from megaformer.training.ckpt_integrity import CheckpointError, verify, way_out
+    from megaformer.training.ckpt_integrity import CheckpointError, needed, verify, way_out
 
     tag_dir = _latest_tag_dir(ckpt, key)
-    # Presence and sizes against the manifest here, on every process (cheap); the digests are
-    # checked once the ranks can share the reading (checkpointer.verify_collectively).
+    # Presence and sizes against the manifest here, on every process (cheap, no warning: every
+    # process would print it); the digests are checked once the ranks can share the reading.
     try:
-        verify(tag_dir, hash_share=None)
+        verify(tag_dir, hash_share=None, needs=needs, quiet=True)
     except CheckpointError as e:
         raise CheckpointError(f"{key}: {e}") from None
     files = sorted(glob.glob(os.path.join(tag_dir, "*.pt")) + glob.glob(os.path.join(tag_dir, "*", "*.pt")))
     if not files:
         raise ConfigError(f"{key}: {tag_dir} holds no checkpoint files (*.pt)")
     for path in files:
-        if not zipfile.is_zipfile(path):
+        if needed(os.path.relpath(path, tag_dir), needs) and not zipfile.is_zipfile(path):
             raise CheckpointError(
                 f"{key}: {path} is truncated or damaged (not a complete torch checkpoint file)"
                 + way_out(tag_dir)

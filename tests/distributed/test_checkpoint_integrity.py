@@ -2,7 +2,9 @@
 
 One 2-process run writes global_step8 and global_step12 (with manifests); each case damages a copy
 and checks resume / init_from (the preflight and the ranks' sha256 check), ``reshard`` and
-``generate``: an error that names the file and suggests global_step8, never a traceback.
+``generate``: an error that names the file and suggests global_step8, never a traceback. A damaged
+file a reader does not read (a ZeRO optimizer file or a generator state, for the tools that need
+only the weights; a deleted generator state, for a resume) is named in a warning instead.
 """
 
 from __future__ import annotations
@@ -59,6 +61,15 @@ def _damage(ckpt, case):
     if case == "deleted":
         os.remove(tag / "rng_state" / "rank00001.pt")
         return "rank00001.pt"
+    if case == "rng0_deleted":
+        os.remove(tag / "rng_state" / "rank00000.pt")
+        return "rank00000.pt"
+    if case == "rng_truncated":
+        _truncate(tag / "rng_state" / "rank00001.pt")
+        return "rank00001.pt"
+    if case == "optimizer_deleted":
+        os.remove(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        return "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     if case == "optimizer_truncated":
         _truncate(tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
         return "zero_pp_rank_1_mp_rank_00_optim_states.pt"
@@ -71,7 +82,11 @@ def _damage(ckpt, case):
     raise AssertionError(case)
 
 
-CASES = ["zeros", "truncated", "deleted", "optimizer_truncated", "empty_latest", "dangling_latest"]
+CASES = ["zeros", "truncated", "empty_latest", "dangling_latest"]
+"""Damage every reader refuses: a weights file, or the `latest` tag."""
+NOT_WEIGHTS = ["deleted", "rng_truncated", "optimizer_truncated", "optimizer_deleted"]
+"""Damage the tools that need only the weights warn about and work past."""
+WEIGHTS_NOTE = "not needed to read the weights, ignored"
 
 
 def test_manifest_lists_every_file_and_latest_moves_last(run12):
@@ -86,7 +101,7 @@ def test_manifest_lists_every_file_and_latest_moves_last(run12):
         assert integrity.verify(str(ckpt / tag)) is True
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [*CASES, "optimizer_truncated", "rng_truncated"])
 def test_damage_is_named_with_the_way_out(run12, tmp_path, case, capsys):
     """Preflight (resume / init_from), the full check, reshard, generate and export_hf: each names
     the file."""
@@ -97,15 +112,42 @@ def test_damage_is_named_with_the_way_out(run12, tmp_path, case, capsys):
     # a bad `latest` leaves global_step12 whole; a damaged global_step12 leaves global_step8
     way_out = SUGGESTION.format("global_step12" if case.endswith("latest") else "global_step8")
     with pytest.raises(integrity.CheckpointError) as err:
-        check_checkpoint(str(ckpt), "train.resume")  # resume=auto / init_from go through it
+        check_checkpoint(str(ckpt), "train.resume", integrity.NEEDS_RESUME)  # resume=auto goes through it
         integrity.verify(integrity.resolve_latest(str(ckpt)))  # the digests (the ranks share it)
     assert name in str(err.value) and way_out in str(err.value), err.value
+    if case in NOT_WEIGHTS:
+        if case == "rng_truncated":  # a damaged generator state: the way to resume without it
+            assert "or delete it to resume with that rank's dropout masks restarting" in str(err.value)
+        return  # the tools read only the weights: test_tools_that_need_only_the_weights_warn
+    with pytest.raises(integrity.CheckpointError):  # init_from: the weights are needed
+        check_checkpoint(str(ckpt), "train.init_from", integrity.NEEDS_WEIGHTS)
+        integrity.verify(integrity.resolve_latest(str(ckpt)), needs=integrity.NEEDS_WEIGHTS)
     assert reshard.main(["--input", str(ckpt), "--output", str(tmp_path / "out"), "--tp", "1"]) == 2
     assert generate.main(["--checkpoint", str(ckpt), "--max-new-tokens", "2"]) == 2
     assert export_hf.main(["--checkpoint", str(ckpt), "--output", str(tmp_path / "hf")]) == 2
     stderr = capsys.readouterr().err
     assert stderr.count(way_out) == 3 and name in stderr and "Traceback" not in stderr, stderr
     assert not (tmp_path / "out" / "latest").exists()
+
+
+@pytest.mark.parametrize("case", NOT_WEIGHTS)
+def test_tools_that_need_only_the_weights_warn_and_work(run12, tmp_path, case, capsys):
+    """A truncated or deleted ZeRO optimizer file or generator state of the newest checkpoint:
+    reshard, generate, export_hf and init_from's preflight read the weights (verified) and name the
+    damaged file in a warning; the weights are salvaged."""
+    from megaformer.tools import export_hf, generate, reshard
+
+    ckpt = _copy(run12, tmp_path)
+    name = _damage(ckpt, case)
+    assert reshard.main(["--input", str(ckpt), "--output", str(tmp_path / "out"), "--tp", "2"]) == 0
+    assert (tmp_path / "out" / "latest").read_text() == "global_step12"
+    assert generate.main(["--checkpoint", str(ckpt), "--max-new-tokens", "2"]) == 0
+    assert export_hf.main(["--checkpoint", str(ckpt), "--output", str(tmp_path / "hf")]) == 0
+    captured = capsys.readouterr()
+    warnings = [line for line in captured.err.splitlines() if "WARNING: checkpoint" in line]
+    assert len(warnings) == 3 and all(name in w and WEIGHTS_NOTE in w for w in warnings), captured.err
+    assert "step 12" in captured.out and "Traceback" not in captured.err
+    assert check_checkpoint(str(ckpt), "train.init_from", integrity.NEEDS_WEIGHTS).endswith("global_step12")
 
 
 def test_zeroed_block_stops_resume_and_init_from_before_the_model(run12, tmp_path, gutenberg_prefix):
@@ -122,3 +164,36 @@ def test_zeroed_block_stops_resume_and_init_from_before_the_model(run12, tmp_pat
         assert "mp_rank_00_model_states.pt: sha256 differs" in proc.stderr
         assert SUGGESTION.format("global_step8") in proc.stderr
         assert "Traceback" not in proc.stderr and "step 13/" not in proc.stdout
+
+
+def test_init_from_past_a_truncated_optimizer_file(run12, tmp_path, gutenberg_prefix):
+    """train.init_from reads only the weights: the ranks' sha256 check warns and the run starts."""
+    ckpt = _copy(run12, tmp_path)
+    name = _damage(ckpt, "optimizer_truncated")
+    common = [*LIFECYCLE_TINY, f"data.prefix={gutenberg_prefix}", "train.save_interval=0"]
+    proc = run_pretrain(
+        CONFIG, [*common, "train.steps=14", f"train.init_from={ckpt}", f"output.dir={tmp_path / 'new'}"]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warned = [line for line in proc.stderr.splitlines() if name in line and WEIGHTS_NOTE in line]
+    assert len(warned) == 1, proc.stderr[-3000:]  # said once, by rank 0
+    assert "initialised weights from" in proc.stdout and "step 14/14" in proc.stdout
+
+
+def test_resume_past_rank0s_deleted_generator_state(run12, tmp_path, gutenberg_prefix):
+    """A deleted generator state is documented as "dropout masks restart, not an error": resumed
+    from global_step8 with rank 0's file deleted, the run goes on (rank 0's masks from the seed)
+    and a warning names the file."""
+    ckpt = _copy(run12, tmp_path)
+    (ckpt / "latest").write_text("global_step8")
+    name = ckpt / "global_step8" / "rng_state" / "rank00000.pt"
+    os.remove(name)
+    overrides = [*LIFECYCLE_TINY, f"data.prefix={gutenberg_prefix}", "train.resume=auto"]
+    proc = run_pretrain(CONFIG, [*overrides, f"output.dir={ckpt.parent}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (
+        f"{name}: missing" in proc.stderr and "that rank's dropout masks restart from the seed" in proc.stderr
+    )
+    assert f"no generator state at {name}: dropout masks restart from the seed" in proc.stdout
+    assert "restored generator states on 1/2 ranks" in proc.stdout
+    assert "at step 8" in proc.stdout and "step 12/12" in proc.stdout

@@ -26,6 +26,8 @@ from tests.distributed.conftest import LIFECYCLE_TINY, REPO, run_pretrain
 pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
 
 CONFIG = "configs/normformer-quickstart.yaml"
+SAVE_FAULTS = str(REPO / "tests" / "support" / "save_faults")
+"""Put on PYTHONPATH with MEGAFORMER_TEST_SAVE_FAULT to stall or fail one rank's checkpoint write."""
 
 
 def _overrides(prefix: str, out: Path, *extra: str) -> list[str]:
@@ -116,16 +118,14 @@ def test_kill9_mid_step_then_resume(lifecycle_reference, gutenberg_prefix, tmp_p
 
 
 def test_kill9_with_a_rank_stalled_mid_save(lifecycle_reference, gutenberg_prefix, tmp_path):
-    """Rank 1 stalls in the save of step 8 with its optimizer shard cut short (a half-written
-    file): `latest` still names global_step8's predecessor, and the resume repeats the run."""
+    """Rank 1 stalls in the save of step 8, its ZeRO shard written, with the shard then cut short
+    (a half-written file): `latest` still names global_step8's predecessor, and the resume repeats
+    the run. The stall is injected from outside production code (tests/support/save_faults)."""
     out, log = tmp_path / "run", tmp_path / "log"
-    proc = _start(_overrides(gutenberg_prefix, out), log, {"MEGAFORMER_TEST_SAVE_STALL": "1:60:8"})
     shard = out / "checkpoints" / "global_step8" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    deadline = time.monotonic() + 120
-    while not (shard.exists() and shard.stat().st_size > 0 and "step 8/12" in log.read_text()):
-        assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
-        time.sleep(0.05)
-    time.sleep(1.0)  # rank 1 is in its stall: its files written, none agreed
+    fault = {"PYTHONPATH": SAVE_FAULTS, "MEGAFORMER_TEST_SAVE_FAULT": f"1:8:{shard.name}:stall"}
+    proc = _start(_overrides(gutenberg_prefix, out), log, fault)
+    _wait_for(proc, log, f"[save-fault] rank 1: stalls after writing {shard}")  # written, none agreed
     with open(shard, "r+b") as f:
         f.truncate(shard.stat().st_size * 2 // 3)
     assert (out / "checkpoints" / "latest").read_text() == "global_step4"

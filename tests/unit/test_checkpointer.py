@@ -1,4 +1,5 @@
-"""Checkpointer.save when a write fails (a full disk): the partial directory goes, `latest` stays."""
+"""Checkpointer.save when a write fails (a full disk): the cause is named, the partial directory
+goes (a single process: nobody else writes into it), `latest` stays."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ class FullDiskEngine:
         raise RuntimeError("[enforce fail at inline_container.cc:626] . basic_ios::clear: iostream error")
 
 
-def test_a_failed_write_removes_the_directory_and_keeps_latest(tmp_path, monkeypatch, capsys):
+def test_a_failed_write_removes_the_directory_and_keeps_latest(tmp_path, monkeypatch):
     cfg = load_config("configs/normformer-quickstart.yaml", [f"output.dir={tmp_path}"])
     (tmp_path / "checkpoints" / "global_step4").mkdir(parents=True)
     (tmp_path / "checkpoints" / "latest").write_text("global_step4")
@@ -33,7 +34,25 @@ def test_a_failed_write_removes_the_directory_and_keeps_latest(tmp_path, monkeyp
     with pytest.raises(CheckpointError) as err:
         saver.save(8)
     msg = str(err.value)
-    assert "global_step8 failed on 1 rank(s)" in msg and "iostream error" in msg and "free disk space" in msg
+    assert f"rank 0: saving {tmp_path / 'checkpoints' / 'global_step8'} failed: RuntimeError:" in msg
+    assert "iostream error" in msg and "4,096 bytes written under" in msg and "bytes free" in msg
+    assert "'latest' still names global_step4; the partial directory was removed" in msg
     assert not (tmp_path / "checkpoints" / "global_step8").exists()
     assert (tmp_path / "checkpoints" / "latest").read_text() == "global_step4"
-    assert "writing" in capsys.readouterr().out
+
+
+def test_a_full_disk_is_named_although_torch_hides_the_errno(tmp_path, monkeypatch):
+    """torch.save's error carries no errno: a probe write into the directory asks the file system."""
+    import errno
+
+    from megaformer.training import storage
+
+    cfg = load_config("configs/normformer-quickstart.yaml", [f"output.dir={tmp_path}"])
+    monkeypatch.setattr(ck, "save_rng_state", lambda *a, **k: None)
+    monkeypatch.setattr(storage, "probe", lambda directory: OSError(errno.ENOSPC, "No space left on device"))
+    layout = SimpleNamespace(rank=0, world_size=1, is_main=True, rng_layout=dict, device=torch.device("cpu"))
+    with pytest.raises(CheckpointError) as err:
+        ck.Checkpointer(FullDiskEngine(), cfg, layout, dropout_rng=None).save(4)
+    msg = str(err.value)
+    assert "global_step4 failed: no space left on device (4,096 bytes written under" in msg
+    assert "No checkpoint was completed ('latest' absent)" in msg
