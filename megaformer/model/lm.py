@@ -181,7 +181,7 @@ def _checkpointed_call(
 class NormFormerLM(nn.Module):
     """THE NormFormer / Pre-LN causal LM: the plan of :func:`model_layers` built in one process.
 
-    The trainer trains it (pp = 1), checkpoints and :mod:`megaformer.tools.reshard` use its
+    The trainer trains it (pp = 1), checkpoints and :mod:`megaformer.checkpoint.reshard` use its
     parameter names, :mod:`megaformer.tools.generate` samples from it, and pipeline stages
     (:mod:`megaformer.pipeline`) are cut from the same plan.
 

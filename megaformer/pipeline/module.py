@@ -16,7 +16,7 @@ DeepSpeed can cut stages between any two entries (``parallel.partition_method``)
 the tied embedding as ``tied_modules.embed`` and every other layer under its index in the list, as
 :class:`~megaformer.model.NormFormerLM` does, so a stage's parameters carry the names (and, from
 the same seed, the values) of the same parameters of the whole model, and one mapping serves
-checkpoints of every (tp, pp, dp) layout (see :mod:`megaformer.tools.reshard`). At pp = 1 the trainer
+checkpoints of every (tp, pp, dp) layout (see :mod:`megaformer.checkpoint.reshard`). At pp = 1 the trainer
 uses :class:`~megaformer.model.NormFormerLM` itself.
 """
 

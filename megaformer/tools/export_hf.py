@@ -13,7 +13,7 @@ so that ``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`` an
 model's ``seq_len``; every file gets the mode ``open()`` gives (``0o666 & ~umask``, 0644 under umask 022).
 
 The checkpoint may come from any (tp, pp, dp) layout: its module weights are consolidated by
-:func:`megaformer.tools.reshard.consolidate` (the loader every tool shares), vocabulary padding cut.
+:func:`megaformer.checkpoint.reshard.consolidate` (the loader every tool shares), vocabulary padding cut.
 
 ``--format gpt2`` writes transformers' native ``GPT2LMHeadModel`` instead (no remote code). It is
 offered only where GPT-2 computes exactly megaformer's function: the Pre-LN baseline (``norm_scheme``
@@ -93,7 +93,7 @@ def hf_config(config: ModelConfig) -> dict:
 
 
 def to_hf_state(full: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """megaformer's consolidated weights (:func:`~megaformer.tools.reshard.consolidate`) renamed for
+    """megaformer's consolidated weights (:func:`~megaformer.checkpoint.reshard.consolidate`) renamed for
     ``MegaformerForCausalLM``, fp32, contiguous. The tied output projection is not repeated
     (transformers ties ``lm_head.weight`` to ``model.embed_tokens.weight`` on load).
 
@@ -267,7 +267,7 @@ def export(
         CheckpointError: a weights file differs from the checkpoint's manifest (names it and the newest
             intact ``global_stepN``).
     """
-    from megaformer.tools.reshard import consolidate, resolve_tag_dir
+    from megaformer.checkpoint.reshard import consolidate, resolve_tag_dir
     from megaformer.training.ckpt_integrity import NEEDS_WEIGHTS, verify
 
     if os.path.isdir(output) and os.listdir(output) and not overwrite:

@@ -5,7 +5,7 @@
         [--num-samples 1] [--vocab-file data/gpt2-bpe/encoder.json --merge-file data/gpt2-bpe/vocab.bpe]
 
 The checkpoint may come from any (tp, pp, dp) layout: its module weights are consolidated
-(:func:`megaformer.tools.reshard.consolidate`) into one process at TP = 1, on CPU, in fp32. The
+(:func:`megaformer.checkpoint.reshard.consolidate`) into one process at TP = 1, on CPU, in fp32. The
 model is the trainer's, :class:`megaformer.model.NormFormerLM` (config from the checkpoint).
 Decoding is plain autoregressive sampling without a KV cache (each new token reruns the last
 ``seq_len`` tokens): fine for a look at a small model, not a serving path.
@@ -45,7 +45,7 @@ def load_for_generation(
         CheckpointError: a weights file differs from the manifest (a damaged optimizer or
             generator-state file is only named in a warning: it is not read).
     """
-    from megaformer.tools.reshard import consolidate, load_full, resolve_tag_dir
+    from megaformer.checkpoint.reshard import consolidate, load_full, resolve_tag_dir
     from megaformer.training.ckpt_integrity import NEEDS_WEIGHTS, verify
 
     tag_dir = resolve_tag_dir(ckpt_dir, tag)

@@ -336,7 +336,7 @@ def init_weights_from(model: torch.nn.Module, cfg: RunConfig, layout: Layout) ->
     Raises:
         ConfigError: a checkpoint of another model configuration.
     """
-    from megaformer.tools.reshard import consolidate, load_full, resolve_tag_dir
+    from megaformer.checkpoint.reshard import consolidate, load_full, resolve_tag_dir
 
     tag_dir = resolve_tag_dir(cfg.train.init_from)
     # Only this rank's stage's parameters, memory-mapped: at 2.7B, 8 ranks of a node holding the
@@ -369,7 +369,7 @@ def verify_before_load(cfg: RunConfig, load_dir: str | None, layout: Layout) -> 
     """Verify the checkpoint a run is about to load (resume's ``latest``, else ``train.init_from``)
     against its manifest, before the model is built (every rank; see :func:`verify_collectively`):
     for a resume every file but a missing generator-state file; for ``init_from`` the weights."""
-    from megaformer.tools.reshard import resolve_tag_dir
+    from megaformer.checkpoint.reshard import resolve_tag_dir
 
     if load_dir is not None:
         tag_dir = integrity.resolve_latest(load_dir)

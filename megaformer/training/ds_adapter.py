@@ -23,7 +23,7 @@ process group starts:
   wrapping ``DeepSpeedEngine.allreduce_gradients`` where the engine still holds whole gradients at
   the accumulation boundary (:func:`_install_sequence_parallel_grad_reduction`);
 * checkpoint file names (:data:`MODEL_STATES_FILE`, :data:`LAYER_STATES_FILE`), read by
-  :mod:`megaformer.tools.reshard`, and the data classes DeepSpeed pickles into them
+  :mod:`megaformer.checkpoint.reshard`, and the data classes DeepSpeed pickles into them
   (:func:`checkpoint_data_classes`, allowed by :mod:`.safe_load`);
 * the pipeline engine's mark on its copy of a tied parameter (``ds_pipe_replicated``:
   :func:`is_pipe_replica`), its instruction table (``PipelineEngine._INSTRUCTION_MAP``:

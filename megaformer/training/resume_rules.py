@@ -153,7 +153,7 @@ def check_init_from_steps(cfg: RunConfig) -> None:
     Raises:
         ConfigError: naming the checkpoint's step and the fix.
     """
-    from megaformer.tools.reshard import resolve_tag_dir
+    from megaformer.checkpoint.reshard import resolve_tag_dir
     from megaformer.training.ckpt_integrity import read_manifest
 
     if not cfg.train.init_from or (cfg.train.resume != "none" and _has_latest(cfg)):

@@ -114,9 +114,9 @@ def _greedy_with_generate_cli(ckpt: str, prompt: str, n: int) -> str:
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_tp2_pp2_checkpoint_exports_to_transformers(scheme, scheme_runs, tmp_path, monkeypatch):
+    from megaformer.checkpoint.reshard import consolidate, resolve_tag_dir
     from megaformer.tools.export_hf import main as export_main
     from megaformer.tools.generate import generate, load_for_generation
-    from megaformer.tools.reshard import consolidate, resolve_tag_dir
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     ckpt = str(scheme_runs[0] / scheme / "checkpoints")

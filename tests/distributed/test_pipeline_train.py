@@ -216,7 +216,7 @@ def test_reshard_tool_reads_pipeline_checkpoints(runs, tmp_path):
     pp = 1 files the reshard tool writes from them (any (tp, pp) -> tp ranks at pp = 1)."""
     import torch
 
-    from megaformer.tools.reshard import consolidate, reshard
+    from megaformer.checkpoint.reshard import consolidate, reshard
 
     src = str(runs["tp2_pp2_ac"][0] / "checkpoints")
     out = reshard(src, str(tmp_path / "tp1"), tp=1)

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megaformer.checkpoint.reshard import load_module, reshard
 from megaformer.config.schema import ModelConfig
 from megaformer.model import NormFormerLM
-from megaformer.tools.reshard import load_module, reshard
 from tests.distributed.conftest import REPO, free_port, read_scalars, run_pretrain
 
 pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`

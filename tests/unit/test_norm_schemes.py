@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megaformer.checkpoint.reshard import partition_dims
 from megaformer.config import ConfigError, load_config
 from megaformer.model import NormFormerBlock, NormFormerLM, count_parameters, deepnorm_beta
 from megaformer.tools.generate import generate
-from megaformer.tools.reshard import partition_dims
 from tests.tiny_model import TINY_MODEL
 
 torch.set_num_threads(1)

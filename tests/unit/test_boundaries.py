@@ -1,0 +1,138 @@
+"""The package's layers, checked on its source: DeepSpeed is reached through one adapter, and nothing
+below ``megaformer/tools`` imports the tools (issue 22).
+
+Read with :mod:`ast` (imports inside functions included, strings and comments not), so a lazy import
+that hides a cycle is caught as well as a top-level one.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = ("megaformer", "data_tools")
+# The adapter; the pipeline module, whose classes are DeepSpeed's (LayerSpec, PipelineModule); the
+# tools, which read DeepSpeed's checkpoint formats.
+DEEPSPEED_ALLOWED = (
+    "megaformer/training/ds_adapter.py",
+    "megaformer/pipeline/module.py",
+    "megaformer/tools/",
+)
+# DeepSpeed's own attributes on its objects: read or written by the adapter only.
+DEEPSPEED_ATTRIBUTES = {
+    "ds_pipe_replicated",
+    "_INSTRUCTION_MAP",
+    "_global_grad_norm",
+    "_take_model_step",
+    "clip_fp32_gradients",
+    "allreduce_gradients",
+    "_get_optimizer_loss_scale",
+    "__compatible_ops__",
+}
+
+
+def _imports(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, module) of every import in ``tree``, relative ones resolved by name only."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def _attributes(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, name) of attribute accesses and ``getattr``/``setattr``/``hasattr`` string names."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            found.append((node.lineno, node.attr))
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "hasattr")
+            and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+        ):
+            found.append((node.lineno, node.args[1].value))
+    return found
+
+
+def violations(root: Path) -> list[str]:
+    """Every breach of the layering under ``root`` (a checkout), as ``path:line: what``."""
+    out = []
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            tree = ast.parse(path.read_text(), filename=rel)
+            ds_ok = rel.startswith(DEEPSPEED_ALLOWED)
+            in_tools = rel.startswith("megaformer/tools/")
+            for line, module in _imports(tree):
+                if not ds_ok and (module == "deepspeed" or module.startswith("deepspeed.")):
+                    out.append(f"{rel}:{line}: imports {module} (go through megaformer.training.ds_adapter)")
+                if not in_tools and module.startswith("megaformer.tools"):
+                    out.append(f"{rel}:{line}: imports {module} (a layer below the tools imports them)")
+            if not rel.startswith("megaformer/training/ds_adapter.py"):
+                for line, name in _attributes(tree):
+                    if name in DEEPSPEED_ATTRIBUTES:
+                        out.append(f"{rel}:{line}: uses DeepSpeed's attribute {name} (the adapter's)")
+    return out
+
+
+def test_deepspeed_is_reached_through_the_adapter_and_tools_sit_on_top():
+    assert violations(REPO) == []
+
+
+@pytest.mark.parametrize(
+    ("rel", "source", "needle"),
+    [
+        (
+            "megaformer/model/x.py",
+            "def f():\n    from deepspeed.utils import safe_get_full_grad\n",
+            "deepspeed.utils",
+        ),
+        ("megaformer/training/x.py", "import megaformer.tools.reshard\n", "megaformer.tools.reshard"),
+        ("data_tools/x.py", "ok = getattr(p, 'ds_pipe_replicated', False)\n", "ds_pipe_replicated"),
+    ],
+)
+def test_the_check_catches_a_breach(tmp_path, rel, source, needle):
+    for package in PACKAGES:
+        (tmp_path / package).mkdir()
+    (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / rel).write_text(source)
+    (tmp_path / "megaformer/tools").mkdir()
+    (tmp_path / "megaformer/tools/ok.py").write_text("import deepspeed\nimport megaformer.tools.plan\n")
+    found = violations(tmp_path)
+    assert len(found) == 1 and rel in found[0] and needle in found[0], found
+
+
+MAX_FUNCTION_LINES = 80
+LENGTH_CHECKED = ("megaformer", "data_tools", "bench", "scripts")
+
+
+def long_functions(root: Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """Functions (and methods) longer than ``limit`` lines, ``def`` to last line, docstring included."""
+    out = []
+    for folder in LENGTH_CHECKED:
+        for path in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > limit:
+                        out.append(
+                            f"{path.relative_to(root).as_posix()}:{node.lineno}: {node.name}, {lines} lines"
+                        )
+    return out
+
+
+def test_no_function_is_longer_than_80_lines(tmp_path):
+    assert long_functions(REPO) == []
+    (tmp_path / "megaformer").mkdir()
+    body = "".join(f"    x{i} = {i}\n" for i in range(80))
+    (tmp_path / "megaformer" / "long.py").write_text(f"def f():\n{body}")  # 81 lines: caught
+    assert long_functions(tmp_path) == ["megaformer/long.py:1: f, 81 lines"]
