@@ -457,6 +457,9 @@ class _Encoded:
     text_bytes: int
     sequence_lengths: list[np.ndarray] | None = None
     """With --split-sentences, per key: tokens per sentence (EOD counted in each document's last)."""
+    document_bytes: np.ndarray | None = None
+    """int64[num_documents]: UTF-8 bytes of each document's texts (for progress lines at exact
+    document counts)."""
     sequences: list[np.ndarray] | None = None
     """With --split-sentences, per key: sentences per document."""
 
@@ -481,7 +484,7 @@ def _encode_unit(unit: tuple) -> _Encoded:
     encode = getattr(tokenizer, "encode_array", None) or tokenizer.encode
     per_key: list[list] = [[] for _ in keys]
     bad: list[BadRecord] = []
-    text_bytes = 0
+    document_bytes: list[int] = []
     for record in records:
         if isinstance(record, BadRecord):
             bad.append(record)
@@ -492,7 +495,7 @@ def _encode_unit(unit: tuple) -> _Encoded:
             continue
         for out, x in zip(per_key, ids):
             out.append(x)
-        text_bytes += record.num_bytes
+        document_bytes.append(record.num_bytes)
     eod = tokenizer.eod if append_eod else None
     extra = int(append_eod)
     lengths = np.array([[sum(map(len, x)) + extra for x in lists] for lists in per_key], dtype=np.int32)
@@ -500,7 +503,8 @@ def _encode_unit(unit: tuple) -> _Encoded:
     docs = [[x[0] if len(x) == 1 else np.concatenate(x) for x in lists] for lists in per_key]
     tokens = [_concatenate(lists, int(n.sum()), dtype, eod) for lists, n in zip(docs, lengths)]
     counts = [sparse_counts(t) for t in tokens]
-    encoded = _Encoded(lengths, tokens, counts, bad, len(records), text_bytes)
+    encoded = _Encoded(lengths, tokens, counts, bad, len(records), sum(document_bytes))
+    encoded.document_bytes = np.array(document_bytes, dtype=np.int64)
     if split is not None:
         encoded.sequences = [np.array([len(x) for x in lists], dtype=np.int64) for lists in per_key]
         encoded.sequence_lengths = [sentence_lengths(lists, extra) for lists in per_key]
@@ -762,7 +766,6 @@ def _tokenize(
     # disable=None: a bar on a terminal, nothing in logs (where --log-interval lines are printed);
     # an explicit --log-interval prints its lines on a terminal too, instead of the bar.
     log_interval = _DEFAULT_LOG_INTERVAL if args.log_interval is None else args.log_interval
-    next_log = log_interval
     units = _work_units(plan.paths, args.json_keys, args.text_split_blank_lines)
     split = args.keep_newlines if args.split_sentences else None
     init_args = (plan.tokenizer_kwargs, args.append_eod, dtype, tuple(args.json_keys), split)
@@ -774,10 +777,10 @@ def _tokenize(
         for encoded in encoded_iter:
             for record in encoded.bad:
                 _skip(record, args.skip_bad_records, summary)
+            before = (summary.documents, summary.text_bytes)
             _add_encoded(encoded, writers, accumulators, summary)
-            if bar.disable and log_interval > 0 and summary.documents >= next_log:
-                _log_progress(summary, time.perf_counter() - start)
-                next_log = (summary.documents // log_interval + 1) * log_interval
+            if bar.disable and log_interval > 0:
+                _log_passed_multiples(encoded, *before, log_interval, time.perf_counter() - start)
             bar.update(encoded.records)
             bar.set_postfix_str(f"{summary.text_bytes / 1e6:.1f} MB", refresh=False)
 
@@ -963,13 +966,25 @@ def _skip(record: BadRecord, skip_bad_records: bool, summary: PreprocessSummary)
             print("(further skipped records are only counted)", file=sys.stderr)
 
 
-def _log_progress(summary: PreprocessSummary, seconds: float) -> None:
-    print(
-        f"processed {summary.documents:,} documents, {summary.text_bytes / 1e6:.1f} MB "
-        f"({summary.text_bytes / 1e6 / max(seconds, 1e-9):.2f} MB/s)",
-        file=sys.stderr,
-        flush=True,
-    )
+def _log_passed_multiples(
+    encoded: _Encoded, documents_before: int, bytes_before: int, interval: int, seconds: float
+) -> None:
+    """A progress line at each multiple of ``interval`` documents this work unit passed, at exactly
+    that document (Megatron's ``--log-interval`` counts documents; a unit holds many): its count,
+    the text's MB up to it, and the rate so far (``seconds`` since the start)."""
+    n = encoded.lengths.shape[1]
+    first = (documents_before // interval + 1) * interval
+    if first > documents_before + n:
+        return
+    passed = bytes_before + np.cumsum(encoded.document_bytes)  # text bytes up to each document
+    for documents in range(first, documents_before + n + 1, interval):
+        text_bytes = int(passed[documents - documents_before - 1])
+        print(
+            f"processed {documents:,} documents, {text_bytes / 1e6:.1f} MB "
+            f"({text_bytes / 1e6 / max(seconds, 1e-9):.2f} MB/s)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -112,9 +112,11 @@ def test_megatron_command_line_with_sentences_partitions_and_log_interval(
         "data_tools.preprocess", "--input", DOLMA, "--output-prefix", tmp_path / "log", *gpt2_flags,
         "--log-interval", "5",
     )  # fmt: skip
-    # A line each time a multiple of 5 is passed; documents arrive 10 at a time (one file's block).
+    # A line at every multiple of 5 documents, though they arrive 10 at a time (one file's block):
+    # the count is of documents, as Megatron's, not of work units.
     lines = [line.split(",")[0] for line in result.stderr.splitlines()]
-    assert lines == ["processed 10 documents", "processed 20 documents"], result.stderr
+    expected = [f"processed {n} documents" for n in (5, 10, 15, 20)]
+    assert lines == expected, result.stderr
 
 
 def test_split_without_keep_newlines_drops_the_whitespace(tmp_path, gpt2_flags, hf_gpt2, reference_writer):
