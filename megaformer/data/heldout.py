@@ -53,9 +53,11 @@ def ordered_samples(
     doc_ids: np.ndarray | None = None,
     seed: int = 0,
     cache_dir: str | None = None,
+    counts: dict | None = None,
 ) -> GPTSamples:
     """The first ``num_samples`` samples of ``seq_len + 1`` tokens of ``prefix``'s documents
-    (``doc_ids``, default all) concatenated in order, unshuffled.
+    (``doc_ids``, default all) concatenated in order, unshuffled. ``counts``: an info dict whose
+    ``index_cache_hits`` / ``index_cache_builds`` count this index too.
 
     Raises:
         DataFormatError: fewer tokens than ``num_samples`` samples need (names ``key`` and the fix).
@@ -81,7 +83,17 @@ def ordered_samples(
         cache_dir=cache_dir,
         doc_lengths=lengths,
     )
+    if counts is not None:
+        _count_index(index, counts)
     return _samples(dataset, index, seq_len)
+
+
+def _count_index(index, info: dict) -> None:
+    """Count a sample index as loaded from the cache or built into it (not counted: no cache)."""
+    if index.cache_hit:
+        info["index_cache_hits"] += 1
+    elif index.paths is not None:
+        info["index_cache_builds"] += 1
 
 
 def _train_samples(
@@ -121,10 +133,7 @@ def _train_samples(
             doc_lengths=lengths,
         )
         parts.append(_samples(dataset, index, seq_len))
-        if index.cache_hit:
-            info["index_cache_hits"] += 1
-        elif index.paths is not None:
-            info["index_cache_builds"] += 1
+        _count_index(index, info)
         info["train_documents"] += len(ids)
         info["train_tokens"] += int(lengths[ids].sum())
         info["blend"].append({"prefix": prefix, "weight": weight, "train_samples": n})
@@ -169,6 +178,7 @@ def build_heldout_data(
                 f"documents of the {n} in '{prefix}'; give both a larger share"
             )
         train, info = _train_samples(pairs, seq_len, train_samples, seed, cache_dir, train_ids)
+        common["counts"] = info
         valid = ordered_samples(prefix, key=f"data.split={split!r} (validation)", doc_ids=valid_ids, **common)
         test = (
             ordered_samples(prefix, key=f"data.split={split!r} (test)", doc_ids=test_ids, **common)
@@ -178,6 +188,7 @@ def build_heldout_data(
         held = {"valid": (prefix, valid_ids), "test": (prefix, test_ids)}
     else:
         train, info = _train_samples(pairs, seq_len, train_samples, seed, cache_dir)
+        common["counts"] = info
         valid = ordered_samples(valid_prefix, key="data.valid_prefix", **common)
         test = ordered_samples(test_prefix, key="data.test_prefix", **common) if test_prefix else None
         held = {"valid": (valid_prefix, None), "test": (test_prefix, None)}

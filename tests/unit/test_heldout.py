@@ -86,7 +86,8 @@ def test_held_out_prefixes_are_checked_before_training_and_read_in_order(tmp_pat
 
 def test_held_out_runs_count_the_sample_indices_they_build_and_find(tmp_path):
     """With data.valid_prefix the log said "0 hit, 0 built" whatever happened (the counts were reset
-    after the training indices were built): the first build counts 1 built, the second 1 hit."""
+    after the training indices were built), then "1 built" (the validation index was not counted):
+    the first build counts the training and the validation index built, the second both found."""
     from megaformer.data.heldout import build_heldout_data
     from tests.unit.test_preflight import _dataset, _docs
 
@@ -97,6 +98,7 @@ def test_held_out_runs_count_the_sample_indices_they_build_and_find(tmp_path):
         train_samples=8, eval_samples=4, seed=1, cache_dir=str(tmp_path / "cache"),
     )  # fmt: skip
     info = build_heldout_data(**kwargs)[3]
-    assert (info["index_cache_hits"], info["index_cache_builds"]) == (0, 1)
+    assert (info["index_cache_hits"], info["index_cache_builds"]) == (0, 2)
+    assert len(list((tmp_path / "cache").glob("*_doc_idx.npy"))) == 2  # what was built, on disk
     info = build_heldout_data(**kwargs)[3]
-    assert (info["index_cache_hits"], info["index_cache_builds"]) == (1, 0)
+    assert (info["index_cache_hits"], info["index_cache_builds"]) == (2, 0)
