@@ -31,7 +31,9 @@ process group starts:
   gradient assembly (``deepspeed.utils.safe_get_full_grad``: :func:`full_grad`).
 
 Outside this module only :mod:`megaformer.pipeline.module` (whose classes are DeepSpeed's) and
-``megaformer/tools`` import DeepSpeed; ``tests/unit/test_boundaries.py`` fails otherwise.
+``megaformer/tools`` import DeepSpeed; ``tests/unit/test_boundaries.py`` fails otherwise. Each
+reliance above is checked on the installed DeepSpeed's source by
+``tests/unit/test_ds_adapter_contract.py``, which fails, naming it, when DeepSpeed changes under it.
 
 Every tensor handed to a collective here is on the communication device of its group
 (:func:`megaformer.parallel.comm.comm_device`): CUDA under NCCL, which refuses CPU tensors.

@@ -1,0 +1,95 @@
+"""What ``megaformer/training/ds_adapter.py`` relies on in DeepSpeed beyond its public API, checked on
+the installed DeepSpeed's own source: a DeepSpeed that changes under the adapter fails here, naming
+the behaviour, before a run meets it (``check_deepspeed_version`` refuses other versions at start-up;
+this test is what tells a maintainer what to re-check when ``TESTED_DEEPSPEED`` moves).
+
+Each case is one bullet of the adapter's module docstring.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from megaformer.training import ds_adapter
+
+
+def _source(obj: object) -> str:
+    """The source of ``obj``; of the function inside DeepSpeed's NVTX decorator (``wrapped_fn``)."""
+    for cell in getattr(obj, "__closure__", None) or ():
+        if getattr(obj, "__name__", "") == "wrapped_fn" and inspect.isfunction(cell.cell_contents):
+            return inspect.getsource(cell.cell_contents)
+    return inspect.getsource(obj)
+
+
+def test_the_installed_deepspeed_is_the_tested_one():
+    import deepspeed
+
+    assert ds_adapter.check_deepspeed_version(deepspeed.__version__) == deepspeed.__version__
+
+
+def test_the_moment_between_backward_and_step_is_take_model_step_on_both_engines():
+    """``Engine.before_optimizer_step`` wraps ``_take_model_step``: the plain engine's ``step()`` and
+    the pipeline engine's optimizer instruction must both go through it, once per update."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    assert list(inspect.signature(DeepSpeedEngine._take_model_step).parameters) == ["self", "lr_kwargs"]
+    assert "self._take_model_step(" in _source(DeepSpeedEngine.step)
+    assert "self._take_model_step(" in _source(PipelineEngine._exec_optimizer_step)
+
+
+def test_pipeline_fp32_clipping_is_replaced_where_deepspeed_calls_it_and_its_norm_is_read():
+    """The fp32 clipping the adapter replaces is called from ``_take_model_step``, and
+    ``get_global_grad_norm`` returns the ``_global_grad_norm`` it records."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    assert "self.clip_fp32_gradients()" in _source(DeepSpeedEngine._take_model_step)
+    assert "_global_grad_norm" in _source(DeepSpeedEngine.get_global_grad_norm)
+
+
+def test_sequence_parallel_reduction_hooks_allreduce_gradients_at_the_boundary():
+    """The SP gradient sum wraps ``allreduce_gradients``, which ``backward`` calls at the
+    accumulation boundary; the optimizer types it excludes are still where the adapter imports them."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer  # noqa: F401
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    # The reduction is in _backward_epilogue, after every micro-batch's backward; allreduce_gradients
+    # itself acts at the boundary only.
+    assert "self.allreduce_gradients()" in _source(DeepSpeedEngine._backward_epilogue)
+    assert "is_gradient_accumulation_boundary" in _source(DeepSpeedEngine.allreduce_gradients)
+
+
+def test_the_fp16_give_up_message_and_loss_scale_readers():
+    """fp16's give-up at the minimum scale is recognised by its message; the loss scale and skipped
+    steps are read from the engine."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    assert ds_adapter._MIN_SCALE_MESSAGE in _source(DynamicLossScaler)
+    assert callable(DeepSpeedEngine._get_optimizer_loss_scale)
+    assert "self.skipped_steps" in _source(DeepSpeedEngine.__init__)
+
+
+def test_the_shared_memory_collective_switch_and_the_pipeline_instruction_table():
+    import deepspeed.ops
+    from deepspeed.runtime.pipe import schedule
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    assert isinstance(deepspeed.ops.__compatible_ops__, dict)
+    table = PipelineEngine._INSTRUCTION_MAP
+    for instruction in (
+        schedule.ForwardPass,
+        schedule.BackwardPass,
+        schedule.OptimizerStep,
+        schedule.RecvGrad,
+    ):
+        assert instruction in table, instruction.__name__
+
+
+@pytest.mark.parametrize("cls", ds_adapter.checkpoint_data_classes(), ids=lambda c: c.__name__)
+def test_checkpoint_data_classes_still_exist_where_checkpoints_name_them(cls):
+    import importlib
+
+    assert getattr(importlib.import_module(cls.__module__), cls.__qualname__) is cls
