@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import os
 from collections.abc import Callable, Iterable
 from typing import Any, get_type_hints
 
@@ -149,12 +150,41 @@ def _read_yaml(path: str) -> dict[str, Any]:
     return data
 
 
+def _layers(path: str, chain: tuple[str, ...] = ()) -> list[tuple[str, dict[str, Any]]]:
+    """``[(file, its sections)]``: the configs ``path`` builds on through its ``base:`` key (a path
+    relative to ``path``'s directory), the deepest first, then ``path`` itself; a later file's
+    keys replace an earlier one's, key by key.
+
+    Raises:
+        ConfigError: a ``base`` that is not a string, names no file, or leads back to a file of the
+            chain (named, in order).
+    """
+    data = dict(_read_yaml(path))
+    base = data.pop("base", None)
+    if base is None:
+        return [(path, data)]
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{path}: base={base!r}: give the path of the config this one builds on.")
+    base_path = os.path.normpath(os.path.join(os.path.dirname(path), base))
+    here = (*chain, os.path.abspath(path))
+    if os.path.abspath(base_path) in here:
+        loop = " -> ".join([*here, os.path.abspath(base_path)])
+        raise ConfigError(f"{path}: base '{base}' leads back to a file of the chain ({loop}).")
+    if not os.path.isfile(base_path):
+        raise ConfigError(
+            f"{path}: base '{base}': {base_path} not found (a base is resolved relative to the directory "
+            "of the file that names it)."
+        )
+    return [*_layers(base_path, here), (path, data)]
+
+
 def load_config(path: str | None, overrides: Iterable[str] = ()) -> RunConfig:
     """Load a YAML run config and apply ``section.key=value`` overrides.
 
     Args:
         path: YAML file with any of the sections model / data / parallel / train / output, or None
-            for the defaults.
+            for the defaults. A top-level ``base: other.yaml`` (relative to the file) starts from
+            that config: this file's keys replace the base's, key by key (chains allowed).
         overrides: strings like ``train.steps=100`` applied after the file, in order.
 
     Returns:
@@ -165,21 +195,21 @@ def load_config(path: str | None, overrides: Iterable[str] = ()) -> RunConfig:
     """
     raw: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     origin = path or "<defaults>"
-    if path is not None:
-        for section, body in _read_yaml(path).items():
+    for file, sections in _layers(path) if path is not None else []:
+        for section, body in sections.items():
             if section == "provenance":  # written into a run's config.json by the trainer; informational
                 continue
             if section not in SECTIONS:
                 raise ConfigError(
-                    f"{path}: unknown section '{section}'; valid sections: {sorted(SECTIONS)}."
+                    f"{file}: unknown section '{section}'; valid sections: {sorted(SECTIONS)}."
                     + _suggest(section, SECTIONS)
                 )
             if body is None:
                 continue
             if not isinstance(body, dict):
-                raise ConfigError(f"{path}: section '{section}' must be a mapping of key: value.")
+                raise ConfigError(f"{file}: section '{section}' must be a mapping of key: value.")
             for key, value in body.items():
-                where = f"{path}: {section}.{key}"
+                where = f"{file}: {section}.{key}"
                 if (section, key) == ("data", "blend") and isinstance(value, list):
                     value = _blend_from_list(where, value)
                 raw[section][str(key)] = (value, where)

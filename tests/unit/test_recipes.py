@@ -276,3 +276,33 @@ def test_layout_recipes_train_the_papers_models_with_its_hyperparameters(path, p
     ds = build_deepspeed_config(cfg, dp)
     assert ds["fp16"]["enabled"] == expect.get("fp16", False)
     assert ds["bf16"]["enabled"] == expect.get("bf16", False)
+
+
+TABLE4 = {  # the paper's Table 4 rows 2-6: each one change to NormFormer + ResScale
+    "no_post_attn_ln": {"post_attn_ln": False},
+    "no_ffn_ln": {"ffn_ln": False},
+    "no_head_scale": {"head_scale": False},
+    "no_resid_scale": {"resid_scale": False},
+    "plus_3_more_ln": {"qkv_ln": True},
+}
+
+
+@pytest.mark.parametrize(
+    ("shape", "base"),
+    [
+        ("table4-cpu", "configs/cpu-compare/normformer_resscale.yaml"),
+        ("table4-125m", "configs/paper/125m-normformer.yaml"),
+    ],
+)
+@pytest.mark.parametrize("row", list(TABLE4))
+def test_table4_ablations_change_one_switch_of_normformer_with_resscale(shape, base, row):
+    import dataclasses
+
+    from megaformer.config import load_config
+
+    reference = load_config(base)
+    assert reference.model.resid_scale and reference.model.head_scale and not reference.model.qkv_ln
+    ablation = load_config(f"configs/ablations/{shape}/{row}.yaml")
+    assert ablation == dataclasses.replace(
+        reference, model=dataclasses.replace(reference.model, **TABLE4[row])
+    )  # everything else (data, schedule, layout) is the base's
