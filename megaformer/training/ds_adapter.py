@@ -14,14 +14,22 @@ process group starts:
   ``Exception``) and raised as :class:`LossScaleExhaustedError`;
 * loss scale and skipped steps are read from the engine's fp16 optimizer
   (``DeepSpeedEngine._get_optimizer_loss_scale``, ``DeepSpeedEngine.skipped_steps``);
-* the moment between backward and optimizer step (``DeepSpeedEngine._take_model_step``, which the
-  plain engine's ``step()`` and the pipeline engine's ``train_batch`` both call once per update):
-  :meth:`Engine.before_optimizer_step` wraps it, for the per-layer gradient diagnostics;
+* at pp = 1 the loop owns the step: ``forward``, ``backward`` per micro-batch, then, once the
+  gradients are complete, its own gradient work (the fp32 norm, the per-layer diagnostics:
+  :meth:`Engine._gradient_work`), then ``step()``. It relies on ``step()`` touching no gradient
+  before ``_take_model_step`` (managed gradient accumulation) and on ``backward`` reducing over
+  data-parallel ranks at the boundary;
+* the pipeline engine runs backward and the update inside ``train_batch``, so there
+  ``_take_model_step`` stays wrapped for the diagnostics (:meth:`Engine.before_optimizer_step`),
+  and its fp32 clipping is replaced as above;
 * the learning rate an update uses, read from the optimizer's ``param_groups`` (DeepSpeed does not
   step the scheduler after an fp16 overflow, so it lags the step counter);
-* sequence-parallel parameter gradients are summed over the TP group once per step, coalesced, by
-  wrapping ``DeepSpeedEngine.allreduce_gradients`` where the engine still holds whole gradients at
-  the accumulation boundary (:func:`_install_sequence_parallel_grad_reduction`);
+* sequence-parallel parameter gradients are summed over the TP group once per step, coalesced,
+  where the engine still holds whole gradients at the accumulation boundary
+  (:func:`_deferred_sequence_parallel_grads`: ZeRO 0/1 without ``overlap_comm``, not bf16's
+  optimizer), just before DeepSpeed's data-parallel reduction, by wrapping
+  ``allreduce_gradients`` on both engines (:func:`_install_sequence_parallel_reduction`: under
+  ZeRO-1 that reduction moves the gradients out of ``.grad``, and ``backward`` cannot defer it);
 * checkpoint file names (:data:`MODEL_STATES_FILE`, :data:`LAYER_STATES_FILE`), read by
   :mod:`megaformer.checkpoint.reshard`, and the data classes DeepSpeed pickles into them
   (:func:`checkpoint_data_classes`, allowed by :mod:`.safe_load`);
@@ -265,35 +273,45 @@ class LossScaleExhaustedError(RuntimeError):
 _MIN_SCALE_MESSAGE = "loss scale already at minimum"  # DeepSpeed 0.19's DynamicLossScaler.update_scale
 
 
-def _install_sequence_parallel_grad_reduction(engine: Any, state: Any) -> bool:
-    """Sum sequence-parallel parameter gradients over the TP group once per step (Megatron's
-    coalesced LayerNorm-gradient all-reduce) instead of per parameter per micro-batch.
+def _deferred_sequence_parallel_grads(engine: Any, state: Any) -> tuple[list, Any] | None:
+    """Switch sequence-parallel parameters to one coalesced TP sum of their gradients per step
+    (Megatron's LayerNorm-gradient all-reduce) instead of one per parameter per micro-batch; return
+    ``(params, grad_of)`` for :func:`~megaformer.parallel.grads.reduce_sequence_parallel_grads`, or
+    None where it does not apply.
 
-    Installed only where DeepSpeed 0.19 reduces gradients at the accumulation boundary from the
-    parameters' whole gradients (``.grad``, or ``.grad_accum`` when it accumulates in fp32): no ZeRO
-    or ZeRO-1 without ``overlap_comm``, and not the BF16_Optimizer (which moves gradients into its
-    own fp32 buffers during backward). The TP sum runs just before DeepSpeed's data-parallel
-    reduction, hence before clipping and the optimizer. Elsewhere (ZeRO-2/3, overlap_comm, bf16
-    without ZeRO) the model keeps the per-micro-batch autograd all-reduce. Returns whether it was
-    installed.
+    It applies only where DeepSpeed 0.19 holds the parameters' whole gradients at the accumulation
+    boundary (``.grad``, or ``.grad_accum`` when it accumulates in fp32): no ZeRO or ZeRO-1 without
+    ``overlap_comm``, and not the BF16_Optimizer (which moves gradients into its own fp32 buffers
+    during backward). Elsewhere (ZeRO-2/3, overlap_comm, bf16 without ZeRO) the model keeps the
+    per-micro-batch autograd all-reduce.
     """
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
     if state.tp_size == 1:  # nothing is sequence parallel without a TP group
-        return False
+        return None
     module = engine.module
     if not any(getattr(m, "sequence_parallel", False) for m in module.modules()):
-        return False
+        return None
     opt = engine.optimizer
     hooks_reduce = getattr(opt, "overlap_comm", False) or getattr(opt, "partition_gradients", False)
     if engine.zero_optimization_stage() > 1 or hooks_reduce or isinstance(opt, BF16_Optimizer):
-        return False
+        return None
     params = defer_sequence_parallel_grads(module)
     use_accum = getattr(opt, "use_grad_accum_attribute", False)
 
     def grad_of(p: torch.nn.Parameter) -> torch.Tensor | None:
         return getattr(p, "grad_accum", None) if use_accum else p.grad
 
+    return params, grad_of
+
+
+def _install_sequence_parallel_reduction(engine: Any, state: Any, params: list, grad_of: Any) -> None:
+    """Put the coalesced TP sum just before DeepSpeed's data-parallel reduction, by wrapping
+    ``allreduce_gradients``: it must come before, because under ZeRO-1 that reduction moves the
+    gradients into the optimizer's partitioned buffers (a sum on ``.grad`` after it is lost; tried:
+    ``tests/distributed/test_tp_train.py``'s sequence-parallel ZeRO-1 run then clips with another
+    norm). DeepSpeed 0.19's ``backward`` has no switch to run that reduction later, so at pp = 1
+    too this stays a wrap."""
     original = engine.allreduce_gradients
 
     def allreduce_gradients(*args: Any, **kwargs: Any) -> Any:
@@ -302,7 +320,6 @@ def _install_sequence_parallel_grad_reduction(engine: Any, state: Any) -> bool:
         return original(*args, **kwargs)
 
     engine.allreduce_gradients = allreduce_gradients
-    return True
 
 
 class Engine:
@@ -325,9 +342,13 @@ class Engine:
             engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization()
         )
         self._grad_norm: Any = None
+        self._step_hooks: list[Any] = []  # pp = 1: run by the loop between backward and step
         if pipelined and self._fp32_plain:
             _install_pipeline_fp32_clipping(engine, state)
-        self.coalesced_sp_grads = _install_sequence_parallel_grad_reduction(engine, state)
+        sp_grads = _deferred_sequence_parallel_grads(engine, state)
+        if sp_grads is not None:
+            _install_sequence_parallel_reduction(engine, state, *sp_grads)
+        self.coalesced_sp_grads = sp_grads is not None
 
     @property
     def module(self) -> torch.nn.Module:
@@ -368,14 +389,24 @@ class Engine:
             self.engine.backward(loss)
             # fp64 on the device: the mean of gas micro-batch losses, free of summation-order noise
             total = loss.detach().double() if total is None else total + loss.detach().double()
-            if self._fp32_plain and self.engine.is_gradient_accumulation_boundary():
-                # DeepSpeed clips fp32 gradients without reporting the norm: ours, TP-aware.
-                tp_group = self.state.split_tp_group
-                self._grad_norm = grad_norm_squared(self.engine.module.parameters(), tp_group).sqrt()
+            if self.engine.is_gradient_accumulation_boundary():
+                self._gradient_work()  # the gradients are complete (reduced over data-parallel ranks)
             self.engine.step()
         if self._grad_norm is None:
             self._grad_norm = self.engine.get_global_grad_norm()
         return self._mean_over_dp(total / self.gas)
+
+    def _gradient_work(self) -> None:
+        """pp = 1, between the last backward of a step and ``engine.step()``, the gradients complete
+        (reduced over data-parallel ranks, the sequence-parallel ones summed over TP before that):
+        the fp32 norm (DeepSpeed clips fp32 gradients without reporting it: ours, TP-aware), then
+        the hooks of :meth:`before_optimizer_step`. ``step()`` itself does nothing to the gradients
+        before its update (clipping, the optimizer, ``zero_grad``)."""
+        if self._fp32_plain:
+            tp_group = self.state.split_tp_group
+            self._grad_norm = grad_norm_squared(self.engine.module.parameters(), tp_group).sqrt()
+        for hook in self._step_hooks:
+            hook()
 
     def eval_loss(
         self, micro_batches: Iterator[tuple[torch.Tensor, torch.Tensor]], count: int
@@ -430,7 +461,12 @@ class Engine:
         """Call ``hook()`` at every optimizer update, after the gradients are complete (averaged
         over data-parallel ranks, ZeRO-reduced) and before clipping, the optimizer step and
         ``zero_grad``; with the plain engine and the pipeline engine alike. In fp16 the gradients
-        still carry the loss scale then."""
+        still carry the loss scale then. At pp = 1 the loop calls it (:meth:`_gradient_work`); the
+        pipeline engine runs backward and the update inside ``train_batch``, so there it wraps
+        ``_take_model_step``."""
+        if not self.pipelined:
+            self._step_hooks.append(hook)
+            return
         take_model_step = self.engine._take_model_step
 
         def hooked(*args: Any, **kwargs: Any) -> Any:

@@ -194,6 +194,9 @@ def test_fp16_loss_scale_give_up_becomes_a_typed_error():
         def backward(self, loss) -> None:
             pass
 
+        def is_gradient_accumulation_boundary(self) -> bool:
+            return True  # one micro-batch per step
+
         def step(self) -> None:
             raise self.error
 
