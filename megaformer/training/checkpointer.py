@@ -337,6 +337,7 @@ def init_weights_from(model: torch.nn.Module, cfg: RunConfig, layout: Layout) ->
         ConfigError: a checkpoint of another model configuration.
     """
     from megaformer.checkpoint.reshard import consolidate, load_full, resolve_tag_dir
+    from megaformer.training.resume_rules import refuse_other_model
 
     tag_dir = resolve_tag_dir(cfg.train.init_from)
     # Only this rank's stage's parameters, memory-mapped: at 2.7B, 8 ranks of a node holding the
@@ -346,10 +347,7 @@ def init_weights_from(model: torch.nn.Module, cfg: RunConfig, layout: Layout) ->
         names={name for name, _ in model.named_parameters()},
         trust_code=cfg.train.trust_checkpoint_code,
     )
-    ours = to_dict(cfg)["model"]
-    if saved["model"] != ours:
-        diff = {k: (v, ours.get(k)) for k, v in saved["model"].items() if ours.get(k) != v}
-        raise ConfigError(f"train.init_from='{cfg.train.init_from}': saved with another model config {diff}")
+    refuse_other_model(saved, cfg)
     step = int(extra["step"] or 0)
     if step >= cfg.train.steps:
         raise ConfigError(

@@ -145,13 +145,35 @@ def saved_config(tag_dir: str) -> dict | None:
     return config if isinstance(config, dict) else None
 
 
-def check_init_from_steps(cfg: RunConfig) -> None:
-    """Refuse ``train.init_from`` whose checkpoint step leaves nothing to train (``train.steps`` at
-    or below it), before any process group starts (the step is read from the manifest; a
-    checkpoint without one is checked when its weights are loaded).
+def model_changes(saved: dict, cfg: RunConfig) -> dict[str, tuple[Any, Any]]:
+    """The ``model.*`` keys of :func:`config_changes`: what ``train.init_from`` may not change (a
+    key the saved config lacks counts as its default, as for a resume)."""
+    return {k: v for k, v in config_changes(saved, cfg).items() if k.startswith("model.")}
+
+
+def refuse_other_model(saved: dict, cfg: RunConfig) -> None:
+    """Raise if ``train.init_from``'s checkpoint was saved with another model configuration.
 
     Raises:
-        ConfigError: naming the checkpoint's step and the fix.
+        ConfigError: naming each differing key with its saved and its current value.
+    """
+    changes = model_changes(saved, cfg)
+    if changes:
+        said = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in changes.items())
+        raise ConfigError(
+            f"train.init_from='{cfg.train.init_from}' was saved with another model config ({said}); "
+            "init_from loads weights into the same model at any layout: set those keys as saved"
+        )
+
+
+def check_init_from_steps(cfg: RunConfig) -> None:
+    """Refuse ``train.init_from`` whose checkpoint step leaves nothing to train (``train.steps`` at
+    or below it), or that was saved with another model configuration, before any process group
+    starts (step and config are read from the manifest; a checkpoint without one is checked when
+    its weights are loaded).
+
+    Raises:
+        ConfigError: naming the checkpoint's step or the differing model keys, and the fix.
     """
     from megaformer.checkpoint.reshard import resolve_tag_dir
     from megaformer.training.ckpt_integrity import read_manifest
@@ -164,6 +186,8 @@ def check_init_from_steps(cfg: RunConfig) -> None:
             f"train.init_from='{cfg.train.init_from}' was saved at step {body['step']}, and "
             f"train.steps={cfg.train.steps} leaves nothing to train: set train.steps above {body['step']}"
         )
+    if body is not None and isinstance(body.get("config"), dict):
+        refuse_other_model(body["config"], cfg)
 
 
 def _has_latest(cfg: RunConfig) -> bool:

@@ -98,6 +98,36 @@ def test_init_from_at_or_past_train_steps_is_refused_before_the_run(tmp_path):
     )
 
 
+def test_init_from_compares_the_model_config_with_missing_keys_at_their_defaults(tmp_path):
+    # A checkpoint written before model.init existed (its saved model config lacks the key) was
+    # refused by init_from with "saved with another model config {}": a key the saved config lacks
+    # counts as its default, as for a resume; a real difference is named with both values, and is
+    # refused before any process group from the manifest's config.
+    from megaformer.config import to_dict
+    from megaformer.training.ckpt_integrity import write_manifest
+    from megaformer.training.resume_rules import check_init_from_steps, refuse_other_model
+
+    tag = tmp_path / "src" / "checkpoints" / "global_step20"
+    tag.mkdir(parents=True)
+    (tag.parent / "latest").write_text("global_step20")
+    overrides = [f"train.init_from={tag.parent}", "train.steps=30", "train.warmup_steps=2"]
+    cfg = load_config(CONFIG, overrides)
+    older = to_dict(cfg)
+    del older["model"]["init"]
+    refuse_other_model(older, cfg)
+    write_manifest(str(tag), {}, 20, older)
+    check_init_from_steps(cfg)
+
+    wider = load_config(CONFIG, [*overrides, f"model.hidden_size={cfg.model.hidden_size * 2}"])
+    with pytest.raises(
+        ConfigError,
+        match=rf"model\.hidden_size: saved {cfg.model.hidden_size}, now {cfg.model.hidden_size * 2}",
+    ):
+        check_init_from_steps(wider)
+    with pytest.raises(ConfigError, match=r"saved with another model config \(model\.hidden_size"):
+        refuse_other_model(older, wider)
+
+
 def test_a_key_newer_than_the_checkpoint_counts_as_its_default():
     # A checkpoint written before a key existed must resume when the key is left at its default,
     # and still be refused when the key is set to something else.
