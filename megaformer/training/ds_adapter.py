@@ -27,9 +27,13 @@ process group starts:
 * sequence-parallel parameter gradients are summed over the TP group once per step, coalesced,
   where the engine still holds whole gradients at the accumulation boundary
   (:func:`_deferred_sequence_parallel_grads`: ZeRO 0/1 without ``overlap_comm``, not bf16's
-  optimizer), just before DeepSpeed's data-parallel reduction, by wrapping
-  ``allreduce_gradients`` on both engines (:func:`_install_sequence_parallel_reduction`: under
-  ZeRO-1 that reduction moves the gradients out of ``.grad``, and ``backward`` cannot defer it);
+  optimizer), just before DeepSpeed's data-parallel reduction (under ZeRO-1 that reduction moves
+  the gradients out of ``.grad``, so the sum must precede it). At pp = 1 the loop runs both: the
+  engine's ``enable_backward_allreduce`` is off (as DeepSpeed's own pipeline engine sets it), so
+  ``backward`` leaves the reduction to the loop, which calls ``allreduce_gradients`` after each
+  micro-batch's backward, the sum first at the boundary (:meth:`Engine._reduce_gradients`). The
+  pipeline engine calls ``allreduce_gradients`` from its own instructions, so there it stays
+  wrapped (:func:`_install_sequence_parallel_reduction`);
 * checkpoint file names (:data:`MODEL_STATES_FILE`, :data:`LAYER_STATES_FILE`), read by
   :mod:`megaformer.checkpoint.reshard`, and the data classes DeepSpeed pickles into them
   (:func:`checkpoint_data_classes`, allowed by :mod:`.safe_load`);
@@ -306,12 +310,12 @@ def _deferred_sequence_parallel_grads(engine: Any, state: Any) -> tuple[list, An
 
 
 def _install_sequence_parallel_reduction(engine: Any, state: Any, params: list, grad_of: Any) -> None:
-    """Put the coalesced TP sum just before DeepSpeed's data-parallel reduction, by wrapping
-    ``allreduce_gradients``: it must come before, because under ZeRO-1 that reduction moves the
-    gradients into the optimizer's partitioned buffers (a sum on ``.grad`` after it is lost; tried:
+    """Pipeline engine only: put the coalesced TP sum just before DeepSpeed's data-parallel
+    reduction, by wrapping ``allreduce_gradients``, which the pipeline engine's reduce-gradients
+    instruction calls. It must come before, because under ZeRO-1 that reduction moves the gradients
+    into the optimizer's partitioned buffers (a sum on ``.grad`` after it is lost; tried:
     ``tests/distributed/test_tp_train.py``'s sequence-parallel ZeRO-1 run then clips with another
-    norm). DeepSpeed 0.19's ``backward`` has no switch to run that reduction later, so at pp = 1
-    too this stays a wrap."""
+    norm). At pp = 1 the loop orders the two itself (:meth:`Engine._reduce_gradients`)."""
     original = engine.allreduce_gradients
 
     def allreduce_gradients(*args: Any, **kwargs: Any) -> Any:
@@ -346,8 +350,14 @@ class Engine:
         if pipelined and self._fp32_plain:
             _install_pipeline_fp32_clipping(engine, state)
         sp_grads = _deferred_sequence_parallel_grads(engine, state)
-        if sp_grads is not None:
+        self._sp_grads = None  # pp = 1: (params, grad_of) the loop sums over TP before the reduction
+        if sp_grads is not None and pipelined:
             _install_sequence_parallel_reduction(engine, state, *sp_grads)
+        elif sp_grads is not None:
+            # backward() then leaves the data-parallel reduction to the loop (_reduce_gradients),
+            # as DeepSpeed's PipelineEngine does for its own schedule.
+            engine.enable_backward_allreduce = False
+            self._sp_grads = sp_grads
         self.coalesced_sp_grads = sp_grads is not None
 
     @property
@@ -387,6 +397,8 @@ class Engine:
             tokens, labels = next(micro_batches)
             loss = self.engine(tokens, labels)
             self.engine.backward(loss)
+            if self._sp_grads is not None:
+                self._reduce_gradients()
             # fp64 on the device: the mean of gas micro-batch losses, free of summation-order noise
             total = loss.detach().double() if total is None else total + loss.detach().double()
             if self.engine.is_gradient_accumulation_boundary():
@@ -395,6 +407,17 @@ class Engine:
         if self._grad_norm is None:
             self._grad_norm = self.engine.get_global_grad_norm()
         return self._mean_over_dp(total / self.gas)
+
+    def _reduce_gradients(self) -> None:
+        """pp = 1 with coalesced sequence-parallel gradients, after each micro-batch's ``backward``
+        (which skipped it): at the accumulation boundary the TP sum of the sequence-parallel
+        gradients, then DeepSpeed's data-parallel reduction, in the order ``backward`` would have
+        run it (``allreduce_gradients`` also tells a ZeRO optimizer whether this is the boundary,
+        so it is called on every micro-batch, as ``backward`` calls it)."""
+        params, grad_of = self._sp_grads
+        if self.engine.is_gradient_accumulation_boundary():
+            reduce_sequence_parallel_grads(params, self.state.tp_group, grad_of)
+        self.engine.allreduce_gradients()
 
     def _gradient_work(self) -> None:
         """pp = 1, between the last backward of a step and ``engine.step()``, the gradients complete

@@ -29,6 +29,7 @@ DEEPSPEED_ATTRIBUTES = {
     "_take_model_step",
     "clip_fp32_gradients",
     "allreduce_gradients",
+    "enable_backward_allreduce",
     "_get_optimizer_loss_scale",
     "__compatible_ops__",
 }

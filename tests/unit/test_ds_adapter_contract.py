@@ -49,16 +49,29 @@ def test_pipeline_fp32_clipping_is_replaced_where_deepspeed_calls_it_and_its_nor
     assert "_global_grad_norm" in _source(DeepSpeedEngine.get_global_grad_norm)
 
 
-def test_sequence_parallel_reduction_hooks_allreduce_gradients_at_the_boundary():
-    """The SP gradient sum wraps ``allreduce_gradients``, which ``backward`` calls at the
-    accumulation boundary; the optimizer types it excludes are still where the adapter imports them."""
+def test_sequence_parallel_reduction_precedes_allreduce_gradients_at_the_boundary():
+    """The SP gradient sum goes before ``allreduce_gradients``, which acts at the accumulation
+    boundary: at pp = 1 the loop calls it after ``backward``, which skips it when the engine's
+    ``enable_backward_allreduce`` is off (and managed accumulation's ``step()`` does not call it);
+    the pipeline engine's reduce-gradients instruction calls it (wrapped there). The optimizer types
+    the adapter excludes are still where it imports them."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer  # noqa: F401
     from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    # The reduction is in _backward_epilogue, after every micro-batch's backward; allreduce_gradients
-    # itself acts at the boundary only.
-    assert "self.allreduce_gradients()" in _source(DeepSpeedEngine._backward_epilogue)
+    # The reduction is in _backward_epilogue, after every micro-batch's backward, behind the switch;
+    # allreduce_gradients itself acts at the boundary only.
+    epilogue = _source(DeepSpeedEngine._backward_epilogue)
+    assert "if self.enable_backward_allreduce and not self.inside_no_sync_ctxt:" in epilogue
+    assert "self.allreduce_gradients()" in epilogue
     assert "is_gradient_accumulation_boundary" in _source(DeepSpeedEngine.allreduce_gradients)
+    # step() reduces only without managed accumulation (which megaformer never turns off), before
+    # its _take_model_step.
+    step = _source(DeepSpeedEngine.step)
+    assert step.index("if not self.managed_gradient_accumulation():") < step.index(
+        "self.allreduce_gradients()"
+    )
+    assert "self.allreduce_gradients(" in _source(PipelineEngine._exec_reduce_grads)
 
 
 def test_the_fp16_give_up_message_and_loss_scale_readers():
