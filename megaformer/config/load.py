@@ -16,10 +16,12 @@ and PyYAML (a test checks that ``import megaformer.config`` imports no torch).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import json
 import os
+import types
 from collections.abc import Callable, Iterable
 from typing import Any, get_type_hints
 
@@ -28,6 +30,7 @@ import yaml
 from megaformer.config.schema import (
     ACTIVATIONS,
     BUDGET_SKIP_STEPS,
+    COMPILE_AUTO,
     INITS,
     NORM_SCHEMES,
     POSITION_EMBEDDINGS,
@@ -56,7 +59,14 @@ def _suggest(name: str, choices: Iterable[str]) -> str:
 
 
 def _coerce(where: str, value: Any, typ: Any) -> Any:
-    """Check ``value`` against the annotation ``typ`` (int, float, bool, str); ints widen to float."""
+    """Check ``value`` against the annotation ``typ`` (int, float, bool, str, or a union of them,
+    tried in order: ``bool | str`` takes a bool as is); ints widen to float."""
+    if isinstance(typ, types.UnionType):
+        for option in typ.__args__:
+            with contextlib.suppress(ConfigError):
+                return _coerce(where, value, option)
+        names = " or ".join(option.__name__ for option in typ.__args__)
+        raise ConfigError(f"{where}: expected {names}, got {value!r} ({type(value).__name__}).")
     if typ is bool:
         if isinstance(value, bool):
             return value
@@ -515,11 +525,20 @@ def check_recompute(cfg: RunConfig) -> None:
     )
 
 
+def check_compile(cfg: RunConfig) -> None:
+    value = cfg.train.compile
+    _require(
+        isinstance(value, bool) or value == COMPILE_AUTO,
+        f"train.compile={value!r}: use true, false or '{COMPILE_AUTO}' (on for CUDA, off on CPU).",
+    )
+
+
 VALIDATORS: list[Callable[[RunConfig], None]] = [
     check_model,
     check_parallel,
     check_train,
     check_recompute,
+    check_compile,
     check_data,
 ]
 

@@ -28,6 +28,8 @@ INITS = ("legacy", "gpt2", "fairseq")
 # Switches defined on a Pre-LN layer only: NormFormer's operations and the '+ 3 More LN' ablation
 # (paper Sec. 2, Table 4).
 PRE_LN_ONLY = ("post_attn_ln", "head_scale", "ffn_ln", "resid_scale", "qkv_ln")
+# train.compile: a bool, or this string.
+COMPILE_AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -341,6 +343,15 @@ class TrainConfig:
     (torch.backends.cuda.matmul.allow_tf32, cudnn.allow_tf32): ~8x the fp32 matmul rate with a
     10-bit mantissa in the products (fp32 accumulation). No effect on CPUs or V100, nor on bf16 /
     fp16 runs' half-precision matmuls. false keeps full fp32 products."""
+    compile: bool | str = "auto"
+    """Compile each decoder block with torch.compile (regional compilation, as torchtitan: one graph
+    per block, shared by all blocks; inductor: Triton kernels on GPUs, C++ on CPUs), every
+    normalisation scheme, dropout included: the masks are those of eager mode, drawn from the same
+    generator states (no graph break; megaformer/parallel/rng_ops.py). true, false, or 'auto' (the
+    default): on when the model runs on CUDA, off on CPU (compiling costs tens of seconds per
+    process on a small CPU, more than a short run gains). Not with ZeRO-3 (DeepSpeed's parameter
+    hooks inside the blocks break the graph) nor where inductor has no compiler: those run eager,
+    with the reason in the log. Same losses as eager within fp32 rounding (a test)."""
     diagnostics_interval: int = 0
     """Every this many steps: per-layer gradient norms (grads/fc2_l1/layer_NN, grads/l2/<op>/layer_NN)
     and learned scales (scales/<op>_mean/layer_NN, histograms) to TensorBoard; 0: off."""

@@ -6,6 +6,7 @@
 """
 
 from megaformer.config.schema import NORM_SCHEMES
+from megaformer.model.compile import compile_blocks, compile_wanted, why_not_compiled
 from megaformer.model.lm import LayerDef, NormFormerLM, layer_prefixes, model_layers, vocab_param_names
 from megaformer.model.normformer import (
     FinalNorm,
@@ -34,6 +35,8 @@ __all__ = [
     "OutputProjection",
     "QKVLayerNorm",
     "ReplicatedLayerNorm",
+    "compile_blocks",
+    "compile_wanted",
     "count_parameters",
     "deepnorm_alpha",
     "deepnorm_beta",
@@ -44,4 +47,5 @@ __all__ = [
     "sinusoidal_positions",
     "tied_output_logits",
     "vocab_param_names",
+    "why_not_compiled",
 ]

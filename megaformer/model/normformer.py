@@ -251,8 +251,7 @@ def _dropout(x: torch.Tensor, p: float, training: bool, rng: DropoutRNG, region:
     """``F.dropout`` drawing its mask from ``rng``'s ``region`` (no fork when it is a no-op)."""
     if not training or p == 0.0:
         return x
-    with rng.fork(region, x.device):
-        return F.dropout(x, p=p, training=True)
+    return rng.dropout(x, p, region)
 
 
 def sinusoidal_positions(num_positions: int, dim: int) -> torch.Tensor:
@@ -550,15 +549,24 @@ class NormFormerBlock(nn.Module):
         dropout_p = self.config.attention_dropout if self.training else 0.0
         if dropout_p > 0.0:
             # The local heads differ on every TP rank: independent masks.
-            with self.dropout_rng.fork("sharded", q.device):
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+            return self.dropout_rng.attention(q, k, v, dropout_p, "sharded", is_causal=True)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     def _recomputed_core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """:meth:`_core_attention` under selective recomputation (``train.recompute=selective``):
         only q, k, v are kept for backward, which reruns the core (Korthikanti et al. 2022, Sec. 5).
         The recomputation replays this call's attention-dropout masks: the dropout generator states
-        are snapshotted before the first run and put back for the rerun, then advanced again."""
+        are snapshotted before the first run and put back for the rerun, then advanced again. Under
+        ``torch.compile`` with attention dropout, :meth:`DropoutRNG.attention` recomputes from the
+        state it was given (a pure function); without dropout there is nothing random to replay."""
+        if torch.compiler.is_compiling():
+            if self.config.attention_dropout > 0.0:
+                return self.dropout_rng.attention(
+                    q, k, v, self.config.attention_dropout, "sharded", is_causal=True, recompute=True
+                )
+            return torch.utils.checkpoint.checkpoint(
+                self._core_attention, q, k, v, use_reentrant=False, preserve_rng_state=False
+            )
         snapshot = self.dropout_rng.state_dict() if self.config.attention_dropout > 0.0 else None
         runs = []
 

@@ -422,15 +422,16 @@ def _merged_statistics(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token ``(mean, rstd)`` (fp32, ``xf.shape[:-1]``) over the full, sharded last dimension.
 
-    Each rank computes its shard's count ``k``, mean and M2 (sum of squared deviations, two passes
-    over its own slice), then one all-gather of the ``[2, ...]`` per-shard values and the merge of
-    Chan, Golub & LeVeque (1979) with equal counts: ``mean = mean_r(mean_r)``, ``M2 = Σ_r M2_r +
-    k·Σ_r (mean_r − mean)²``. Every rank merges the same gathered values in the same order, so
-    every rank gets bit-identical statistics. Never ``E[x²] − E[x]²``, which cancels catastrophically
-    in fp32 when ``|mean| ≫ std``.
+    Each rank computes its shard's count ``k``, mean and M2 (sum of squared deviations) in ONE pass
+    over its slice: ``torch.var_mean``, a Welford reduction (Welford 1962: a running mean and M2,
+    no cancellation at any ``|mean| / std``; a test checks it at 3,000). Then one all-gather of
+    the ``[2, ...]`` per-shard values and the merge of Chan, Golub & LeVeque (1979) with equal
+    counts: ``mean = mean_r(mean_r)``, ``M2 = Σ_r M2_r + k·Σ_r (mean_r − mean)²``. Every rank merges
+    the same gathered values in the same order, so every rank gets bit-identical statistics. Never
+    ``E[x²] − E[x]²``, which cancels catastrophically in fp32 when ``|mean| ≫ std``.
     """
-    local_mean = xf.mean(dim=-1)  # (...)
-    local_m2 = (xf - local_mean.unsqueeze(-1)).square().sum(dim=-1)  # (...)
+    local_var, local_mean = torch.var_mean(xf, dim=-1, correction=0)  # (...) each, one pass
+    local_m2 = local_var * xf.shape[-1]
     if tp_world_size(group) == 1:
         mean, m2 = local_mean, local_m2
     else:
@@ -449,18 +450,25 @@ class _ShardedLayerNormFunction(torch.autograd.Function):
     ``rstd``; the normalised ``x̂`` is recomputed in backward. Communication per call: forward one
     all-gather of ``[2, tokens]`` per-shard statistics, backward one all-reduce of ``[tokens, 2]``
     (the two row sums of the input gradient). The arithmetic is plain tensor code without
-    data-dependent control flow, so ``torch.compile`` traces it (the collectives are c10d ops).
+    data-dependent control flow, so ``torch.compile`` traces it (the collectives are c10d ops):
+    compiled (``train.compile``, the block's graph), the forward reads the input once for the
+    statistics (a Welford reduction; below 1,024 features inductor's C++ backend prefers a
+    two-step mean, then variance) and once in one fused loop that normalises, scales, shifts and
+    casts, and writes the output once (a test reads inductor's code); eager, the statistics are one
+    pass and the normalisation one kernel per operation, in place on one fp32 buffer.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, normalized_size, eps, group):
         xf = x.float()
-        mean, rstd = _merged_statistics(xf, normalized_size, eps, group)
-        y = (xf - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)  # x̂, (..., n / tp)
+        mean, rstd = _merged_statistics(xf, normalized_size, eps, group)  # one pass over x
+        # The normalisation, one elementwise expression: one pass when compiled (inductor fuses
+        # it); eager, one kernel per operation, on one fp32 buffer.
+        y = torch.sub(xf, mean.unsqueeze(-1)).mul_(rstd.unsqueeze(-1))  # x̂, (..., n / tp)
         if weight is not None:
-            y = y * weight.float()
+            y = y.mul_(weight.float())
         if bias is not None:
-            y = y + bias.float()
+            y = y.add_(bias.float())
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.normalized_size, ctx.group, ctx.has_bias = normalized_size, group, bias is not None
         ctx.bias_dtype = None if bias is None else bias.dtype

@@ -66,7 +66,10 @@ def _reduce_in_place_forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch
     """Forward all-reduce without a copy: the input (a fresh matmul output in every caller) is
     reduced in place and marked dirty, so autograd raises, instead of computing a wrong gradient,
     if anything had saved it. A leaf that requires grad, a view, or a non-contiguous input is
-    reduced on a copy instead."""
+    reduced on a copy instead; so is every input under ``torch.compile``, whose graph is functional
+    anyway (dynamo traces ``mark_dirty`` only where autograd records the call, not under no_grad)."""
+    if torch.compiler.is_compiling():
+        return _all_reduce(x, group)
     if x.is_contiguous() and x._base is None and not (x.is_leaf and x.requires_grad):
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
         ctx.mark_dirty(x)

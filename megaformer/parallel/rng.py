@@ -19,6 +19,11 @@ block, saves the advanced state and restores the caller's, so the rest of the pr
 stream is untouched. The states follow the device of the tensors they serve: built for the CPU (the
 default) and first used on CUDA (a model moved after it was built), they are re-seeded for CUDA's
 generator, so the masks a run draws and the states it saves and replays are the same generator's.
+
+:meth:`DropoutRNG.dropout` and :meth:`DropoutRNG.attention` are the calls the model makes: eager, a
+fork around ``F.dropout`` / ``F.scaled_dot_product_attention``; inside ``torch.compile``, the same
+draws from the same states through the opaque operators of :mod:`megaformer.parallel.rng_ops`,
+which dynamo traces without a graph break (it cannot trace a fork's get / set of the generator state).
 """
 
 from __future__ import annotations
@@ -27,7 +32,10 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 
+from megaformer.parallel import rng_ops
+from megaformer.parallel.rng_ops import generator_state, set_generator_state
 from megaformer.parallel.utils import derive_seed
 
 REGIONS = ("replicated", "sharded")
@@ -79,6 +87,10 @@ class DropoutRNG:
             if device.type == "cuda" and device.index is not None:
                 self.device = device  # same kind of state; the current CUDA device's generator
             return
+        self._switch_to(device)
+
+    @torch.compiler.disable  # reseeding builds torch.Generator objects, which dynamo cannot trace
+    def _switch_to(self, device: torch.device) -> None:
         if self._drawn:
             raise RuntimeError(
                 f"dropout masks were drawn on {self.device} and now on {device}: move the model to its "
@@ -88,32 +100,98 @@ class DropoutRNG:
         self._states = {region: self._initial_state(s) for region, s in self._seeds.items()}
 
     def _get(self) -> torch.Tensor:
-        if self.device.type == "cuda":
-            return torch.cuda.get_rng_state(self.device)
-        return torch.get_rng_state()
+        return generator_state(self.device)
 
     def _set(self, state: torch.Tensor) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_rng_state(state, self.device)
-        else:
-            torch.set_rng_state(state)
+        set_generator_state(self.device, state)
 
-    @contextlib.contextmanager
-    def fork(self, region: str, device: torch.device | None = None) -> Iterator[None]:
-        """Run the block with ``region``'s generator state as the default generator of ``device``
-        (the device of the tensors the block draws masks for; default: :attr:`device`)."""
+    def _state_for(self, region: str, device: torch.device | None) -> torch.Tensor:
+        """``region``'s current state, to draw masks for tensors on ``device`` (default: :attr:`device`)."""
         if region not in self._states:
             raise KeyError(f"dropout RNG region {region!r}; use one of {REGIONS}")
         if device is not None:
             self._follow(torch.device(device))
         self._drawn = True
+        return self._states[region]
+
+    @contextlib.contextmanager
+    def fork(self, region: str, device: torch.device | None = None) -> Iterator[None]:
+        """Run the block with ``region``'s generator state as the default generator of ``device``
+        (the device of the tensors the block draws masks for; default: :attr:`device`)."""
+        state = self._state_for(region, device)
         outer = self._get()
-        self._set(self._states[region])
+        self._set(state)
         try:
             yield
         finally:
             self._states[region] = self._get()
             self._set(outer)
+
+    def dropout(self, x: torch.Tensor, p: float, region: str) -> torch.Tensor:
+        """``F.dropout(x, p, training=True)`` with the mask drawn from ``region``'s state.
+
+        Eager: :meth:`fork` around ``F.dropout``. Under ``torch.compile``: the same mask from
+        :func:`~megaformer.parallel.rng_ops.dropout_keep` (an opaque operator, no graph break) and
+        ``x * keep * scale`` in the graph (fused by inductor with what surrounds it); the same
+        values, bitwise where inductor computes the product as eager does (fp32). ``p`` must be a
+        constant of the graph (``scale`` is folded from it): compile with ``dynamic=False``, as
+        :func:`megaformer.model.compile_blocks` does, where dynamo might make it symbolic."""
+        if not torch.compiler.is_compiling():
+            with self.fork(region, x.device):
+                return F.dropout(x, p=p, training=True)
+        if p >= 1.0:  # eager drops everything without drawing
+            return x * 0.0
+        keep, self._states[region] = rng_ops.dropout_keep(
+            x.shape, x.stride(), x.dtype, x.device, p, self._state_for(region, x.device)
+        )
+        return x * keep * rng_ops.dropout_scale(p, x.dtype, x.device.type)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        p: float,
+        region: str,
+        *,
+        is_causal: bool,
+        recompute: bool = False,
+    ) -> torch.Tensor:
+        """``F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=is_causal)`` with the
+        attention-dropout mask drawn from ``region``'s state: 3 × ``[B, nh, T, hs]`` -> ``[B, nh, T, hs]``.
+
+        Eager: :meth:`fork` around the call. Under ``torch.compile``, the same masks from the same
+        state: on a CPU, ATen's math kernel (the one eager runs) in the graph with the mask of
+        :func:`~megaformer.parallel.rng_ops.dropout_keep`; on a GPU,
+        :func:`~megaformer.parallel.rng_ops.attention_dropout`, the eager call inside an opaque
+        operator (its flash kernel draws the mask) whose backward reruns it instead of keeping the
+        attention probabilities.
+
+        ``recompute`` (compiled only; eager callers checkpoint around this call and replay the
+        states themselves): keep only q, k, v and the state for backward, which reruns the core
+        and draws the same mask from the same state (``train.recompute=selective``). The GPU
+        operator always does."""
+        if not torch.compiler.is_compiling():
+            with self.fork(region, q.device):
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=is_causal)
+        state = self._state_for(region, q.device)
+        if q.device.type == "cuda":
+            out, self._states[region] = rng_ops.attention_dropout(q, k, v, p, is_causal, state)
+            return out
+        size, stride, dtype = rng_ops.attention_probs_layout(q, k)
+        scale = rng_ops.dropout_scale(p, dtype, q.device.type)
+
+        def core(q, k, v, state):  # a pure function of its inputs: recomputable
+            keep, advanced = rng_ops.dropout_keep(size, stride, dtype, q.device, p, state)
+            return rng_ops.math_attention(q, k, v, keep, scale, is_causal=is_causal), advanced
+
+        if recompute:
+            out, self._states[region] = torch.utils.checkpoint.checkpoint(
+                core, q, k, v, state, use_reentrant=False, preserve_rng_state=False
+            )
+        else:
+            out, self._states[region] = core(q, k, v, state)
+        return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The current region states (for exact resume with dropout)."""

@@ -92,7 +92,8 @@ def build_model(cfg: RunConfig, layout: Layout, dropout_rng: DropoutRNG) -> torc
 
     ``train.recompute`` (or ``train.activation_checkpointing``): ``full`` recomputes each block (under
     TP without sequence parallelism the saved block inputs are partitioned across the TP group);
-    ``selective`` recomputes only each block's attention core. Also applies ``train.tf32``.
+    ``selective`` recomputes only each block's attention core. Also applies ``train.tf32`` and
+    ``train.compile`` (:func:`compile_model`).
     """
     from megaformer.model import NormFormerLM, set_selective_recompute
     from megaformer.pipeline import build_pipeline_module, checkpointed, configure_recompute, pipe_topology
@@ -124,7 +125,28 @@ def build_model(cfg: RunConfig, layout: Layout, dropout_rng: DropoutRNG) -> torc
         model = NormFormerLM(cfg.model, checkpoint_fn=ckpt, **common)
     if t.recompute_mode == "selective":
         set_selective_recompute(model)
-    return model.to(layout.device)
+    model = model.to(layout.device)
+    compile_model(model, cfg, layout)
+    return model
+
+
+def compile_model(model: torch.nn.Module, cfg: RunConfig, layout: Layout) -> int:
+    """``train.compile``: compile each decoder block in place (regional compilation,
+    :func:`megaformer.model.compile_blocks`; ``auto`` = on for CUDA). Where it cannot work here
+    (ZeRO-3, no compiler) or a block fails to compile, the blocks run eager and the log says why.
+    Returns the number of blocks compiled (0: eager)."""
+    from megaformer.model import compile_blocks, compile_wanted, why_not_compiled
+
+    t = cfg.train
+    if not compile_wanted(t.compile, layout.device):
+        return 0
+    reason = why_not_compiled(layout.device, zero_stage=t.zero_stage)
+    if reason is not None:
+        log(layout, f"train.compile={t.compile}: the blocks run eager: {reason}")
+        return 0
+    n = compile_blocks(model, log=lambda message: log(layout, message))
+    log(layout, f"train.compile={t.compile}: {n} blocks compiled with inductor (on the first step)")
+    return n
 
 
 def count_parameters_global(model: torch.nn.Module, layout: Layout) -> int:
