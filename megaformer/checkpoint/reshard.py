@@ -325,6 +325,30 @@ def reshard(
     new_config["parallel"]["pp_size"] = 1
     shards = split(full, config, tp)
     name = os.path.basename(os.path.normpath(tag_dir))
+    provenance = {
+        "resharded_from_layout": {"tp": extra["tp_size"], "pp": extra["pp_size"]},
+        "resharded_from": os.path.abspath(tag_dir),
+    }
+    return write_module_checkpoint(output_dir, name, shards, new_config, extra["step"], provenance)
+
+
+def write_module_checkpoint(
+    output_dir: str,
+    name: str,
+    shards: list[dict[str, torch.Tensor]],
+    run_config: dict[str, Any],
+    step: int | None,
+    provenance: dict[str, Any] | None = None,
+    manifest_config: dict[str, Any] | None = None,
+) -> str:
+    """Write per-TP-rank module weights (:func:`split`) as ``output_dir/<name>/mp_rank_XX_model_states.pt``
+    in DeepSpeed's layout (what :func:`consolidate`, ``train.init_from``, ``generate``, ``evaluate``
+    and ``export_hf`` read), then its ``manifest.json`` and ``output_dir/latest``; return the tag
+    directory. ``run_config``: the run config dict stored with the weights (the trainer's
+    ``to_dict``); ``provenance``: extra client-state entries (where the weights came from);
+    ``manifest_config``: the config recorded in the manifest (None: none, as reshard writes)."""
+    from megaformer.training import ckpt_integrity as integrity
+
     out = os.path.join(output_dir, name)
     os.makedirs(out, exist_ok=True)
     for r, module in enumerate(shards):
@@ -332,18 +356,17 @@ def reshard(
             "module": module,
             # What DeepSpeed's load_checkpoint(load_module_only=True) reads besides the module.
             "dp_world_size": 1,
-            "mp_world_size": tp,
-            "resharded_from_layout": {"tp": extra["tp_size"], "pp": extra["pp_size"]},
+            "mp_world_size": len(shards),
             "buffer_names": [],
-            "step": extra["step"],
-            "config": new_config,
-            "resharded_from": os.path.abspath(tag_dir),
+            "step": step,
+            "config": run_config,
+            **(provenance or {}),
         }
         path = os.path.join(out, model_states_name(r))
         torch.save(state, path + ".tmp")
         os.replace(path + ".tmp", path)
     files = integrity.checkpoint_files(out)
-    integrity.write_manifest(out, integrity.describe_files(out, files), int(extra["step"] or 0))
+    integrity.write_manifest(out, integrity.describe_files(out, files), int(step or 0), manifest_config)
     atomic_write_text(os.path.join(output_dir, "latest"), name)
     return out
 

@@ -31,6 +31,7 @@ from megaformer.config.schema import (
     ACTIVATIONS,
     BUDGET_SKIP_STEPS,
     COMPILE_AUTO,
+    HEAD_SCALE_POSITIONS,
     INITS,
     NORM_SCHEMES,
     POSITION_EMBEDDINGS,
@@ -309,6 +310,22 @@ def check_model_config(m: ModelConfig) -> None:
         "embedding by sqrt(d); set model.scale_embedding=false (or use model.init='fairseq', which does).",
     )
     _one_of("model.norm_scheme", m.norm_scheme, NORM_SCHEMES)
+    _one_of(
+        "model.head_scale_position",
+        m.head_scale_position,
+        HEAD_SCALE_POSITIONS,
+        " ('before_out_proj', the paper's, is the default)",
+    )
+    _require(
+        m.position_offset >= 0,
+        f"model.position_offset={m.position_offset}: must be >= 0 (fairseq's positions start at 2).",
+    )
+    _require(
+        m.position_offset == 0 or m.position_embedding == "sinusoidal",
+        f"model.position_offset={m.position_offset} with model.position_embedding='{m.position_embedding}': "
+        "the offset shifts the fixed sinusoidal table only (a learned table has seq_len rows and no "
+        "offset); set model.position_offset=0 or use model.position_embedding='sinusoidal'.",
+    )
     # NormFormer's operations and the '+ 3 More LN' ablation are defined on a Pre-LN layer (paper
     # Sec. 2, Table 4); under Post-LN / DeepNorm no reference defines them (and LN on v would undo
     # DeepNorm's beta-scaled W_V init): refuse rather than train an architecture nobody specified.

@@ -25,6 +25,7 @@ POSITION_EMBEDDINGS = ("sinusoidal", "learned")
 ACTIVATIONS = ("gelu", "relu2")
 NORM_SCHEMES = ("pre_ln", "post_ln", "deepnorm")
 INITS = ("legacy", "gpt2", "fairseq")
+HEAD_SCALE_POSITIONS = ("before_out_proj", "after_out_proj")
 # Switches defined on a Pre-LN layer only: NormFormer's operations and the '+ 3 More LN' ablation
 # (paper Sec. 2, Table 4).
 PRE_LN_ONLY = ("post_attn_ln", "head_scale", "ffn_ln", "resid_scale", "qkv_ln")
@@ -64,11 +65,19 @@ class ModelConfig:
     post_attn_ln: bool = True
     """NormFormer: LayerNorm on the attention output, after W_O."""
     head_scale: bool = True
-    """NormFormer: learned per-head scale g_i (init 1) applied before W_O."""
+    """NormFormer: learned per-head scale g_i (init 1) applied before W_O (after it, as fairseq, with
+    head_scale_position='after_out_proj')."""
     ffn_ln: bool = True
     """NormFormer: LayerNorm on the FFN intermediate, after the activation."""
     resid_scale: bool = False
     """NormFormer: learned vector λ_resid (init 1) scaling the FFN residual (paper: below 1.3B)."""
+    head_scale_position: str = "before_out_proj"
+    """Where HeadScale's γ (one per head) acts. 'before_out_proj' (default, the paper's equation):
+    head i's attention output times γ_i, then W_O. 'after_out_proj' (fairseq's code,
+    fairseq/modules/transformer_layer.py, c_attn): W_O's output, its bias included, viewed as
+    [num_heads, head_dim] channel chunks, chunk i times γ_i; W_O has already mixed the heads, so this is
+    a row-wise rescaling of W_O, another function. γ is then replicated across TP ranks (it acts
+    after the row-parallel reduce). Needs head_scale (ignored without it)."""
     norm_scheme: str = "pre_ln"
     """Where the LayerNorms sit. 'pre_ln' (default): x + F(LN(x)) per sublayer, a final LayerNorm
     before the output projection (GPT-2); the NormFormer switches above apply to it. 'post_ln':
@@ -92,6 +101,11 @@ class ModelConfig:
     """Dropout on the attention probabilities (probability)."""
     layernorm_eps: float = 1e-5
     """Epsilon of every LayerNorm."""
+    position_offset: int = 0
+    """Sinusoidal position index of the first token: token t uses row t + position_offset of a table
+    of seq_len + position_offset rows. fairseq numbers positions from padding_idx + 1 = 2
+    (utils.make_positions), so a fairseq model needs 2 (megaformer.tools.import_fairseq sets it).
+    Sinusoidal positions only (learned positions with an offset are refused)."""
     init: str = "legacy"
     """Which reference's initialisation (NormFormer's own gains and scales, HeadScale γ, ResScale λ,
     every LayerNorm γ = 1 and β = 0, are the same under all three):

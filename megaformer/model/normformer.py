@@ -6,6 +6,7 @@ One decoder layer (paper Fig. 1, Sec. 2), with NormFormer's additions in capital
     h = x + POSTATTN_LN( HeadScaleMHA( LN1(x) ) )
     y = RESID_SCALE ∘ h + W2 · FFN_LN( act( W1 · LN2(h) + b1 ) ) + b2
     HeadScaleMHA = Concat(g_1 head_1, ..., g_n head_n) · W_O        (g_i learned, init 1)
+    fairseq's code (head_scale_position='after_out_proj'): (Concat(head_i) · W_O + b_O) ∘ repeat(g, d/n)
 
 Each capital is a switch of :class:`~megaformer.config.schema.ModelConfig`; all off is the Pre-LN GPT
 baseline. ``qkv_ln`` adds the paper's Table 4 ablation "+ 3 More LN" (:class:`QKVLayerNorm`), and
@@ -325,7 +326,10 @@ class NormFormerEmbedding(nn.Module):
             self.position = mark_replicated(nn.Parameter(full))
         else:
             # Fixed, so not saved in checkpoints (persistent=False) and not a parameter.
-            self.register_buffer("position", sinusoidal_positions(config.seq_len, d), persistent=False)
+            # fairseq numbers positions from padding_idx + 1 (model.position_offset = 2): the table
+            # has seq_len + offset rows and token t reads row t + offset.
+            table = sinusoidal_positions(config.seq_len + config.position_offset, d)[config.position_offset :]
+            self.register_buffer("position", table, persistent=False)
         self.scale = math.sqrt(d) if config.scale_embedding else 1.0
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -468,7 +472,13 @@ class NormFormerBlock(nn.Module):
             if config.qkv_ln
             else None
         )
-        if config.head_scale:
+        self.head_scale_after_out_proj = config.head_scale_position == "after_out_proj"
+        if config.head_scale and self.head_scale_after_out_proj:
+            # fairseq's c_attn: acts on W_O's output, complete after the row-parallel reduce, so
+            # replicated (a sequence-region parameter under sequence parallelism).
+            g = nn.Parameter(torch.ones(config.num_attention_heads))
+            self.head_scale = mark_no_weight_decay(mark_replicated(g))
+        elif config.head_scale:
             g = torch.ones(config.num_attention_heads)  # paper Sec. 2: γ_i initialised to 1
             g = nn.Parameter(shard(g, 0, tp_rank(tp_group), tp_size))
             self.head_scale = mark_no_weight_decay(mark_parallel(g, partition_dim=0))
@@ -536,12 +546,19 @@ class NormFormerBlock(nn.Module):
         else:
             y = self._core_attention(q, k, v)  # (B, nh, T, hs)
         y = y.transpose(1, 2)  # (B, T, nh, hs)
-        if self.head_scale is not None:
+        if self.head_scale is not None and not self.head_scale_after_out_proj:
             # HeadScale scales each head's output BEFORE W_O (paper Eq. for HeadScaleMHA); fairseq
-            # scales after out_proj, which is a different function.
+            # scales after out_proj (head_scale_position='after_out_proj', below), another function.
             y = y * self.head_scale.view(nh, 1)  # (B, T, nh, hs)
         y = y.reshape(B, T, nh * hs)  # (B, T, d/tp)
-        return self.out_proj(y)  # (B, T, d), reduced across TP ranks
+        out = self.out_proj(y)  # (B, T, d), reduced across TP ranks (T/tp under sequence parallelism)
+        if self.head_scale is not None and self.head_scale_after_out_proj:
+            # fairseq's c_attn (transformer_layer.py): W_O's output, bias included, in chunks of
+            # head_dim channels, chunk i times γ_i (einsum "tbhd,h->tbhd").
+            g = sequence_region_param(self.head_scale, self.tp_group, self.sequence_parallel)
+            h = self.config.num_attention_heads
+            out = (out.unflatten(-1, (h, self.head_dim)) * g.view(h, 1)).flatten(-2)
+        return out
 
     def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal ``softmax(q kᵀ / sqrt(hs)) v`` with attention dropout: 3 × ``[B, nh, T, hs]`` ->

@@ -80,6 +80,8 @@ def hf_config(config: ModelConfig) -> dict:
         "ffn_ln": config.ffn_ln,
         "resid_scale": config.resid_scale,
         "qkv_ln": config.qkv_ln,
+        "head_scale_position": config.head_scale_position,
+        "position_offset": config.position_offset,
         "deepnorm_alpha": deepnorm_alpha(config.num_layers) if config.norm_scheme == "deepnorm" else 1.0,
         "layer_norm_eps": config.layernorm_eps,
         "scale_embedding": config.scale_embedding,

@@ -122,9 +122,11 @@ def layer_param_counts(m: ModelConfig, tp: int) -> list[int]:
     v = m.padded_vocab_size(tp)
     embed = v * d // tp + (m.seq_len * d if m.position_embedding == "learned" else 0)
     sharded = 3 * d * d + 3 * d + d * d + d * f + f + f * d  # qkv (+bias), W_O, fc1 (+bias), fc2
-    sharded += (heads if m.head_scale else 0) + (2 * f if m.ffn_ln else 0) + (6 * d if m.qkv_ln else 0)
+    head_scale_sharded = m.head_scale and m.head_scale_position == "before_out_proj"
+    sharded += (heads if head_scale_sharded else 0) + (2 * f if m.ffn_ln else 0) + (6 * d if m.qkv_ln else 0)
     replicated = 2 * d + 2 * d + d + d  # LN1, LN2, W_O bias, fc2 bias
     replicated += (2 * d if m.post_attn_ln else 0) + (d if m.resid_scale else 0)
+    replicated += heads if m.head_scale and not head_scale_sharded else 0  # γ after W_O (fairseq)
     block = sharded // tp + replicated
     final = 2 * d if m.norm_scheme == "pre_ln" else 0
     output = v * d // tp
@@ -188,10 +190,15 @@ def block_activation_bytes(cfg: RunConfig, device: Device, recompute: str | None
         partitioned = tp > 1  # block inputs partitioned across TP (or sequence-sliced)
         return tokens * q * d / (tp if partitioned else 1)
     replicated = d * (2 + int(m.post_attn_ln) + int(m.resid_scale))  # LN1, LN2, POSTATTN_LN, ResScale
+    # HeadScale after W_O (fairseq) saves W_O's d-wide output, sequence-sliced like the residual.
+    head_scale_after = m.head_scale and m.head_scale_position == "after_out_proj"
+    replicated += d if head_scale_after else 0
     masks = 2 * d if m.hidden_dropout > 0 else 0  # bytes, 1 per element
     gathered = 2 * d  # inputs of qkv and fc1
     core_out = 0 if recompute == "selective" else d
-    sharded = 3 * d + core_out + d + (d if m.head_scale else 0) + f * (2 + int(m.ffn_ln))
+    sharded = (
+        3 * d + core_out + d + (d if m.head_scale and not head_scale_after else 0) + f * (2 + int(m.ffn_ln))
+    )
     sharded += 3 * d if m.qkv_ln else 0  # the q/k/v LayerNorms' inputs
     per_token = q * (replicated / rep_div + gathered + sharded / tp) + masks / rep_div
     scores = 0.0

@@ -66,6 +66,14 @@ SCALE_OPS = {
 _SHARDED_SCALES = ("ffn_ln", "head_scale")  # split across the TP group (the others replicated)
 
 
+def sharded_scales(config: Any) -> tuple[str, ...]:
+    """The learned-scale ops split across the TP group under ``config``: FFN_LN's gain, and HeadScale's
+    γ unless it acts after W_O (``head_scale_position='after_out_proj'``: replicated)."""
+    if getattr(config, "head_scale_position", "before_out_proj") == "after_out_proj":
+        return tuple(op for op in _SHARDED_SCALES if op != "head_scale")
+    return _SHARDED_SCALES
+
+
 def layer_tag(prefix: str, layer: int) -> str:
     """``f"{prefix}/layer_{layer:02d}"`` (zero-padded so TensorBoard sorts layers in order)."""
     return f"{prefix}/layer_{layer:02d}"
@@ -124,6 +132,7 @@ class LayerDiagnostics:
     ) -> None:
         self.blocks = _blocks(module)
         self.num_layers = config.num_layers
+        self.sharded_scales = sharded_scales(config)
         self.state = state
         self.loss_scale = loss_scale
         self.first_tp_rank = state.tp_rank == 0
@@ -228,8 +237,9 @@ class LayerDiagnostics:
                 parts.setdefault(tag, {})[tp_rank] = v
         out = {}
         for tag, by_rank in parts.items():
-            # HeadScale's and FFN_LN's gains are sharded over TP; POSTATTN_LN's and λ replicated.
-            sharded = tag.split("/")[1] in _SHARDED_SCALES
+            # HeadScale's (before W_O) and FFN_LN's gains are sharded over TP; POSTATTN_LN's, λ and
+            # an after-W_O HeadScale's replicated.
+            sharded = tag.split("/")[1] in self.sharded_scales
             out[tag] = torch.cat([by_rank[r] for r in sorted(by_rank)]) if sharded else by_rank[0]
         return out
 

@@ -18,6 +18,9 @@ on the runs of the test suite):
 - ``rng_state/rankNNNNN.pt``: tensors, tuples and numbers (older files: numpy arrays, read with
   numpy's array types allowed; see :mod:`megaformer.training.rng_state`).
 
+One reader allows one more type: :mod:`megaformer.tools.import_fairseq` passes ``argparse.Namespace``
+(``extra_globals``), the ``args`` of fairseq's argparse-era checkpoints, a plain attribute bag.
+
 DeepSpeed's optimizer files (``*_optim_states.pt``) are read only by DeepSpeed itself, when a run
 resumes from its own ``output.dir`` (the user's own files); no tool opens them.
 
@@ -33,6 +36,7 @@ import glob
 import os
 import pickle
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -76,12 +80,12 @@ def _qualified(obj: Any) -> str:
     return f"{obj.__module__}.{obj.__qualname__}"
 
 
-def unsafe_globals(path: str) -> list[str]:
+def unsafe_globals(path: str, extra_globals: Sequence[Any] = ()) -> list[str]:
     """The globals ``path``'s pickle refers to that the weights-only load would refuse.
 
     Reads the pickle's opcodes only (``torch.serialization.get_unsafe_globals_in_checkpoint``):
     nothing in the file runs. A legacy (non-zip) file cannot be scanned: ``[]``, and the load itself
-    refuses what it must.
+    refuses what it must. ``extra_globals``: types this caller allows besides :func:`allowed_globals`.
     """
     scan = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)
     if scan is None:  # torch < 2.5: the load's own error names the first one
@@ -90,7 +94,7 @@ def unsafe_globals(path: str) -> list[str]:
         names = scan(path)
     except (RuntimeError, ValueError, OSError, pickle.UnpicklingError):
         return []
-    allowed = {_qualified(g) for g in allowed_globals()}
+    allowed = {_qualified(g) for g in [*allowed_globals(), *extra_globals]}
     return sorted(n for n in names if n not in allowed)
 
 
@@ -125,7 +129,9 @@ def warn_trusted(path: str) -> None:
     )
 
 
-def load_weights(path: str, trust_code: bool = False, mmap: bool = True) -> Any:
+def load_weights(
+    path: str, trust_code: bool = False, mmap: bool = True, extra_globals: Sequence[Any] = ()
+) -> Any:
     """``torch.load`` of a checkpoint file that may come from someone else, on the CPU.
 
     Args:
@@ -133,6 +139,9 @@ def load_weights(path: str, trust_code: bool = False, mmap: bool = True) -> Any:
         trust_code: unpickle in full (the old behaviour), with a warning naming the file.
         mmap: memory-map the file (tensors are read from disk when touched); a legacy (non-zip)
             file, which cannot be mapped, is read whole.
+        extra_globals: plain data types this one reader also allows (e.g. ``argparse.Namespace``
+            for :mod:`megaformer.tools.import_fairseq`: fairseq's argparse-era checkpoints pickle
+            their arguments as one); each must be a class without side effects on construction.
 
     Raises:
         UntrustedCheckpointError: the file refers to a global outside torch's defaults and
@@ -142,11 +151,11 @@ def load_weights(path: str, trust_code: bool = False, mmap: bool = True) -> Any:
     if trust_code:
         warn_trusted(path)
     else:
-        bad = unsafe_globals(path)
+        bad = unsafe_globals(path, extra_globals)
         if bad:
             raise UntrustedCheckpointError(path, bad)
     try:
-        with torch.serialization.safe_globals(allowed_globals()):
+        with torch.serialization.safe_globals([*allowed_globals(), *extra_globals]):
             return _torch_load(path, weights_only=not trust_code, mmap=mmap)
     except pickle.UnpicklingError as e:
         if not trust_code and "weights_only" in str(e):

@@ -231,6 +231,10 @@ MODEL_VARIANTS = [
         TINY, init="fairseq", resid_scale=True, tie_embeddings=False, position_embedding="learned"
     ),
     dataclasses.replace(TINY, init="gpt2", scale_embedding=False),
+    # fairseq parity switches: HeadScale on out_proj's output (replicated gamma), positions from 2.
+    dataclasses.replace(
+        TINY, init="fairseq", resid_scale=True, head_scale_position="after_out_proj", position_offset=2
+    ),
 ]
 # Every model.init under every norm_scheme, with every parameter kind (learned positions, untied
 # output, q/k/v LayerNorms, ResScale): the full tensors must be the same at every TP degree.

@@ -35,6 +35,14 @@ SCHEMES = {
         **OFF,
     },
 }
+# fairseq parity switches (megaformer.tools.import_fairseq): HeadScale on out_proj's output,
+# sinusoidal positions from row 2; checked by the remote-code export test only.
+FAIRSEQ_SWITCHES = {
+    "resid_scale": True,
+    "init": "fairseq",
+    "head_scale_position": "after_out_proj",
+    "position_offset": 2,
+}
 SHAPE = {"hidden_size": 32, "num_layers": 2, "num_attention_heads": 4, "seq_len": 24}
 
 
@@ -60,10 +68,10 @@ def _load(path):
     return transformers.AutoModelForCausalLM.from_pretrained(str(path), trust_remote_code=True).eval()
 
 
-@pytest.mark.parametrize("name", list(SCHEMES))
+@pytest.mark.parametrize("name", [*SCHEMES, "fairseq_switches"])
 def test_remote_code_export_computes_megaformers_function(name, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    model, config, full = _model(SCHEMES[name])
+    model, config, full = _model({**SCHEMES, "fairseq_switches": FAIRSEQ_SWITCHES}[name])
     write_hf_dir(full, config, str(tmp_path / "hf"))
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
         "config.json",

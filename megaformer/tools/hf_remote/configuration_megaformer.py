@@ -27,6 +27,9 @@ class MegaformerConfig(PretrainedConfig):
         norm_scheme: ``"pre_ln"``, ``"post_ln"`` or ``"deepnorm"`` (residual weight
             ``deepnorm_alpha`` = (2N)^(1/4) inside the post-sublayer LayerNorm).
         post_attn_ln, head_scale, ffn_ln, resid_scale, qkv_ln: NormFormer's switches (Pre-LN only).
+        head_scale_position: 'before_out_proj' (the paper) or 'after_out_proj' (fairseq's c_attn:
+            out_proj's output, bias included, times gamma in head_dim chunks).
+        position_offset: sinusoidal row of position 0 (fairseq: 2).
         layer_norm_eps: epsilon of every LayerNorm.
         scale_embedding: token embeddings times sqrt(d) before the positions are added.
         tie_word_embeddings: the output projection is the token embedding.
@@ -51,6 +54,8 @@ class MegaformerConfig(PretrainedConfig):
         ffn_ln: bool = True,
         resid_scale: bool = False,
         qkv_ln: bool = False,
+        head_scale_position: str = "before_out_proj",
+        position_offset: int = 0,
         deepnorm_alpha: float = 1.0,
         layer_norm_eps: float = 1e-5,
         scale_embedding: bool = True,
@@ -75,6 +80,8 @@ class MegaformerConfig(PretrainedConfig):
         self.ffn_ln = ffn_ln
         self.resid_scale = resid_scale
         self.qkv_ln = qkv_ln
+        self.head_scale_position = head_scale_position
+        self.position_offset = position_offset
         self.deepnorm_alpha = deepnorm_alpha
         self.layer_norm_eps = layer_norm_eps
         self.scale_embedding = scale_embedding

@@ -143,6 +143,8 @@ class MegaformerAttention(nn.Module):
         self.qkv = nn.Linear(d, 3 * d)
         self.qkv_ln = QKVLayerNorm(nh, d // nh, config.layer_norm_eps) if config.qkv_ln else None
         self.head_scale = nn.Parameter(torch.ones(nh)) if config.head_scale else None
+        # 'after_out_proj' (fairseq's c_attn): gamma scales out_proj's output in head_dim chunks.
+        self.head_scale_after = getattr(config, "head_scale_position", "before_out_proj") == "after_out_proj"
         self.out_proj = nn.Linear(d, d)
         self.config = config  # its _attn_implementation is read at call time (set_attn_implementation)
 
@@ -169,9 +171,12 @@ class MegaformerAttention(nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         y = y.transpose(1, 2)  # (B, T, nh, hs)
-        if self.head_scale is not None:
+        if self.head_scale is not None and not self.head_scale_after:
             y = y * self.head_scale.view(nh, 1)  # before W_O, as the paper
-        return self.out_proj(y.reshape(B, T, nh * hs)), weights if output_attentions else None
+        out = self.out_proj(y.reshape(B, T, nh * hs))
+        if self.head_scale is not None and self.head_scale_after:
+            out = (out.view(B, T, nh, hs) * self.head_scale.view(nh, 1)).reshape(B, T, nh * hs)
+        return out, weights if output_attentions else None
 
 
 class MegaformerBlock(GradientCheckpointingLayer):
@@ -306,7 +311,10 @@ class MegaformerModel(MegaformerPreTrainedModel):
             return self.embed_positions(position_ids)
         table = self._position_table
         if table is None or table.device != position_ids.device:
-            table = sinusoidal_positions(limit, self.config.hidden_size).to(position_ids.device)
+            # position_offset (fairseq: 2): position p reads row p + offset of the sinusoid.
+            offset = getattr(self.config, "position_offset", 0)
+            table = sinusoidal_positions(limit + offset, self.config.hidden_size)[offset:]
+            table = table.to(position_ids.device)
             self._position_table = table
         return table[position_ids]
 
