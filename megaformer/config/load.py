@@ -34,6 +34,7 @@ from megaformer.config.schema import (
     HEAD_SCALE_POSITIONS,
     INITS,
     NORM_SCHEMES,
+    OBJECTIVES,
     POSITION_EMBEDDINGS,
     PRE_LN_ONLY,
     ConfigError,
@@ -310,6 +311,21 @@ def check_model_config(m: ModelConfig) -> None:
         "embedding by sqrt(d); set model.scale_embedding=false (or use model.init='fairseq', which does).",
     )
     _one_of("model.norm_scheme", m.norm_scheme, NORM_SCHEMES)
+    _one_of("model.objective", m.objective, OBJECTIVES, " ('clm', the causal LM, is the default)")
+    if m.objective == "mlm":
+        from megaformer.data.mlm import MLM_VOCAB_SIZE  # lazy: the config loader imports no data code
+
+        _require(
+            m.vocab_size >= MLM_VOCAB_SIZE,
+            f"model.vocab_size={m.vocab_size} with model.objective='mlm': the masked LM's inputs hold "
+            f"<mask>/<s>/<pad> (ids 50257..50259) above GPT-2's ids; set model.vocab_size={MLM_VOCAB_SIZE} "
+            "(RoBERTa-base's vocabulary).",
+        )
+        _require(
+            m.tie_embeddings,
+            "model.tie_embeddings=false with model.objective='mlm': RoBERTa's LM head decodes with the "
+            "token embedding; set model.tie_embeddings=true.",
+        )
     _one_of(
         "model.head_scale_position",
         m.head_scale_position,
@@ -369,6 +385,11 @@ def check_parallel(cfg: RunConfig) -> None:
     _require(
         p.partition_method in ("parameters", "uniform", "type:NormFormerBlock"),
         f"parallel.partition_method='{p.partition_method}': use parameters, uniform or type:NormFormerBlock.",
+    )
+    _require(
+        p.pp_size == 1 or m.objective == "clm",
+        f"parallel.pp_size={p.pp_size} with model.objective='{m.objective}': the masked LM's head is not "
+        "yet split into pipeline stages; set parallel.pp_size=1 (tensor and data parallelism work).",
     )
     _require(
         p.pp_size <= m.num_layers,
@@ -596,3 +617,18 @@ def validate_layout(cfg: RunConfig, world_size: int) -> int:
 def to_dict(cfg: RunConfig) -> dict[str, dict[str, Any]]:
     """The config as plain nested dicts (for YAML dumps, checkpoints and TensorBoard)."""
     return dataclasses.asdict(cfg)
+
+
+def require_causal_lm(config: ModelConfig, checkpoint: str, what: str) -> None:
+    """Refuse a masked-LM checkpoint where a causal LM is needed (sampling, next-token scoring,
+    perplexity, the Hugging Face causal-LM export), before any model is built or process group made.
+
+    Raises:
+        ConfigError: ``config.objective`` is not ``clm``; the message names the checkpoint, its
+            ``model.objective`` and ``what`` needs the causal LM.
+    """
+    _require(
+        config.objective == "clm",
+        f"{checkpoint}: the checkpoint's model.objective='{config.objective}' (a masked LM, bidirectional "
+        f"attention): {what} needs a causal LM checkpoint (model.objective='clm').",
+    )

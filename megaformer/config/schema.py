@@ -26,6 +26,8 @@ ACTIVATIONS = ("gelu", "relu2")
 NORM_SCHEMES = ("pre_ln", "post_ln", "deepnorm")
 INITS = ("legacy", "gpt2", "fairseq")
 HEAD_SCALE_POSITIONS = ("before_out_proj", "after_out_proj")
+# model.objective: the causal LM (the default), or RoBERTa's masked LM (megaformer.data.mlm).
+OBJECTIVES = ("clm", "mlm")
 # Switches defined on a Pre-LN layer only: NormFormer's operations and the '+ 3 More LN' ablation
 # (paper Sec. 2, Table 4).
 PRE_LN_ONLY = ("post_attn_ln", "head_scale", "ffn_ln", "resid_scale", "qkv_ln")
@@ -154,6 +156,12 @@ class ModelConfig:
     false with init 'gpt2' (GPT-2 has no such scale)."""
     tie_embeddings: bool = True
     """Use the input embedding as the output projection."""
+    objective: str = "clm"
+    """``clm``: the causal LM (next-token prediction, causal attention). ``mlm``: RoBERTa's masked LM
+    (Liu et al. 2019): bidirectional attention, RoBERTa's LM head (dense, GELU, LayerNorm, the tied
+    decoder plus a vocabulary bias), cross-entropy on the masked positions only, samples from
+    :mod:`megaformer.data.mlm`. Needs ``vocab_size >= 50265`` (the ``<mask>`` / ``<s>`` / ``<pad>``
+    ids), ``tie_embeddings`` and ``parallel.pp_size = 1``; learned positions are RoBERTa's."""
 
     @property
     def ffn_size(self) -> int:

@@ -21,8 +21,8 @@ stack the samples ahead of the training loop.
 from __future__ import annotations
 
 import multiprocessing
-from collections.abc import Iterator, Sequence
-from typing import Protocol
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, Sampler
 __all__ = [
     "MicroBatchSampler",
     "Samples",
+    "collate_for",
     "collate_samples",
     "micro_batch_first",
     "train_loader",
@@ -150,8 +151,26 @@ def _worker_init(worker_id: int) -> None:
     torch.set_num_threads(1)
 
 
+def collate_for(objective: str) -> Callable[[Sequence[Any]], tuple[torch.Tensor, torch.Tensor]]:
+    """The collate function of ``model.objective``: :func:`collate_samples` (``clm``: shifted
+    next-token labels) or :func:`megaformer.data.mlm.collate_mlm` (``mlm``: ``(input_ids, labels)``
+    samples, no shift)."""
+    if objective == "mlm":
+        from megaformer.data.mlm import collate_mlm
+
+        return collate_mlm
+    if objective != "clm":
+        raise ValueError(f"objective={objective!r}: use 'clm' or 'mlm'")
+    return collate_samples
+
+
 def _loader(
-    samples: Samples, sampler: MicroBatchSampler, num_workers: int, pin_memory: bool, prefetch_factor: int
+    samples: Samples,
+    sampler: MicroBatchSampler,
+    num_workers: int,
+    pin_memory: bool,
+    prefetch_factor: int,
+    objective: str = "clm",
 ) -> DataLoader:
     if num_workers < 0:
         raise ValueError(f"data.num_workers={num_workers}: must be >= 0")
@@ -168,7 +187,7 @@ def _loader(
     return DataLoader(
         samples,  # map-style: __len__ and __getitem__ are all a DataLoader needs
         batch_sampler=sampler,
-        collate_fn=collate_samples,
+        collate_fn=collate_for(objective),
         num_workers=num_workers,
         pin_memory=pin_memory,
         **workers,
@@ -187,6 +206,7 @@ def train_loader(
     num_workers: int,
     pin_memory: bool = False,
     prefetch_factor: int = 2,
+    objective: str = "clm",
 ) -> DataLoader:
     """The training micro-batches of one data-parallel rank, steps ``start_step .. end_step - 1``.
 
@@ -202,6 +222,8 @@ def train_loader(
         pin_memory: put batches in page-locked memory (pass ``device.type == "cuda"``), so that
             ``.to(device, non_blocking=True)`` overlaps the copy with compute.
         prefetch_factor: micro-batches each worker prepares ahead (``num_workers > 0`` only).
+        objective: ``model.objective``: ``mlm`` reads masked-LM samples (``(input_ids, labels)``
+            pairs, :mod:`megaformer.data.mlm`) and yields them unshifted (see :func:`collate_for`).
 
     Returns:
         A ``DataLoader`` yielding ``(tokens, labels)``, CPU int64 tensors ``[micro_batch_size,
@@ -223,7 +245,7 @@ def train_loader(
         end_step=end_step,
         num_samples=len(samples),
     )
-    return _loader(samples, sampler, num_workers, pin_memory, prefetch_factor)
+    return _loader(samples, sampler, num_workers, pin_memory, prefetch_factor, objective)
 
 
 def valid_num_samples(eval_batches: int, global_batch_size: int) -> int:
@@ -243,6 +265,7 @@ def valid_loader(
     num_workers: int,
     pin_memory: bool = False,
     prefetch_factor: int = 2,
+    objective: str = "clm",
 ) -> DataLoader:
     """One evaluation's micro-batches of one data-parallel rank; iterate it once per evaluation.
 
@@ -275,4 +298,5 @@ def valid_loader(
         num_workers=num_workers,
         pin_memory=pin_memory,
         prefetch_factor=prefetch_factor,
+        objective=objective,
     )

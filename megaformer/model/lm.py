@@ -10,8 +10,10 @@ ends::
                  (identity, no parameters, under norm_scheme post_ln / deepnorm)
     L + 2        LayerDef(NormFormerEmbedding, tied_key="embed", forward_fn=tied_output_logits)
                                                                      hidden -> logits [B, T, V_pad/tp]
-                 (untied: LayerDef(OutputProjection))
+                 (untied: LayerDef(OutputProjection); model.objective mlm: forward_fn=masked_lm_logits,
+                 RoBERTa's LM head, whose parameters the embedding module holds as lm_head.*)
     loss         LMLoss                                              logits, labels -> mean cross-entropy
+                 (model.objective mlm: MaskedLMLoss, the masked positions only)
 
 (``L`` = ``num_layers``; with sequence parallelism ``hidden`` is ``[B, T / tp, d]``.)
 
@@ -42,10 +44,11 @@ from megaformer.config.load import check_model_config
 from megaformer.config.schema import ModelConfig
 from megaformer.model.normformer import (
     FinalNorm,
-    LMLoss,
     NormFormerBlock,
     NormFormerEmbedding,
     OutputProjection,
+    lm_loss,
+    masked_lm_logits,
     tied_output_logits,
 )
 from megaformer.parallel import mask_padded_vocab
@@ -132,7 +135,7 @@ def model_layers(
                 (config,),
                 common,
                 tied_key="embed",
-                forward_fn=tied_output_logits,
+                forward_fn=masked_lm_logits if config.objective == "mlm" else tied_output_logits,
                 tied_weight_attr="token.weight",
             )
         )
@@ -163,12 +166,14 @@ def vocab_param_names(config: ModelConfig) -> tuple[str, ...]:
     """Names of the parameters whose dim 0 is the padded vocabulary (token embedding, untied output
     projection), read off the plan (each layer class lists its own in ``VOCAB_PARAMS``)."""
     plan = model_layers(config)
-    return tuple(
+    names = tuple(
         prefix + name
         for layer, prefix in zip(plan, layer_prefixes(plan), strict=True)
         if prefix is not None
         for name in getattr(layer.module, "VOCAB_PARAMS", ())
     )
+    # The masked LM's vocabulary bias (MaskedLMHead.bias) is held by the embedding module.
+    return names + (("tied_modules.embed.lm_head.bias",) if config.objective == "mlm" else ())
 
 
 def _checkpointed_call(
@@ -250,7 +255,7 @@ class NormFormerLM(nn.Module):
                 if checkpoint_fn is not None and isinstance(module, NormFormerBlock):
                     fn = partial(_checkpointed_call, checkpoint_fn, module)
             self._forward_fns.append(fn)
-        self.loss_fn = LMLoss(config, tp_group)
+        self.loss_fn = lm_loss(config, tp_group)  # LMLoss, or MaskedLMLoss under model.objective mlm
 
     @property
     def embedding(self) -> NormFormerEmbedding:
@@ -279,10 +284,13 @@ class NormFormerLM(nn.Module):
         Args:
             tokens: ``LongTensor[B, T]``, ``T <= seq_len`` (divisible by the TP size under sequence
                 parallelism), values in ``[0, vocab_size)``.
-            labels: ``LongTensor[B, T]`` next-token targets, or None.
+            labels: ``LongTensor[B, T]`` next-token targets, or None. Under ``model.objective`` mlm:
+                each position's original token where it was chosen for prediction, -100
+                (:data:`~megaformer.data.mlm.IGNORE_INDEX`) elsewhere.
 
         Returns:
-            with labels, the ``float32`` scalar mean cross-entropy in nats over all ``B·T`` tokens
+            with labels, the ``float32`` scalar mean cross-entropy in nats over all ``B·T`` tokens (mlm:
+            over the masked positions, :class:`~megaformer.model.normformer.MaskedLMLoss`)
             (the same on every TP rank); without labels, ``float32[B, T, padded_vocab/tp]``: this
             rank's contiguous vocabulary slice of the logits, the padded columns (global index
             ``>= vocab_size``) set to ``-inf`` so that no sampler can pick them.

@@ -66,6 +66,7 @@ from torch.distributed import ProcessGroup
 
 from megaformer.config.load import check_model_config
 from megaformer.config.schema import ModelConfig
+from megaformer.data.mlm import IGNORE_INDEX
 from megaformer.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -284,6 +285,10 @@ class NormFormerEmbedding(nn.Module):
     ``sequence_parallel``, ``[B, T / tp, d]``, this rank's slice of the sequence. The token table is
     ``token.weight``, ``float32[V_pad / tp, d]`` (read again by :func:`tied_output_logits`).
 
+    Under ``model.objective`` mlm it also holds RoBERTa's LM head, ``lm_head``
+    (:class:`MaskedLMHead`, used by :func:`masked_lm_logits`, not by :meth:`forward`): the head's
+    decoder is this table, so the two are one module of the layer plan (one tied entry).
+
     The config's rules are checked once, by :func:`megaformer.model.model_layers` (the model's
     plan), not again here.
 
@@ -331,6 +336,12 @@ class NormFormerEmbedding(nn.Module):
             table = sinusoidal_positions(config.seq_len + config.position_offset, d)[config.position_offset :]
             self.register_buffer("position", table, persistent=False)
         self.scale = math.sqrt(d) if config.scale_embedding else 1.0
+        # The masked LM's head lives with the table it decodes with (read by masked_lm_logits).
+        self.lm_head = (
+            MaskedLMHead(config, tp_group=tp_group, seed=seed, sequence_parallel=self.sequence_parallel)
+            if config.objective == "mlm"
+            else None
+        )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         seq_len = tokens.shape[-1]
@@ -427,6 +438,8 @@ class NormFormerBlock(nn.Module):
         self.num_heads_per_partition = divide(config.num_attention_heads, tp_size)
         self.head_dim = config.head_dim
         self.norm_scheme = config.norm_scheme
+        # model.objective: causal self-attention for the causal LM, none (bidirectional) for the MLM.
+        self.is_causal = config.objective == "clm"
         # DeepNorm's α weights the residual inside the post-sublayer LayerNorm; 1 otherwise.
         self.alpha = deepnorm_alpha(config.num_layers) if config.norm_scheme == "deepnorm" else 1.0
         inits, v_scale = block_inits(config)  # model.init x norm_scheme (see block_inits)
@@ -528,7 +541,7 @@ class NormFormerBlock(nn.Module):
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         """``HeadScaleMHA(LN1(x))`` before POSTATTN_LN (with ``qkv_ln``, LayerNorms on q, k, v) under
         Pre-LN; ``MHA(x)`` under Post-LN / DeepNorm (whose LN1 comes after the residual sum):
-        ``[B, T, d]`` -> ``[B, T, d]`` (causal).
+        ``[B, T, d]`` -> ``[B, T, d]`` (causal; bidirectional under ``model.objective`` mlm).
 
         With sequence parallelism ``[B, T/tp, d]`` -> ``[B, T/tp, d]``; attention itself always
         sees the whole sequence (gathered by ``qkv``).
@@ -561,13 +574,13 @@ class NormFormerBlock(nn.Module):
         return out
 
     def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal ``softmax(q kᵀ / sqrt(hs)) v`` with attention dropout: 3 × ``[B, nh, T, hs]`` ->
-        ``[B, nh, T, hs]``."""
+        """``softmax(q kᵀ / sqrt(hs)) v`` with attention dropout, causal under ``model.objective`` clm,
+        bidirectional (no mask) under mlm: 3 × ``[B, nh, T, hs]`` -> ``[B, nh, T, hs]``."""
         dropout_p = self.config.attention_dropout if self.training else 0.0
         if dropout_p > 0.0:
             # The local heads differ on every TP rank: independent masks.
-            return self.dropout_rng.attention(q, k, v, dropout_p, "sharded", is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.dropout_rng.attention(q, k, v, dropout_p, "sharded", is_causal=self.is_causal)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.is_causal)
 
     def _recomputed_core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """:meth:`_core_attention` under selective recomputation (``train.recompute=selective``):
@@ -579,7 +592,13 @@ class NormFormerBlock(nn.Module):
         if torch.compiler.is_compiling():
             if self.config.attention_dropout > 0.0:
                 return self.dropout_rng.attention(
-                    q, k, v, self.config.attention_dropout, "sharded", is_causal=True, recompute=True
+                    q,
+                    k,
+                    v,
+                    self.config.attention_dropout,
+                    "sharded",
+                    is_causal=self.is_causal,
+                    recompute=True,
                 )
             return torch.utils.checkpoint.checkpoint(
                 self._core_attention, q, k, v, use_reentrant=False, preserve_rng_state=False
@@ -687,6 +706,65 @@ def tied_output_logits(embedding: NormFormerEmbedding, hidden: torch.Tensor) -> 
     return F.linear(hidden, weight)
 
 
+class MaskedLMHead(nn.Module):
+    """RoBERTa's LM head before its decoder (fairseq ``RobertaLMHead``, Hugging Face
+    ``RobertaLMHead``): ``LayerNorm(GELU(dense(h)))``, ``dense`` a ``d -> d`` linear layer; plus the
+    decoder's vocabulary bias. The decoder itself is the tied token embedding
+    (:func:`masked_lm_logits`), so ``logits = LN(GELU(W h + b)) · Eᵀ + bias``.
+
+    Under tensor parallelism ``dense`` and the LayerNorm are replicated on every TP rank (a plain
+    ``d × d`` matmul, as cheap as one attention projection; under sequence parallelism they act on
+    this rank's slice of the sequence and their gradients are summed across the group), and
+    ``bias``, ``float32[V_pad / tp]``, is vocabulary-parallel like the embedding rows (each rank adds
+    its slice to its slice of the logits: no communication).
+
+    Init (fairseq's ``init_bert_params``, as RoBERTa): ``dense.weight`` ``N(0, init_std²)`` drawn
+    full under the seed name ``lm_head.dense``, ``dense.bias`` 0, LayerNorm γ = 1, β = 0, ``bias`` 0.
+
+    Shapes: ``float[B, T, d]`` (``[B, T / tp, d]`` with ``sequence_parallel``) -> same.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        tp_group: ProcessGroup | None = None,
+        seed: int = 1234,
+        sequence_parallel: bool = False,
+    ) -> None:
+        super().__init__()
+        d = config.hidden_size
+        self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel and tp_world_size(tp_group) > 1
+        self.dense = nn.Linear(d, d)
+        with torch.no_grad():
+            self.dense.weight.copy_(normal_full((d, d), config.init_std, derive_seed(seed, "lm_head.dense")))
+            self.dense.bias.zero_()
+        mark_replicated(self.dense.weight)
+        mark_no_weight_decay(mark_replicated(self.dense.bias))
+        self.layer_norm = ReplicatedLayerNorm(
+            d, config.layernorm_eps, tp_group=tp_group, sequence_parallel=self.sequence_parallel
+        )
+        local_rows = config.padded_vocab_size(tp_world_size(tp_group)) // tp_world_size(tp_group)
+        self.bias = mark_no_weight_decay(
+            mark_parallel(nn.Parameter(torch.zeros(local_rows)), partition_dim=0)
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = sequence_region_param(self.dense.weight, self.tp_group, self.sequence_parallel)
+        bias = sequence_region_param(self.dense.bias, self.tp_group, self.sequence_parallel)
+        return self.layer_norm(F.gelu(F.linear(hidden, weight, bias)))
+
+
+def masked_lm_logits(embedding: NormFormerEmbedding, hidden: torch.Tensor) -> torch.Tensor:
+    """RoBERTa's LM head on the final hidden state: :class:`MaskedLMHead` (``embedding.lm_head``),
+    the tied decoder (:func:`tied_output_logits`), plus the vocabulary-parallel bias:
+    ``float[B, T, d]`` (``[B, T / tp, d]`` with sequence parallelism) -> this TP rank's raw logits
+    ``float[B, T, V_pad / tp]``."""
+    head = embedding.lm_head
+    return tied_output_logits(embedding, head(hidden)) + head.bias
+
+
 class OutputProjection(nn.Module):
     """Untied output projection: column-parallel over the padded vocabulary, no bias, weight drawn
     from ``N(0, init_std²)`` (``N(0, 1/d)`` under ``model.init`` fairseq) under the seed name ``output``.
@@ -751,3 +829,45 @@ class LMLoss:
         return vocab_parallel_cross_entropy(
             logits, labels, self.tp_group, self.vocab_size, inplace=True
         ).mean()
+
+
+class MaskedLMLoss:
+    """Mean cross-entropy (nats) of the masked positions only: RoBERTa's masked-LM loss.
+
+    Called as ``loss_fn(logits_local float[B, T, V_pad/tp], labels LongTensor[B, T])`` -> ``float32``
+    scalar, the same on every TP rank. ``labels`` hold the original token at the positions chosen
+    for prediction and :data:`~megaformer.data.mlm.IGNORE_INDEX` (-100) elsewhere
+    (:func:`~megaformer.data.mlm.mask_block`); those positions are selected first, so only valid
+    labels reach :func:`~megaformer.parallel.vocab_parallel_cross_entropy`, and an unmasked
+    position's logits get no gradient.
+
+    Averaging: the summed NLL of this micro-batch's masked positions over their count (0 when
+    none). A training step's loss is fairseq's: the summed NLL of all the step's masked tokens (every
+    micro-batch and data-parallel rank) over their count (its ``sample_size``), not the mean of the
+    micro-batches' means; the trainer's engine adapter reweights each micro-batch's loss by its
+    masked count to get it (:meth:`megaformer.training.ds_adapter.Engine.train_step`), and
+    validation likewise.
+
+    Raises:
+        ValueError: ``labels`` does not have the shape of the logits' first two dimensions.
+    """
+
+    def __init__(self, config: ModelConfig, tp_group: ProcessGroup | None) -> None:
+        self.vocab_size = config.vocab_size
+        self.tp_group = tp_group
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if labels.shape != logits.shape[:-1]:
+            raise ValueError(
+                f"labels {tuple(labels.shape)} must have the shape of tokens {tuple(logits.shape[:-1])}"
+            )
+        chosen = labels != IGNORE_INDEX  # (B, T)
+        nll = vocab_parallel_cross_entropy(
+            logits[chosen], labels[chosen], self.tp_group, self.vocab_size, inplace=True
+        )  # (N,), N masked positions
+        return nll.sum() / chosen.sum().clamp(min=1)
+
+
+def lm_loss(config: ModelConfig, tp_group: ProcessGroup | None) -> LMLoss | MaskedLMLoss:
+    """The loss of ``model.objective``: :class:`LMLoss` (clm) or :class:`MaskedLMLoss` (mlm)."""
+    return MaskedLMLoss(config, tp_group) if config.objective == "mlm" else LMLoss(config, tp_group)

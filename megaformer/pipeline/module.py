@@ -30,7 +30,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch.distributed import ProcessGroup
 
 from megaformer.config.schema import ModelConfig
-from megaformer.model import LayerDef, LMLoss, NormFormerBlock, model_layers, vocab_param_names
+from megaformer.model import LayerDef, NormFormerBlock, lm_loss, model_layers, vocab_param_names
 from megaformer.parallel.rng import DropoutRNG
 from megaformer.parallel.utils import tp_rank
 
@@ -191,7 +191,7 @@ def build_pipeline_module(
             config, tp_group=tp_group, seed=seed, sequence_parallel=sequence_parallel, dropout_rng=dropout_rng
         ),
         topology=topology,
-        loss_fn=LMLoss(config, tp_group),
+        loss_fn=lm_loss(config, tp_group),
         partition_method=partition_method,
         activation_checkpoint_interval=1 if activation_checkpointing else 0,
         activation_checkpoint_func=checkpointed(dropout_rng),

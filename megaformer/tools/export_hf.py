@@ -280,6 +280,11 @@ def export(
     verify(tag_dir, needs=NEEDS_WEIGHTS)
     full, run_config, extra = consolidate(tag_dir, trust_code=trust_code)
     config = ModelConfig(**run_config["model"])
+    if config.objective != "clm":
+        raise ExportError(
+            f"{tag_dir}: the checkpoint's model.objective='{config.objective}' (a masked LM): export_hf "
+            "writes a causal LM (megaformer or GPT-2 format); exporting a masked LM is not implemented yet"
+        )
     info = {"step": extra.get("step"), "checkpoint": os.path.abspath(checkpoint)}
     return write_hf_dir(
         full, config, output, fmt=fmt, vocab_file=vocab_file, merge_file=merge_file, info=info

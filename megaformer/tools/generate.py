@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from megaformer.config.load import require_causal_lm
 from megaformer.config.schema import ModelConfig
 from megaformer.model import NormFormerLM
 from megaformer.training.safe_load import TRUST_FLAG
@@ -41,6 +42,7 @@ def load_for_generation(
 
     Raises:
         ReshardError: the directory holds no loadable megaformer checkpoint (names the file).
+        ConfigError: a masked-LM checkpoint (``model.objective`` mlm): no next-token model.
         UntrustedCheckpointError: a file refers to a type loading weights does not allow.
         CheckpointError: a weights file differs from the manifest (a damaged optimizer or
             generator-state file is only named in a warning: it is not read).
@@ -54,6 +56,8 @@ def load_for_generation(
     verify(tag_dir, needs=NEEDS_WEIGHTS)
     full, run_config, extra = consolidate(tag_dir, trust_code=trust_code)
     config = ModelConfig(**run_config["model"])
+    # Sampling, zero_shot's scoring and evaluate's perplexity read next-token probabilities.
+    require_causal_lm(config, tag_dir, "next-token generation / scoring / perplexity")
     model = NormFormerLM(config, tp_group=None, seed=0)  # the seed's weights are all replaced
     load_full(model, {k: v.float() for k, v in full.items()}, config, tp_rank=0, tp=1)
     return model.eval(), config, int(extra.get("step") or 0)

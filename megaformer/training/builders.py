@@ -217,7 +217,8 @@ class Data:
     """The run's training and validation samples and how this rank reads them."""
 
     train: Any
-    """Indexable samples (``GPTSamples`` / ``BlendedSamples``), int64[seq_len + 1] each."""
+    """Indexable samples (``GPTSamples`` / ``BlendedSamples``), int64[seq_len + 1] each; under
+    ``model.objective`` mlm ``MaskedLMSamples`` (or a blend of them), ``(input_ids, labels)`` each."""
     valid: Any
     info: dict
     unigram_entropy: float
@@ -264,11 +265,16 @@ def _build_data(cfg: RunConfig, stats: list, datasets: list[tuple[float, str]]) 
     """:func:`build_data` in this process alone."""
     from data_tools.stats import mixture_unigram_entropy
     from megaformer.data.loader import valid_num_samples
+    from megaformer.training.data_checks import index_seq_len
 
     t = cfg.train
     test = None
     eval_samples = valid_num_samples(t.eval_batches, t.global_batch_size)
     cache_dir = cfg.data.index_cache_dir or os.path.join(cfg.output.dir, "index_cache")
+    mlm = cfg.model.objective == "mlm"
+    # The masked LM's blocks are <s> + seq_len - 1 stream tokens: cut from causal samples of
+    # seq_len - 1 (megaformer.data.mlm), wrapped below.
+    seq_len = index_seq_len(cfg)
     if cfg.data.split or cfg.data.valid_prefix:
         from megaformer.data.heldout import build_heldout_data
 
@@ -277,20 +283,25 @@ def _build_data(cfg: RunConfig, stats: list, datasets: list[tuple[float, str]]) 
             split=cfg.data.split,
             valid_prefix=cfg.data.valid_prefix,
             test_prefix=cfg.data.test_prefix,
-            seq_len=cfg.model.seq_len,
+            seq_len=seq_len,
             train_samples=t.steps * t.global_batch_size,
             eval_samples=eval_samples,
             seed=t.seed,
             cache_dir=cache_dir,
         )
     else:
-        train, valid, info = _train_valid(cfg, eval_samples, cache_dir)
+        train, valid, info = _train_valid(cfg, seq_len, eval_samples, cache_dir)
         if cfg.data.test_prefix:
             from megaformer.data.heldout import ordered_samples
 
             test = ordered_samples(
-                cfg.data.test_prefix, cfg.model.seq_len, eval_samples, key="data.test_prefix", seed=t.seed
+                cfg.data.test_prefix, seq_len, eval_samples, key="data.test_prefix", seed=t.seed
             )
+    if mlm:
+        from megaformer.data.mlm import as_masked_lm
+
+        train, valid = as_masked_lm(train, seed=t.seed), as_masked_lm(valid, seed=t.seed)
+        test = None if test is None else as_masked_lm(test, seed=t.seed)
     if len(stats) == 1:
         entropy = stats[0].unigram_entropy
     else:
@@ -299,14 +310,15 @@ def _build_data(cfg: RunConfig, stats: list, datasets: list[tuple[float, str]]) 
     return Data(train, valid, info, entropy, test)
 
 
-def _train_valid(cfg: RunConfig, eval_samples: int, cache_dir: str) -> tuple[Any, Any, dict]:
-    """Training samples and ``data.valid_fraction`` of its documents held out for validation."""
+def _train_valid(cfg: RunConfig, seq_len: int, eval_samples: int, cache_dir: str) -> tuple[Any, Any, dict]:
+    """Training samples of ``seq_len + 1`` tokens and ``data.valid_fraction`` of its documents held
+    out for validation."""
     from megaformer.data.gpt_dataset import build_train_valid
 
     t = cfg.train
     return build_train_valid(
         cfg.data.prefix,
-        cfg.model.seq_len,
+        seq_len,
         train_samples=t.steps * t.global_batch_size,
         valid_samples=eval_samples,
         valid_fraction=cfg.data.valid_fraction,

@@ -92,6 +92,13 @@ def check_token_ids(prefix: str, stats, cfg: RunConfig) -> int:
     )
 
 
+def index_seq_len(cfg: RunConfig) -> int:
+    """The ``seq_len`` the sample index is built for: ``model.seq_len`` (samples of ``seq_len + 1``
+    tokens), or ``model.seq_len - 1`` under ``model.objective`` mlm (a masked-LM block is ``<s>`` plus
+    ``seq_len - 1`` stream tokens, cut from samples of ``seq_len`` tokens: :mod:`megaformer.data.mlm`)."""
+    return cfg.model.seq_len - 1 if cfg.model.objective == "mlm" else cfg.model.seq_len
+
+
 def check_heldout(cfg: RunConfig, datasets: list[tuple[float, str]]) -> None:
     """Refuse a held-out split smaller than one evaluation, before any process group starts.
 
@@ -109,7 +116,7 @@ def check_heldout(cfg: RunConfig, datasets: list[tuple[float, str]]) -> None:
     from data_tools.indexed_dataset import IndexedDataset
     from data_tools.sample_index import split_documents
 
-    t, seq_len = cfg.train, cfg.model.seq_len
+    t, seq_len = cfg.train, index_seq_len(cfg)
     needed = t.eval_batches * t.global_batch_size
     if cfg.data.valid_prefix or cfg.data.split:
         _check_separate_heldout(cfg, needed)
@@ -143,7 +150,7 @@ def _check_separate_heldout(cfg: RunConfig, needed: int) -> None:
     from megaformer.config.load import parse_split
     from megaformer.data.heldout import split_ranges
 
-    seq_len = cfg.model.seq_len
+    seq_len = index_seq_len(cfg)
     checks: list[tuple[str, str, np.ndarray | None]] = []
     for key in ("valid_prefix", "test_prefix"):
         if getattr(cfg.data, key):

@@ -342,6 +342,9 @@ class Engine:
         self.state = state
         self.pipelined = pipelined
         self.gas = engine.gradient_accumulation_steps()
+        # model.objective mlm (pp = 1 only): losses averaged over the step's masked tokens.
+        config = getattr(getattr(engine, "module", None), "config", None)
+        self.masked_lm = not pipelined and getattr(config, "objective", "clm") == "mlm"
         self._fp32_plain = not (
             engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization()
         )
@@ -369,7 +372,8 @@ class Engine:
 
         Returns:
             The step's mean training loss (nats/token) over its micro-batches and the data-parallel
-            ranks: a float64 0-dim tensor on the device (read it only when logging).
+            ranks (the masked LM: over all their masked tokens, :meth:`_masked_lm_train_step`): a
+            float64 0-dim tensor on the device (read it only when logging).
 
         Raises:
             LossScaleExhaustedError: fp16 overflow at the minimum loss scale (the run has diverged).
@@ -391,6 +395,8 @@ class Engine:
             loss = self.engine.train_batch(micro_batches)
             self._grad_norm = self.engine.get_global_grad_norm()
             return loss.detach().double()
+        if self.masked_lm:
+            return self._masked_lm_train_step(micro_batches)
         total = None
         self._grad_norm = None
         for _ in range(self.gas):
@@ -407,6 +413,43 @@ class Engine:
         if self._grad_norm is None:
             self._grad_norm = self.engine.get_global_grad_norm()
         return self._mean_over_dp(total / self.gas)
+
+    def _masked_lm_train_step(
+        self, micro_batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        """:meth:`_train_step` of the masked LM: the loss of the step is the summed cross-entropy of
+        its masked tokens (every micro-batch, every data-parallel rank) over their count, fairseq's
+        ``sample_size`` normalisation, not the mean of the micro-batches' means.
+
+        The model returns each micro-batch's mean over its own ``n`` masked tokens
+        (:class:`~megaformer.model.MaskedLMLoss`); DeepSpeed averages the backward over the ``gas``
+        micro-batches and the ``dp`` ranks. So the step's ``gas`` micro-batches are read first, their
+        masked tokens counted and the count summed over the data-parallel ranks (``N``), and each
+        micro-batch's loss is back-propagated times ``n · gas · dp / N``: the gradient is that of
+        ``Σ NLL / N``. The returned loss is ``Σ NLL / N`` too (float64, on the device)."""
+        from megaformer.data.mlm import IGNORE_INDEX
+
+        batches = [next(micro_batches) for _ in range(self.gas)]
+        counts = [(labels != IGNORE_INDEX).sum().double() for _, labels in batches]
+        # N / dp, on every rank (a tensor: no host sync)
+        mean_count = mean_over_group(torch.stack(counts).sum(), self.state.dp_group, self.state.dp_size)
+        total = None
+        self._grad_norm = None
+        for (tokens, labels), n in zip(batches, counts, strict=True):
+            loss = self.engine(tokens, labels)
+            weight = (n * self.gas / mean_count.to(n.device).clamp(min=1.0)).to(loss.dtype)
+            self.engine.backward(loss * weight)
+            if self._sp_grads is not None:
+                self._reduce_gradients()
+            nll = loss.detach().double() * n  # this micro-batch's summed NLL
+            total = nll if total is None else total + nll
+            if self.engine.is_gradient_accumulation_boundary():
+                self._gradient_work()
+            self.engine.step()
+        if self._grad_norm is None:
+            self._grad_norm = self.engine.get_global_grad_norm()
+        summed = self._mean_over_dp(total)  # Σ NLL / dp
+        return summed / mean_count.to(summed.device).clamp(min=1.0)
 
     def _reduce_gradients(self) -> None:
         """pp = 1 with coalesced sequence-parallel gradients, after each micro-batch's ``backward``
@@ -434,7 +477,8 @@ class Engine:
     def eval_loss(
         self, micro_batches: Iterator[tuple[torch.Tensor, torch.Tensor]], count: int
     ) -> torch.Tensor:
-        """Mean loss over ``count`` micro-batches of this rank and over the data-parallel ranks.
+        """Mean loss over ``count`` micro-batches of this rank and over the data-parallel ranks (the
+        masked LM: the summed loss of all their masked tokens over their count).
 
         Returns:
             A float64 0-dim device tensor; the same on every rank.
@@ -444,12 +488,22 @@ class Engine:
             return loss.detach().double()
         self.engine.eval()
         total = None
+        masked = None  # the masked LM: its masked-token count (the loss is Σ NLL / Σ count)
         with torch.no_grad():
             for _ in range(count):
                 tokens, labels = next(micro_batches)
                 loss = self.engine(tokens, labels).detach().double()
+                if self.masked_lm:
+                    from megaformer.data.mlm import IGNORE_INDEX
+
+                    n = (labels != IGNORE_INDEX).sum().double()
+                    loss = loss * n
+                    masked = n if masked is None else masked + n
                 total = loss if total is None else total + loss
         self.engine.train()
+        if masked is not None:
+            summed = self._mean_over_dp(total)
+            return summed / self._mean_over_dp(masked).to(summed.device).clamp(min=1.0)
         return self._mean_over_dp(total / count)
 
     def _mean_over_dp(self, value: torch.Tensor) -> torch.Tensor:

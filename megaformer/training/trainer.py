@@ -72,6 +72,7 @@ class Evaluator:
             dp_size=layout.dp_size,
             num_workers=cfg.data.num_workers,
             pin_memory=layout.device.type == "cuda",
+            objective=cfg.model.objective,
         )
 
     def __call__(self) -> torch.Tensor:
@@ -208,6 +209,7 @@ class TrainLoop:
             end_step=t.steps,  # the most a budget may choose: the loader is lazy, the rest unread
             num_workers=self.cfg.data.num_workers,
             pin_memory=lay.device.type == "cuda",
+            objective=self.cfg.model.objective,
         )
         return to_device(loader, lay.device)
 
@@ -533,7 +535,9 @@ def _log_layout(cfg: RunConfig, layout: Layout, n_params: int, gas: int) -> None
     pipelined = par.pp_size > 1
     log(
         layout,
-        f"model: {n_params:,} parameters | world {layout.world_size} on {layout.backend} | tp {par.tp_size}"
+        f"model: {n_params:,} parameters"
+        f"{' | masked LM (loss on masked tokens)' if cfg.model.objective == 'mlm' else ''}"
+        f" | world {layout.world_size} on {layout.backend} | tp {par.tp_size}"
         f"{' (sequence parallel)' if par.sequence_parallel and par.tp_size > 1 else ''} | "
         f"pp {par.pp_size}{f' ({par.partition_method})' if pipelined else ''} | dp {dp} | "
         f"micro_batch_size {t.micro_batch_size} × grad accumulation {gas} × dp {dp} = "
