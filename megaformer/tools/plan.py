@@ -1,14 +1,16 @@
 """Memory and throughput planner: will this config fit these devices, how fast, how many device-hours.
 
 ``python -m megaformer.tools.plan CONFIG [section.key=value ...] --gpu a100-80gb --nodes N
---gpus-per-node G [--mfu 0.4]`` prints, per pipeline stage (every TP and data-parallel rank of a
-stage holds the same), the bytes of parameters, gradients and optimizer state (by ZeRO stage and
-precision), activations (by recompute choice, micro-batch, seq_len, TP, sequence parallelism and
+--gpus-per-node G [--mfu 0.4] [--predict]`` prints, per pipeline stage (every TP and data-parallel
+rank of a stage holds the same), the bytes of parameters, gradients and optimizer state (by ZeRO
+stage and precision), activations (by recompute choice, micro-batch, seq_len, TP, sequence parallelism and
 pipeline depth), logits and buffers, against the device's memory; the model FLOPs per step
 (:mod:`megaformer.training.flops`), the step time at a stated MFU and the device-hours of the run;
 whether the config fits V100-32GB, A100-40GB and A100-80GB; and, where it does not fit, a layout
-that does. ``--gpu cpu`` predicts the peak resident memory of each CPU process instead (fp32
-arithmetic, the CPU attention kernels, the process's own footprint).
+that does. ``--predict`` adds the step-time model's prediction (:mod:`megaformer.tools.steptime`:
+compute, memory-bound, attention, TP, PP and DP terms, tokens/s per device, MFU, device-hours)
+instead of a stated MFU. ``--gpu cpu`` predicts the peak resident memory of each CPU process
+instead (fp32 arithmetic, the CPU attention kernels, the process's own footprint).
 
 What is counted, per rank (``Ψ`` = this rank's parameters: its TP shard of its stage's layers):
 
@@ -454,6 +456,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed for the step time"
     )
+    parser.add_argument(
+        "--predict",
+        action="store_true",
+        help="also predict the step time, tokens/s, MFU and device-hours (megaformer.tools.steptime)",
+    )
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -464,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(describe(plan))
+    if args.predict:
+        print("\n" + _predict(cfg, args.gpu, world, args.gpus_per_node))
     if args.gpu != "cpu":
         print("\nthis layout on the recipes' devices:")
         for key in RECIPE_DEVICES:
@@ -479,6 +488,22 @@ def main(argv: list[str] | None = None) -> int:
         alt = suggest_layout(cfg, device, world, args.gpus_per_node)
         print("suggested layout: " + (layout_overrides(alt) if alt else "none fits; add devices"))
     return 0 if plan.fits else 1
+
+
+def _predict(cfg: RunConfig, gpu: str, world: int, gpus_per_node: int) -> str:
+    """``--predict``: the step-time model's prediction (fp16 for a bf16 config on a V100)."""
+    import os
+
+    from megaformer.tools import steptime
+
+    if gpu == "cpu":
+        threads = max(1, (os.cpu_count() or 1) // gpus_per_node)
+        dev = steptime.cpu_device(threads=threads, processes=gpus_per_node)
+    else:
+        dev = steptime.DEVICE_SPECS[gpu]
+        if not DEVICES[gpu].bf16 and cfg.train.precision == "bf16":
+            cfg = _with(cfg, precision="fp16")
+    return steptime.describe(steptime.predict(cfg, dev, world, gpus_per_node), dev)
 
 
 def layout_overrides(plan: Plan) -> str:

@@ -1,0 +1,147 @@
+"""This CPU as a device for the step-time model: matmul peak, copy bandwidth and attention rate, measured.
+
+    .venv/bin/python bench/cpu_device.py [--out bench/results/cpu_device.json] [--seconds 1.5] [--rounds 3]
+
+For 1 and 2 torch threads (the quickstart runs 2 processes of 1 thread; ``bench/norm_overhead.py``
+one process of 2): ``torch.matmul`` float32 GFLOP/s at large sizes (2048² and 3072² squares and
+the 125M block's fc1, 2048 × 768 × 3072; best of repeated runs, ``2·m·k·n`` FLOPs each; the peak is
+the best of them), a stream-like copy bandwidth (``dst.copy_(src)`` of 64 Mi
+float32 elements, 256 MiB each way: bytes read + written per second, best of repeats) and the rate
+of the CPU's causal SDPA kernel, forward + backward at the 125M recipe's head shape (1 × 12 heads ×
+2048 × 64, fp32, no dropout), in the model's attention-FLOP convention (``3 · 4·T²·d_head`` per
+head, the causal mask not halved, as :mod:`megaformer.training.flops` counts), and the element rates
+of ``torch.exp`` and ``F.gelu`` (16 Mi float32 elements), which on a CPU are compute-bound (the
+loss's softmax and the FFN's GeLU run at these rates, not at memory speed); the rate of skinny
+GEMMs (one dimension 64, 128 or 256) as a fraction of that round's large-GEMM rate; and the
+parameters per second of ``torch.optim.AdamW``'s step (defaults: the per-tensor loop on CPU). The
+step-time model (:mod:`megaformer.tools.steptime`, ``cpu_device``) reads this JSON. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+
+import torch
+import torch.nn.functional as F
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from data_tools.files import atomic_write_json  # noqa: E402
+
+SHAPES = ((2048, 2048, 2048), (3072, 3072, 3072), (2048, 768, 3072))
+"""Square GEMMs and the 125M block's fc1 (2048 tokens × 768 × 3072)."""
+
+
+def _best(fn, seconds: float, min_runs: int = 3) -> float:
+    """Shortest wall time of ``fn()`` over at least ``min_runs`` runs and ``seconds`` (one warm-up)."""
+    fn()
+    best, runs, deadline = float("inf"), 0, time.perf_counter() + seconds
+    while runs < min_runs or time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        runs += 1
+    return best
+
+
+def matmul_gflops(m: int, k: int, n: int, seconds: float) -> float:
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    return 2 * m * k * n / _best(lambda: torch.matmul(a, b), seconds) / 1e9
+
+
+def copy_gbs(elements: int, seconds: float) -> float:
+    src, dst = torch.randn(elements), torch.empty(elements)
+    return 2 * 4 * elements / _best(lambda: dst.copy_(src), seconds) / 1e9
+
+
+THIN = (64, 128, 256)
+"""The thin dimension of the skinny GEMMs measured: each placed as m, k and n in turn, the other two
+2048 and 8192 (a model's small width or micro-batch against a large one)."""
+
+
+def thin_gemm_fractions(peak: float, seconds: float) -> dict[str, float]:
+    """Per thin dimension, the mean over its three placements of the GEMM rate as a fraction of ``peak``."""
+    out = {}
+    for t in THIN:
+        shapes = ((t, 2048, 8192), (2048, t, 8192), (2048, 8192, t))
+        out[str(t)] = sum(matmul_gflops(m, k, n, seconds) for m, k, n in shapes) / 3 / peak
+    return out
+
+
+def adamw_gparams(seconds: float, params: int = 16 * 2**20) -> float:
+    """Parameters per second (1e9) of ``torch.optim.AdamW``'s step with its defaults (one tensor)."""
+    w = torch.nn.Parameter(torch.randn(params))
+    w.grad = torch.randn(params)
+    opt = torch.optim.AdamW([w], lr=1e-4)
+    return params / _best(opt.step, seconds) / 1e9
+
+
+def elementwise_gelems(fn, seconds: float, elements: int = 16 * 2**20) -> float:
+    """Elements per second (1e9) of ``fn`` on a float32 tensor (exp, GeLU: compute-bound on a CPU)."""
+    x = torch.randn(elements)
+    return elements / _best(lambda: fn(x), seconds) / 1e9
+
+
+def attention_gflops(seconds: float, heads: int = 12, t: int = 2048, hd: int = 64) -> float:
+    q, k, v = (torch.randn(1, heads, t, hd, requires_grad=True) for _ in range(3))
+    g = torch.randn(1, heads, t, hd)
+
+    def run() -> None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.backward(g)
+
+    return 3 * 4 * t * t * hd * heads / _best(run, seconds) / 1e9
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "cpu_device.json"))
+    parser.add_argument("--seconds", type=float, default=1.5, help="per measurement")
+    parser.add_argument("--rounds", type=int, default=3, help="each figure is the best of the rounds")
+    args = parser.parse_args()
+    result = {
+        "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+        },
+        "load_average_before": os.getloadavg(),
+        "threads": {},
+    }
+    for round_ in range(args.rounds):  # best of rounds: the machine is shared, peaks are what we want
+        for threads in (2, 1):  # 2 first: some BLAS builds do not grow their pool again after 1
+            torch.set_num_threads(threads)
+            row = {
+                "matmul_gflops": {f"{m}x{k}x{n}": matmul_gflops(m, k, n, args.seconds) for m, k, n in SHAPES},
+                "copy_gbs": copy_gbs(64 * 2**20, args.seconds),
+                "attention_gflops": attention_gflops(args.seconds),
+                "exp_gelems": elementwise_gelems(torch.exp, args.seconds),
+                "gelu_gelems": elementwise_gelems(F.gelu, args.seconds),
+                "adamw_gparams": adamw_gparams(args.seconds),
+            }
+            row["thin_gemm_fraction"] = thin_gemm_fractions(max(row["matmul_gflops"].values()), args.seconds)
+            print(f"round {round_}, {threads} thread(s): {row}", flush=True)
+            best = result["threads"].setdefault(str(threads), {})
+            for key, value in row.items():
+                if isinstance(value, dict):
+                    inner = best.setdefault(key, {})
+                    for k, x in value.items():
+                        inner[k] = max(inner.get(k, 0.0), x)
+                else:
+                    best[key] = max(best.get(key, 0.0), value)
+            best["peak_matmul_gflops"] = max(best["matmul_gflops"].values())
+    result["load_average_after"] = os.getloadavg()
+    atomic_write_json(args.out, result)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""Predicted MFU and tokens/s per GPU of every recipe on V100 / A100 / H100 at 1, 8 and 64 nodes.
+
+    .venv/bin/python bench/steptime_table.py [--out bench/results/steptime_table.json]
+
+The step-time model (:mod:`megaformer.tools.steptime`) for the eight paper recipes
+(``configs/paper/``) and the three layout recipes (``configs/normformer-*-{3d,zero2}*.yaml``) at
+their own layout, on nodes of 8 GPUs. On a V100 a paper recipe takes its ``# V100 overrides:`` line
+(fp16, its micro-batch and recompute); any other bf16 recipe runs fp16 there. Where the global batch
+does not split into the recipe's micro-batch over dp, the micro-batch is lowered to the largest that
+does (noted); where dp exceeds the global batch the cell is empty. ``fits`` is the memory planner's
+verdict (:func:`megaformer.tools.plan.make_plan`) for the layout on that GPU. Also NormFormer's
+predicted step-time overhead over Pre-LN (baseline recipe) per size, and the term breakdown of the
+1.3B and 2.7B recipes on one H100 node. A prediction, not a measurement. Prints markdown tables and
+writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shlex
+import sys
+from datetime import datetime, timezone
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from data_tools.files import atomic_write_json  # noqa: E402
+from megaformer.config import load_config  # noqa: E402
+from megaformer.tools.plan import DEVICES, _with, make_plan  # noqa: E402
+from megaformer.tools.steptime import DEVICE_SPECS, predict  # noqa: E402
+
+GPUS = ("v100-32gb", "a100-80gb", "h100-80gb")
+NODES = (1, 8, 64)
+GPUS_PER_NODE = 8
+LAYOUT_RECIPES = (
+    "configs/normformer-1.3b-3d-v100.yaml",
+    "configs/normformer-2.7b-3d-a100.yaml",
+    "configs/normformer-350m-zero2.yaml",
+)
+
+
+def recipes() -> list[str]:
+    paper = sorted(glob.glob(os.path.join(REPO, "configs", "paper", "*.yaml")), key=_size_key)
+    return [os.path.relpath(p, REPO) for p in paper] + list(LAYOUT_RECIPES)
+
+
+def _size_key(path: str) -> tuple[float, str]:
+    name = os.path.basename(path)
+    size = name.split("-")[0]
+    value = float(size[:-1]) * (1000 if size.endswith("b") else 1)
+    return value, name
+
+
+def v100_overrides(path: str) -> list[str]:
+    with open(os.path.join(REPO, path)) as f:
+        for line in f:
+            if line.startswith("# V100 overrides:"):
+                return shlex.split(line.split(":", 1)[1])
+    return []
+
+
+def cell(path: str, gpu: str, nodes: int) -> dict:
+    overrides = v100_overrides(path) if gpu == "v100-32gb" else []
+    cfg = load_config(os.path.join(REPO, path), overrides)
+    if not DEVICES[gpu].bf16 and cfg.train.precision == "bf16":
+        cfg = _with(cfg, precision="fp16")
+    world = nodes * GPUS_PER_NODE
+    t, par = cfg.train, cfg.parallel
+    dp = world // (par.tp_size * par.pp_size)
+    note = ""
+    if t.global_batch_size < dp:
+        return {"path": path, "gpu": gpu, "nodes": nodes, "world": world, "note": f"dp {dp} > batch"}
+    micro = t.micro_batch_size
+    while t.global_batch_size % (micro * dp):
+        micro -= 1
+    if micro != t.micro_batch_size:
+        note = f"micro-batch {micro}"
+        cfg = _with(cfg, micro_batch_size=micro)
+    st = predict(cfg, DEVICE_SPECS[gpu], world, GPUS_PER_NODE)
+    fits = make_plan(cfg, DEVICES[gpu], world).fits
+    return {
+        "path": path,
+        "gpu": gpu,
+        "nodes": nodes,
+        "world": world,
+        "layout": f"tp {par.tp_size} pp {par.pp_size} dp {dp} zero {t.zero_stage} {t.precision} "
+        f"micro {micro} gas {st.micro_batches} recompute {t.recompute_mode}",
+        "note": note,
+        "fits": fits,
+        **st.as_dict(),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "steptime_table.json"))
+    args = parser.parse_args()
+    cells = [cell(p, g, n) for p in recipes() for g in GPUS for n in NODES]
+    by = {(c["path"], c["gpu"], c["nodes"]): c for c in cells}
+
+    head = " | ".join(f"{g.split('-')[0].upper()} ×{n}" for g in GPUS for n in NODES)
+    lines = [
+        "MFU / tokens/s per GPU (nodes of 8; † = micro-batch lowered to split the batch, "
+        "* = does not fit the planner's 80 % limit)",
+        "",
+        f"| recipe | {head} |",
+        "|---" * (1 + len(GPUS) * len(NODES)) + "|",
+    ]
+    for path in recipes():
+        row = []
+        for g in GPUS:
+            for n in NODES:
+                c = by[(path, g, n)]
+                if "mfu" not in c:
+                    row.append("—")
+                    continue
+                mark = ("†" if c["note"] else "") + ("" if c["fits"] else "*")
+                row.append(f"{c['mfu']:.0%} / {c['tokens_per_s_per_device']:,.0f}{mark}")
+        lines.append(f"| {os.path.basename(path)[:-5]} | " + " | ".join(row) + " |")
+
+    overhead = {}
+    lines += ["", "NormFormer's predicted step-time overhead over Pre-LN (same layout):", ""]
+    lines += [f"| size | {head} |", "|---" * (1 + len(GPUS) * len(NODES)) + "|"]
+    for size in ("125m", "355m", "1.3b", "2.7b"):
+        row = []
+        for g in GPUS:
+            for n in NODES:
+                base = by[(f"configs/paper/{size}-baseline.yaml", g, n)]
+                nf = by[(f"configs/paper/{size}-normformer.yaml", g, n)]
+                if "step_s" not in base or "step_s" not in nf:
+                    row.append("—")
+                    continue
+                ratio = nf["step_s"] / base["step_s"] - 1
+                overhead[f"{size}/{g}/{n}"] = ratio
+                row.append(f"{ratio:+.1%}")
+        lines.append(f"| {size} | " + " | ".join(row) + " |")
+
+    terms = ("compute", "memory", "attention", "tp_comm", "pp_bubble", "pp_p2p", "dp_comm", "optimizer")
+    lines += ["", "Terms on one H100 node (share of the step):", ""]
+    lines += ["| recipe | MFU | " + " | ".join(terms) + " |", "|---" * (2 + len(terms)) + "|"]
+    for path in recipes():
+        c = by[(path, "h100-80gb", 1)]
+        if "step_s" in c:
+            shares = " | ".join(f"{c[k] / c['step_s']:.1%}" for k in terms)
+            lines.append(f"| {os.path.basename(path)[:-5]} | {c['mfu']:.1%} | {shares} |")
+    text = "\n".join(lines)
+    print(text)
+    atomic_write_json(
+        args.out,
+        {
+            "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "what": "predictions of megaformer.tools.steptime (not measurements)",
+            "gpus_per_node": GPUS_PER_NODE,
+            "cells": cells,
+            "normformer_overhead": overhead,
+            "markdown": text,
+        },
+    )
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,550 @@
+"""Step-time model: predicted step time, tokens/s per device, MFU and device-hours of a recipe.
+
+``python -m megaformer.tools.plan CONFIG [overrides] --gpu h100 --nodes N --gpus-per-node G --predict``
+prints it. The model adds up, for the busiest pipeline stage of one rank, the time of each kind of
+work of a training step, from the model's shapes (:class:`~megaformer.config.schema.ModelConfig`), the
+layout (tp, pp, dp, ZeRO, precision, recompute, micro-batches) and a :class:`DeviceSpec`:
+
+``compute``
+    every GEMM of the block (qkv, W_O, fc1, fc2) and the output projection, forward + 2 backward
+    GEMMs of the same FLOPs, each at ``max(2·M·K·N / R, q·(MK + KN + MN) / BW)`` (a roofline with
+    ``R`` = peak × :attr:`DeviceSpec.matmul_fraction`, ``BW`` = HBM × :attr:`DeviceSpec.hbm_fraction`;
+    on a CPU ``R`` also × the measured skinny-GEMM fraction, :func:`thin_fraction`).
+    Under ``full`` recompute the blocks' forward GEMMs run twice (Korthikanti et al. 2022,
+    arXiv:2205.05198, Sec. 5: full recompute adds one forward, ≈ 33 % of the step's FLOPs).
+``attention``
+    the attention core, the model's count ``3 · 4·b·s²·d / tp`` per block (QKᵀ and PV, as
+    :mod:`megaformer.training.flops` counts it, the causal mask not halved) run by a causal fused
+    kernel that skips the masked half: ``0.5 · flops / (peak × attention_fraction)``
+    (FlashAttention-2, Dao 2023, arXiv:2307.08691, Sec. 4.1 counts causal FLOPs halved the same way).
+    Selective recompute adds one attention forward. The CPU with attention dropout runs the math
+    kernel: the full FLOPs at the matmul rate plus ~80 bytes per ``T × T`` element (fp32 scores,
+    softmax, mask and their gradients).
+``memory``
+    memory-bound operations at HBM speed: per token and block, the elements read + written in the
+    forward by LN1, LN2 (2d each), two residual adds (3d each), two hidden dropouts (2d + a 1-byte
+    mask), GeLU on the fc1 output (2f), the head reshapes of q, k, v and the attention output (8d),
+    and NormFormer's post-attention LN (2d), HeadScale (2d), FFN LN (2f), ResScale (2d), qkv_ln
+    (6d); the backward of an elementwise op reads its saved input and the output gradient and writes
+    the input gradient: 2× the forward's traffic, so 3× in all (4× under full recompute). The
+    d-wide operations run on every TP rank unless sequence parallelism splits them (Korthikanti et
+    al. 2022, Sec. 4.2.2). The loss reads / writes 16 bytes × V/tp per token (logits, fp32 softmax,
+    gradient). On a CPU ``exp`` and GeLU are compute-bound: the loss costs at least 2 ``exp`` per
+    logit (softmax forward, again in backward) and GeLU 3 evaluations per element (forward;
+    backward ≈ 2), at the measured element rates.
+``optimizer``
+    DeepSpeed 0.19's buffers as :mod:`megaformer.tools.plan` describes them, at memory speed:
+    AdamW reads gradient, weight, m, v and writes weight, m, v in fp32, 28 bytes per parameter of
+    this rank's partition (Ψ/dp under ZeRO ≥ 1); the copy to 16-bit weights 6 Ψ/dp; the BF16
+    optimizer's fp32 gradient accumulation 10 Ψ per micro-batch (read bf16 2 + fp32 4, write 4);
+    autograd's accumulation into ``.grad`` 3·q Ψ per micro-batch after the first; zeroing the
+    gradients (q + 4) Ψ. On a CPU the AdamW step runs at its measured parameter rate where that is
+    slower than its 28 bytes per parameter.
+``tp_comm``
+    Megatron's tensor parallelism: 2 all-reduces of ``b·s·d·q`` bytes per block in the forward and 2
+    in the backward (Narayanan et al. 2021, arXiv:2104.04473, Sec. 3.3; Shoeybi et al. 2019 Fig. 4),
+    2 more under full recompute; sequence parallelism replaces each by an all-gather + reduce-scatter
+    of the same bytes (Korthikanti et al. 2022, Sec. 4.2.2); the vocabulary-parallel embedding and
+    output layer 1 each; NormFormer's FFN LayerNorm under TP all-reduces its statistics (2 fp32 per
+    token) in forward and backward. Not overlapped (megaformer issues them synchronously).
+``pp_bubble``, ``pp_p2p``
+    1F1B: ``(p − 1)`` micro-batch times of idle per step, i.e. a bubble fraction ``(p − 1)/m`` of the
+    ideal time (Narayanan et al. 2021, Sec. 2.2.1, eq. (1)); each micro-batch sends its activations
+    forward and receives their gradient, ``b·s·d·q`` bytes each way, blocking in DeepSpeed's
+    pipeline engine. DeepSpeed's topology puts the pipeline axis outermost, so stages are on other
+    nodes once the world exceeds one node.
+``dp_comm``
+    data parallelism with ZeRO (DeepSpeed 0.19): bf16 with ZeRO ≤ 1 (the BF16 optimizer) all-reduces
+    the fp32 gradients after the last backward, not overlapped, then all-gathers the updated bf16
+    weights; fp16 / fp32 ZeRO-1 reduces the gradients (reduce-scatter bytes) at the accumulation
+    boundary, overlapped with the last micro-batch's backward when ``overlap_comm`` is on, then
+    all-gathers the weights; ZeRO-2 reduce-scatters every micro-batch's gradients, overlapped with its
+    backward when ``overlap_comm`` is on. Ring collectives (NCCL's ring algorithm, whose bus
+    bandwidth is defined so, nccl-tests doc/PERFORMANCE.md): all-reduce moves ``2(n−1)/n · B``
+    bytes per rank, reduce-scatter and all-gather ``(n−1)/n · B``, plus ``2(n−1)`` (``n − 1``)
+    latencies per bucket; bandwidth: NVLink within a node, the node's network per GPU across nodes.
+    What overlap leaves exposed is ``max(0, communication − backward time)``.
+
+Step time = ``m · t_micro + pp_bubble + pp_p2p + dp_comm (exposed) + optimizer``; tokens/s per
+device = ``global batch · s / step / world``; MFU = model FLOPs per token
+(:func:`megaformer.training.flops.model_flops_per_token`, no recompute counted) × tokens per step
+/ (world × datasheet peak × step), the definition of :class:`megaformer.training.flops.ComputeMeter`;
+device-hours = ``train.steps × step × world / 3600``.
+
+Not modelled: kernel launch / Python dispatch overhead (small on GPUs for these sizes, a few
+percent on the CPU quickstart), DeepSpeed's per-step bookkeeping, the data loader, evaluation and
+checkpoint time, NCCL's tree algorithm (lower latency at many nodes), network contention between
+data- and tensor-parallel groups, clock throttling. Operations are counted by formula, not from the
+fake-CUDA dry run's trace.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from megaformer.config.schema import RunConfig
+from megaformer.training.flops import PEAK_TFLOPS, model_flops_per_token
+
+CPU_DEVICE_JSON = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    "bench",
+    "results",
+    "cpu_device.json",
+)
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One device for the step-time model (bandwidths in GB/s per device, one direction).
+
+    ``peak_tflops`` is the datasheet dense fp16/bf16 peak that MFU is measured against (a CPU: its
+    measured fp32 matmul peak); ``matmul_fraction`` what large GEMMs achieve of it,
+    ``attention_fraction`` what the causal fused attention kernel achieves (FLOPs it does / peak),
+    ``hbm_fraction`` what a streaming copy achieves of the HBM bandwidth. ``exp_per_s`` and
+    ``gelu_per_s``: elements per second of ``exp`` and GeLU where they are compute-bound (a CPU:
+    measured; a GPU's special-function units keep them memory-bound: infinite). ``adamw_per_s``:
+    parameters per second of the optimizer step where it is compute-bound (the CPU's per-tensor
+    AdamW, measured). ``thin_gemm``: (smallest GEMM dimension, fraction of the large-GEMM rate)
+    points measured on the CPU; a GEMM whose smallest dimension is below the largest point runs at
+    the fraction interpolated in log(dimension) (none for GPUs: the roofline only).
+    """
+
+    name: str
+    peak_tflops: float
+    matmul_fraction: float
+    attention_fraction: float
+    hbm_gbs: float
+    hbm_fraction: float
+    nvlink_gbs: float
+    nvlink_latency_us: float
+    internode_gbs: float
+    internode_latency_us: float
+    cpu: bool = False
+    exp_per_s: float = math.inf
+    gelu_per_s: float = math.inf
+    adamw_per_s: float = math.inf
+    thin_gemm: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def matmul_flops(self) -> float:
+        return self.peak_tflops * 1e12 * self.matmul_fraction
+
+    @property
+    def memory_bytes_per_s(self) -> float:
+        return self.hbm_gbs * 1e9 * self.hbm_fraction
+
+
+DEVICE_SPECS = {
+    "v100-32gb": DeviceSpec(
+        "V100-SXM2-32GB fp16", PEAK_TFLOPS["V100"], 0.80, 0.30, 900, 0.85, 130, 5, 6.25, 10
+    ),
+    "a100-40gb": DeviceSpec(
+        "A100-SXM4-40GB bf16", PEAK_TFLOPS["A100"], 0.80, 0.50, 1555, 0.85, 230, 5, 25, 8
+    ),
+    "a100-80gb": DeviceSpec(
+        "A100-SXM4-80GB bf16", PEAK_TFLOPS["A100"], 0.80, 0.50, 2039, 0.85, 230, 5, 25, 8
+    ),
+    "h100-80gb": DeviceSpec(
+        "H100-SXM5-80GB bf16", PEAK_TFLOPS["H100"], 0.70, 0.35, 3350, 0.85, 360, 4, 50, 8
+    ),
+    "h200-141gb": DeviceSpec(
+        "H200-SXM-141GB bf16", PEAK_TFLOPS["H200"], 0.72, 0.35, 4800, 0.85, 360, 4, 50, 8
+    ),
+}
+"""The GPUs, with their sources:
+
+- peaks: :data:`megaformer.training.flops.PEAK_TFLOPS` (dense fp16/bf16 tensor-core TFLOP/s, NVIDIA
+  datasheets: V100 SXM2 125, A100 SXM4 312, H100 / H200 SXM 989).
+- HBM GB/s: datasheets (V100 SXM2 900, A100 40GB 1,555, A100 80GB 2,039, H100 SXM5 3,350, H200
+  4,800); 85 % achievable by a streaming kernel (STREAM-like copies on A100 / H100 reach 85–93 %;
+  assumption).
+- matmul_fraction: large bf16 / fp16 cuBLAS GEMMs reach ~80 % of peak on V100 and A100 (NVIDIA's
+  "Matrix Multiplication Background" guide, deep-learning performance docs; Megatron-LM's 52 %
+  end-to-end MFU on A100, Narayanan et al. 2021 Table 1, needs GEMMs well above that), ~70 % on H100
+  SXM (≈ 700 of 989 TFLOP/s under its power limit, as cuBLAS benchmarks report), 72 % on H200
+  (same die, more power headroom; assumption).
+- attention_fraction (causal, forward + backward, head dim 64–128, FLOPs actually done / peak):
+  FlashAttention-2 on A100 ≈ 150–190 of 312 (Dao 2023, Fig. 4–5): 0.5; on H100 torch's SDPA runs
+  FlashAttention-2, ≈ 330–350 of 989 (Shah et al. 2024, FlashAttention-3, arXiv:2407.08608, Fig. 5,
+  their FA2 baseline): 0.35; V100 has no flash kernel, SDPA's memory-efficient kernel (xFormers,
+  cutlass) ≈ 35–40 of 125: 0.30 (assumption).
+- nvlink_gbs: NCCL all-reduce bus bandwidth within a node, per GPU (nccl-tests on DGX-1 V100
+  ≈ 130 of NVLink2's 150 GB/s per direction; DGX A100 ≈ 230 of NVLink3's 300; DGX H100 ≈ 360 of
+  NVLink4's 450, without NVLS), latency per ring step a few µs (assumption).
+- internode_gbs: one NIC per GPU: V100 DGX-1 4 × 100 Gb/s EDR per 8 GPUs = 6.25 GB/s per GPU; A100
+  DGX 8 × 200 Gb/s HDR = 25 GB/s; H100 / H200 DGX 8 × 400 Gb/s NDR = 50 GB/s (datasheets of the
+  DGX systems); latency per hop 8–10 µs with NCCL's overhead (assumption).
+"""
+
+
+def cpu_device(threads: int = 2, processes: int = 1, path: str = CPU_DEVICE_JSON) -> DeviceSpec:
+    """This machine's CPU from ``bench/cpu_device.py``'s JSON: each of ``processes`` processes runs
+    ``threads`` threads; matmul and attention rates are those measured at ``threads`` threads, the
+    memory bandwidth the one measured at ``threads × processes`` threads shared by the processes.
+    Communication between processes (gloo over loopback TCP / shared memory): 2 GB/s, 50 µs per
+    message (assumption, not measured)."""
+    with open(path) as f:
+        data = json.load(f)["threads"]
+    own = data[str(threads)]
+    total = data.get(str(threads * processes), own)
+    peak = own["peak_matmul_gflops"] / 1e3
+    return DeviceSpec(
+        name=f"CPU ({threads} thread(s) × {processes} process(es), measured)",
+        peak_tflops=peak,
+        matmul_fraction=1.0,
+        attention_fraction=0.5 * own["attention_gflops"] / own["peak_matmul_gflops"],
+        hbm_gbs=total["copy_gbs"] / processes,
+        hbm_fraction=1.0,
+        nvlink_gbs=2.0,
+        nvlink_latency_us=50.0,
+        internode_gbs=2.0,
+        internode_latency_us=50.0,
+        cpu=True,
+        exp_per_s=own["exp_gelems"] * 1e9,
+        gelu_per_s=own["gelu_gelems"] * 1e9,
+        adamw_per_s=own.get("adamw_gparams", math.inf) * 1e9,
+        thin_gemm=tuple(sorted((int(k), min(1.0, v)) for k, v in own.get("thin_gemm_fraction", {}).items())),
+    )
+
+
+# --- collectives -----------------------------------------------------------------------------------
+
+
+def ring_allreduce_bytes(nbytes: float, n: int) -> float:
+    """Bytes each rank sends (and receives) in a ring all-reduce of ``nbytes``: ``2(n−1)/n · B``."""
+    return 2.0 * (n - 1) / n * nbytes if n > 1 else 0.0
+
+
+def ring_gather_bytes(nbytes: float, n: int) -> float:
+    """Bytes each rank sends in a ring reduce-scatter or all-gather of ``nbytes`` total: ``(n−1)/n·B``."""
+    return (n - 1) / n * nbytes if n > 1 else 0.0
+
+
+def bubble_fraction(pp: int, micro_batches: int) -> float:
+    """1F1B's pipeline bubble over the ideal time: ``(p − 1)/m`` (Narayanan et al. 2021, eq. (1))."""
+    return (pp - 1) / micro_batches
+
+
+def _link(dev: DeviceSpec, group_span: int, gpus_per_node: int) -> tuple[float, float]:
+    """(bytes/s, seconds per ring step) of a group spanning ``group_span`` consecutive ranks."""
+    if group_span <= gpus_per_node:
+        return dev.nvlink_gbs * 1e9, dev.nvlink_latency_us * 1e-6
+    return dev.internode_gbs * 1e9, dev.internode_latency_us * 1e-6
+
+
+def collective_time(kind: str, nbytes: float, n: int, bw: float, lat: float, bucket: float = 0.0) -> float:
+    """Seconds of a ring ``allreduce`` / ``gather`` (reduce-scatter, all-gather) of ``nbytes`` over
+    ``n`` ranks, in buckets of ``bucket`` bytes (0: one message)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    messages = max(1, math.ceil(nbytes / bucket)) if bucket else 1
+    if kind == "allreduce":
+        return ring_allreduce_bytes(nbytes, n) / bw + messages * 2 * (n - 1) * lat
+    return ring_gather_bytes(nbytes, n) / bw + messages * (n - 1) * lat
+
+
+# --- the prediction --------------------------------------------------------------------------------
+
+
+@dataclass
+class StepTime:
+    """Predicted seconds per optimizer step, by term (``dp_comm`` exposed after overlap)."""
+
+    compute: float
+    memory: float
+    attention: float
+    tp_comm: float
+    pp_bubble: float
+    pp_p2p: float
+    dp_comm: float
+    optimizer: float
+    dp_comm_total: float
+    micro_batch: float
+    micro_batches: int
+    world: int
+    tokens_per_step: int
+    flops_per_step: float
+    peak_flops: float
+    steps: int
+
+    @property
+    def total(self) -> float:
+        return (
+            self.compute
+            + self.memory
+            + self.attention
+            + self.tp_comm
+            + self.pp_bubble
+            + self.pp_p2p
+            + self.dp_comm
+            + self.optimizer
+        )
+
+    @property
+    def tokens_per_s_per_device(self) -> float:
+        return self.tokens_per_step / self.total / self.world
+
+    @property
+    def mfu(self) -> float:
+        return self.flops_per_step / (self.world * self.peak_flops * self.total)
+
+    @property
+    def device_hours(self) -> float:
+        return self.steps * self.total * self.world / 3600.0
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out.update(
+            step_s=self.total,
+            tokens_per_s_per_device=self.tokens_per_s_per_device,
+            mfu=self.mfu,
+            device_hours=self.device_hours,
+        )
+        return out
+
+
+def thin_fraction(dev: DeviceSpec, smallest: float) -> float:
+    """The fraction of the large-GEMM rate at smallest dimension ``smallest`` (``thin_gemm``)."""
+    points = dev.thin_gemm
+    if not points or smallest >= points[-1][0]:
+        return 1.0
+    if smallest <= points[0][0]:
+        return points[0][1]
+    for (d0, f0), (d1, f1) in itertools.pairwise(points):
+        if smallest <= d1:
+            w = math.log(smallest / d0) / math.log(d1 / d0)
+            return f0 + w * (f1 - f0)
+    return 1.0
+
+
+def _gemm(dev: DeviceSpec, m: float, k: float, n: float, q: int) -> float:
+    """One GEMM's forward; its backward's two GEMMs have the same FLOPs and dimensions."""
+    rate = dev.matmul_flops * thin_fraction(dev, min(m, k, n))
+    return max(2 * m * k * n / rate, q * (m * k + k * n + m * n) / dev.memory_bytes_per_s)
+
+
+def _zero_config(cfg: RunConfig) -> dict:
+    if not cfg.train.deepspeed_config:
+        return {}
+    with open(cfg.train.deepspeed_config) as f:
+        return json.load(f).get("zero_optimization", {})
+
+
+def _block_costs(cfg: RunConfig, dev: DeviceSpec, q: int, gpus_per_node: int) -> tuple[float, ...]:
+    """One block, one micro-batch, on one rank: (GEMMs, attention, memory-bound, TP communication)
+    seconds, and the bytes of one activation ``b·s·d`` (the TP and p2p message)."""
+    m, par, t = cfg.model, cfg.parallel, cfg.train
+    tp = par.tp_size
+    b, s, d, f = t.micro_batch_size, m.seq_len, m.hidden_size, m.ffn_size
+    n = b * s  # tokens per micro-batch
+    sp = par.sequence_parallel and tp > 1
+    recompute = t.recompute_mode
+    fwd_passes = 2 if recompute == "full" else 1
+    gemm_fwd = (
+        _gemm(dev, n, d, 3 * d / tp, q)
+        + _gemm(dev, n, d / tp, d, q)
+        + _gemm(dev, n, d, f / tp, q)
+        + _gemm(dev, n, f / tp, d, q)
+    )
+    block_compute = gemm_fwd * (2 + fwd_passes)
+    attn_flops_fwd = 4.0 * b * s * s * d / tp  # QKᵀ and PV, causal not halved
+    if dev.cpu and m.attention_dropout > 0:
+        heads = m.num_attention_heads // tp
+        attn_fwd = attn_flops_fwd / dev.matmul_flops + 80.0 / 3 * b * heads * s * s / dev.memory_bytes_per_s
+    else:
+        attn_fwd = 0.5 * attn_flops_fwd / (dev.peak_tflops * 1e12 * dev.attention_fraction)
+    attn_passes = 2 + fwd_passes + (1 if recompute == "selective" else 0)
+    block_attention = attn_fwd * attn_passes
+    rep = 2 * d + 2 * d + 2 * 3 * d + 2 * 2 * d  # LN1, LN2, residual adds, dropouts (no mask)
+    rep += (2 * d if m.post_attn_ln else 0) + (2 * d if m.resid_scale else 0)
+    sharded = 8 * d + 2 * f + (2 * d if m.head_scale else 0) + (2 * f if m.ffn_ln else 0)
+    sharded += 6 * d if m.qkv_ln else 0
+    elements = rep / (tp if sp else 1) + sharded / tp
+    masks = (2 * d if m.hidden_dropout > 0 else 0) / (tp if sp else 1)  # 1 byte, written + read
+    block_bytes = n * (q * elements * (2 + fwd_passes) + 2 * masks)
+    # GeLU (forward; backward ≈ 2 GeLU evaluations) at its element rate where that is the slower
+    gelu_elems = n * f / tp * (2 + fwd_passes)
+    block_memory = block_bytes / dev.memory_bytes_per_s
+    block_memory += max(
+        0.0, gelu_elems / dev.gelu_per_s - n * q * 2 * f / tp * (2 + fwd_passes) / dev.memory_bytes_per_s
+    )
+    # TP collectives per block per micro-batch.
+    tp_bw, tp_lat = _link(dev, tp, gpus_per_node)
+    act = n * d * q
+    block_tp = (2 + 2 * fwd_passes) * collective_time("allreduce", act, tp, tp_bw, tp_lat)
+    if m.ffn_ln and tp > 1:
+        block_tp += (1 + fwd_passes) * collective_time(
+            "allreduce", n * 8.0 / (tp if sp else 1), tp, tp_bw, tp_lat
+        )
+    return block_compute, block_attention, block_memory, block_tp, act
+
+
+def _busiest_stage(
+    cfg: RunConfig, dev: DeviceSpec, plan: Any, q: int, gpus_per_node: int
+) -> tuple[float, float, float, float, float, int, float]:
+    """(micro-batch time, GEMMs, attention, memory-bound, TP communication, parameters) of the
+    pipeline stage whose micro-batch takes longest, and the activation bytes ``b·s·d``."""
+    m, tp = cfg.model, cfg.parallel.tp_size
+    n = cfg.train.micro_batch_size * m.seq_len
+    d, v = m.hidden_size, m.padded_vocab_size(tp)
+    block_compute, block_attention, block_memory, block_tp, act = _block_costs(cfg, dev, q, gpus_per_node)
+    tp_bw, tp_lat = _link(dev, tp, gpus_per_node)
+    best = None
+    for stage in plan.stages:
+        lo, hi = stage.layers
+        blocks = sum(1 for i in range(lo, hi) if 1 <= i <= m.num_layers)
+        first, last = lo == 0, hi == m.num_layers + 3
+        compute, attention = blocks * block_compute, blocks * block_attention
+        memory, tpc = blocks * block_memory, blocks * block_tp
+        if first:
+            memory += n * q * 4 * d * 3 / dev.memory_bytes_per_s  # lookup, scale, dropout, gradient
+            tpc += collective_time("allreduce", act, tp, tp_bw, tp_lat)
+        if last:
+            compute += 3 * _gemm(dev, n, d, v / tp, q)
+            # softmax's exp in forward and again in backward, or the 16 bytes per logit
+            memory += max(n * 16.0 * v / tp / dev.memory_bytes_per_s, 2.0 * n * v / tp / dev.exp_per_s)
+            tpc += collective_time("allreduce", act, tp, tp_bw, tp_lat)
+        row = (compute + attention + memory + tpc, compute, attention, memory, tpc, stage.params)
+        best = row if best is None or row[0] > best[0] else best
+    return (*best, act)
+
+
+def _optimizer_time(
+    dev: DeviceSpec, params: float, part: float, gas: int, q: int, bf16_low_zero: bool
+) -> float:
+    """The optimizer step and gradient accumulation (memory-bound), seconds (module docstring)."""
+    accum = gas * 10.0 * params if bf16_low_zero else (gas - 1) * 3.0 * q * params
+    opt_bytes = accum + 28.0 * part + (6.0 * part if q == 2 else 0.0) + (q + 4.0) * params
+    return opt_bytes / dev.memory_bytes_per_s + max(
+        0.0, part / dev.adamw_per_s - 28.0 * part / dev.memory_bytes_per_s
+    )
+
+
+def _dp_comm(
+    cfg: RunConfig,
+    dev: DeviceSpec,
+    params: float,
+    plan: Any,
+    q: int,
+    t_mb: float,
+    world: int,
+    gpus_per_node: int,
+) -> tuple[float, float]:
+    """(total, exposed) seconds of the data-parallel gradient communication of one step, as
+    DeepSpeed 0.19 runs it for the precision and ZeRO stage (module docstring)."""
+    dp, gas = plan.dp, plan.gas
+    precision, zero = ("fp32" if dev.cpu else cfg.train.precision), cfg.train.zero_stage
+    zcfg = _zero_config(cfg)
+    bucket = float(zcfg.get("reduce_bucket_size", 5e8)) * 4
+    overlap = bool(zcfg.get("overlap_comm", False))
+    dp_bw, dp_lat = _link(dev, world, gpus_per_node)
+    backward_mb = t_mb * 2 / 3
+    if dp <= 1:
+        return 0.0, 0.0
+    if precision == "bf16" and zero <= 1:
+        total = collective_time("allreduce", 4.0 * params, dp, dp_bw, dp_lat, bucket)
+        total += collective_time("gather", 2.0 * params, dp, dp_bw, dp_lat, bucket) if zero == 1 else 0.0
+        return total, total
+    gather = collective_time("gather", q * params, dp, dp_bw, dp_lat, bucket)
+    if zero >= 2:
+        per_mb = collective_time("gather", q * params, dp, dp_bw, dp_lat, bucket)
+        exposed = gas * (max(0.0, per_mb - backward_mb) if overlap else per_mb) + gather
+        return gas * per_mb + gather, exposed
+    if zero == 1:
+        reduce = collective_time("gather", q * params, dp, dp_bw, dp_lat, bucket)
+    else:
+        reduce, gather = collective_time("allreduce", q * params, dp, dp_bw, dp_lat, bucket), 0.0
+    return reduce + gather, (max(0.0, reduce - backward_mb) if overlap else reduce) + gather
+
+
+def predict(cfg: RunConfig, dev: DeviceSpec, world: int, gpus_per_node: int = 8) -> StepTime:
+    """Predict one optimizer step of ``cfg`` on ``world`` devices ``dev`` (module docstring).
+
+    Raises:
+        ConfigError: as :func:`megaformer.tools.plan.make_plan` (layout or batch does not divide).
+    """
+    from megaformer.tools.plan import DEVICES, Device, make_plan
+
+    m, par, t = cfg.model, cfg.parallel, cfg.train
+    mem_device = Device("cpu", 1e9, dev.peak_tflops, cpu=True) if dev.cpu else DEVICES["a100-80gb"]
+    plan = make_plan(cfg, mem_device, world)
+    dp, gas = plan.dp, plan.gas
+    precision = "fp32" if dev.cpu else t.precision
+    q = 4 if precision == "fp32" else 2
+    t_mb, compute, attention, memory, tpc, params, act = _busiest_stage(cfg, dev, plan, q, gpus_per_node)
+
+    # Pipeline: the 1F1B bubble and the blocking p2p of each micro-batch.
+    bubble = (par.pp_size - 1) * t_mb
+    p2p = 0.0
+    if par.pp_size > 1:
+        bw, lat = _link(dev, world, gpus_per_node)
+        p2p = gas * 2 * (act / bw + lat)
+
+    part = params / dp if t.zero_stage >= 1 else params
+    optimizer = _optimizer_time(dev, params, part, gas, q, precision == "bf16" and t.zero_stage <= 1)
+    dp_total, dp_exposed = _dp_comm(cfg, dev, params, plan, q, t_mb, world, gpus_per_node)
+
+    tokens = t.global_batch_size * m.seq_len
+    flops = model_flops_per_token(m, m.padded_vocab_size(par.tp_size)) * tokens
+    return StepTime(
+        compute=gas * compute,
+        memory=gas * memory,
+        attention=gas * attention,
+        tp_comm=gas * tpc,
+        pp_bubble=bubble,
+        pp_p2p=p2p,
+        dp_comm=dp_exposed,
+        optimizer=optimizer,
+        dp_comm_total=dp_total,
+        micro_batch=t_mb,
+        micro_batches=gas,
+        world=world,
+        tokens_per_step=tokens,
+        flops_per_step=flops,
+        peak_flops=dev.peak_tflops * 1e12,
+        steps=t.steps,
+    )
+
+
+def describe(st: StepTime, dev: DeviceSpec) -> str:
+    """The prediction as the lines ``plan --predict`` prints."""
+    total = st.total
+    rows = [
+        ("compute (GEMMs)", st.compute),
+        ("memory-bound ops", st.memory),
+        ("attention kernel", st.attention),
+        ("TP communication", st.tp_comm),
+        ("PP bubble", st.pp_bubble),
+        ("PP p2p", st.pp_p2p),
+        (f"DP communication (exposed; {st.dp_comm_total:.3g} s before overlap)", st.dp_comm),
+        ("optimizer + grad accumulation", st.optimizer),
+    ]
+    lines = [f"predicted step on {dev.name} ({st.micro_batches} micro-batches of {st.micro_batch:.4g} s):"]
+    lines += [f"  {name:62s} {sec:10.4g} s  {sec / total:6.1%}" for name, sec in rows]
+    lines.append(f"  {'step':62s} {total:10.4g} s")
+    lines.append(
+        f"tokens/s per device {st.tokens_per_s_per_device:,.1f}; MFU {st.mfu:.1%} of "
+        f"{st.peak_flops / 1e12:.4g} TFLOP/s; {st.steps:,} steps = {st.device_hours:,.5g} device-hours "
+        f"({st.device_hours / st.world:,.4g} h wall)"
+    )
+    return "\n".join(lines)
+
+
+__all__ = [
+    "DEVICE_SPECS",
+    "DeviceSpec",
+    "StepTime",
+    "bubble_fraction",
+    "collective_time",
+    "cpu_device",
+    "describe",
+    "predict",
+    "ring_allreduce_bytes",
+    "ring_gather_bytes",
+    "thin_fraction",
+]
