@@ -837,9 +837,10 @@ class MaskedLMLoss:
     Called as ``loss_fn(logits_local float[B, T, V_pad/tp], labels LongTensor[B, T])`` -> ``float32``
     scalar, the same on every TP rank. ``labels`` hold the original token at the positions chosen
     for prediction and :data:`~megaformer.data.mlm.IGNORE_INDEX` (-100) elsewhere
-    (:func:`~megaformer.data.mlm.mask_block`); those positions are selected first, so only valid
-    labels reach :func:`~megaformer.parallel.vocab_parallel_cross_entropy`, and an unmasked
-    position's logits get no gradient.
+    (:func:`~megaformer.data.mlm.mask_block`); the cross-entropy of the other positions (taken
+    against label 0, so that :func:`~megaformer.parallel.vocab_parallel_cross_entropy` sees valid
+    labels) is multiplied by zero, so an unmasked position neither counts nor gets a gradient, with
+    shapes that do not depend on the data (no host sync).
 
     Averaging: the summed NLL of this micro-batch's masked positions over their count (0 when
     none). A training step's loss is fairseq's: the summed NLL of all the step's masked tokens (every
@@ -862,10 +863,13 @@ class MaskedLMLoss:
                 f"labels {tuple(labels.shape)} must have the shape of tokens {tuple(logits.shape[:-1])}"
             )
         chosen = labels != IGNORE_INDEX  # (B, T)
+        # Every position's cross-entropy, the unmasked ones against a stand-in label (0) and then
+        # zeroed: selecting the masked rows (logits[chosen]) gives a data-dependent shape, a host
+        # sync per micro-batch on a GPU (and a shape the fake-CUDA dry run cannot build).
         nll = vocab_parallel_cross_entropy(
-            logits[chosen], labels[chosen], self.tp_group, self.vocab_size, inplace=True
-        )  # (N,), N masked positions
-        return nll.sum() / chosen.sum().clamp(min=1)
+            logits, labels.where(chosen, 0), self.tp_group, self.vocab_size, inplace=True
+        )  # (B, T)
+        return (nll * chosen).sum() / chosen.sum().clamp(min=1)
 
 
 def lm_loss(config: ModelConfig, tp_group: ProcessGroup | None) -> LMLoss | MaskedLMLoss:

@@ -6,7 +6,9 @@ parameter counts equal Table 2's |θ| (the model built on the meta device), the 
 and both hardware layouts each recipe states in its header (A100 = the file, V100 = the
 ``# V100 overrides:`` line) load and build their DeepSpeed config at the stated world size. The
 memory estimate in each header is recomputed here from its stated formula, and the per-block
-activation coefficient it uses is measured.
+activation coefficient it uses is measured. The masked-LM recipes (configs/paper/mlm-125m-*.yaml,
+the paper's Sec. 3 / Table 3 on RoBERTa-base, Liu et al. 2019 Table 9) pass the same layout and memory
+checks; their |θ| is checked against transformers' RobertaForMaskedLM at roberta-base's config.
 """
 
 from __future__ import annotations
@@ -56,6 +58,15 @@ PAPER = {
     ),
 }
 RECIPES = sorted(PAPER)
+
+# The masked-LM recipes (P Sec. 3, Table 3; |θ| in millions, P Table 3). lr: RoBERTa-base's (P gives none).
+MLM = {
+    "mlm-125m-baseline": dict(theta=125.42, lr=6e-4, nf=False, resid=False),
+    "mlm-125m-normformer": dict(theta=125.50, lr=6e-4, nf=True, resid=False),
+    "mlm-125m-normformer-resscale": dict(theta=125.51, lr=6e-4, nf=True, resid=True),
+}
+MLM_RECIPES = sorted(MLM)
+ALL = {**PAPER, **MLM}
 
 # The 3D / ZeRO-2 layouts of the paper's NormFormer models: (file, paper recipe, world, layout).
 LAYOUT_RECIPES = [
@@ -179,7 +190,7 @@ def _layouts(name: str) -> dict[str, tuple[int, list[str], int, bool]]:
 
 
 @pytest.mark.parametrize("hw", ["A100", "V100"])
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("name", RECIPES + MLM_RECIPES)
 def test_both_layouts_load_and_build_their_deepspeed_config(name, hw):
     world, overrides, micro, ckpt = _layouts(name)[hw]
     cfg = load_config(_path(name), overrides)
@@ -199,7 +210,7 @@ def test_both_layouts_load_and_build_their_deepspeed_config(name, hw):
         assert ds["fp16"]["enabled"] and not ds["bf16"]["enabled"]
         assert ds["fp16"]["loss_scale"] == 0  # dynamic loss scaling
     # the other hyperparameters are untouched by the V100 overrides
-    assert load_config(_path(name)).model == cfg.model and cfg.train.lr == PAPER[name]["lr"]
+    assert load_config(_path(name)).model == cfg.model and cfg.train.lr == ALL[name]["lr"]
 
 
 def _estimate_gib(name: str, hw: str) -> float:
@@ -208,17 +219,17 @@ def _estimate_gib(name: str, hw: str) -> float:
     cfg = load_config(_path(name), overrides)
     with torch.device("meta"):
         n = count_parameters(NormFormerLM(cfg.model))
-    d, layers = cfg.model.hidden_size, cfg.model.num_layers
+    d, layers, seq = cfg.model.hidden_size, cfg.model.num_layers, cfg.model.seq_len
     # A100: DeepSpeed 0.19's BF16 optimizer keeps bf16 gradients (2Ψ) beside the fp32 accumulation (4Ψ)
     states = 8 * n + 12 * n / world if hw == "A100" else 4 * n + 16 * n / world
-    block = (48 if PAPER[name]["nf"] else 36) * SEQ * d
-    acts = 2 * SEQ * d * layers + block if ckpt else block * layers
-    logits = 8 * SEQ * ROWS
+    block = (48 if ALL[name]["nf"] else 36) * seq * d
+    acts = 2 * seq * d * layers + block if ckpt else block * layers
+    logits = 8 * seq * cfg.model.padded_vocab_size(cfg.parallel.tp_size)  # 50,265 for the MLM
     return (states + micro * (acts + logits)) / GIB + 2
 
 
 @pytest.mark.parametrize("hw", ["A100", "V100"])
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("name", RECIPES + MLM_RECIPES)
 def test_stated_memory_estimate_is_the_formula_and_fits(name, hw):
     match = re.search(rf"^#   {hw}: .* = ([\d.]+) GiB of (\d+)", _header(name), re.MULTILINE)
     assert match, f"{name}: no {hw} memory line"
@@ -306,3 +317,104 @@ def test_table4_ablations_change_one_switch_of_normformer_with_resscale(shape, b
     assert ablation == dataclasses.replace(
         reference, model=dataclasses.replace(reference.model, **TABLE4[row])
     )  # everything else (data, schedule, layout) is the base's
+
+
+def _roberta_base_masked_lm() -> torch.nn.Module:
+    """transformers' RobertaForMaskedLM at roberta-base's config.json (514 positions, one token type;
+    RobertaConfig()'s own defaults are BERT's 512 and 2), on the meta device: no pooler, tied decoder."""
+    from transformers import RobertaConfig, RobertaForMaskedLM
+
+    with torch.device("meta"):
+        return RobertaForMaskedLM(RobertaConfig(max_position_embeddings=514, type_vocab_size=1))
+
+
+def test_mlm_baseline_parameter_count_is_roberta_base():
+    """|θ| of the MLM baseline = roberta-base's masked LM (124,697,433, tied weights counted once)
+    less exactly what megaformer's encoder lacks (no embedding LayerNorm, no token-type embedding,
+    position rows 512 for RoBERTa's 514) plus the Pre-LN final LayerNorm; everything else (embedding,
+    12 layers, LM head dense + LayerNorm + vocabulary bias) is the same shape."""
+    hf = _roberta_base_masked_lm()
+    n_hf = sum(p.numel() for p in hf.parameters())  # parameters() yields a tied tensor once
+    assert n_hf == hf.num_parameters() == 124_697_433
+    emb = hf.roberta.embeddings
+    cfg = load_config(_path("mlm-125m-baseline"))
+    m = cfg.model
+    with torch.device("meta"):
+        model = NormFormerLM(m)
+    n = count_parameters(model)
+    assert model.padded_vocab_size == m.vocab_size == emb.word_embeddings.num_embeddings == 50265
+    d = m.hidden_size
+    lacks = emb.token_type_embeddings.weight.numel() + 2 * d  # token type (768) + embedding LN (1,536)
+    lacks += (emb.position_embeddings.num_embeddings - m.seq_len) * d  # 514 - 512 rows (1,536)
+    final_ln = 2 * d  # Pre-LN's LayerNorm after the last block (RoBERTa's release is Post-LN)
+    assert (lacks, final_ln) == (3840, 1536)
+    assert n == n_hf - lacks + final_ln == 124_695_129
+    # the closed form: CLM's (embedding rows, layers, final LN) + learned positions + RoBERTa's LM head
+    assert n == _closed_form(m, rows=m.vocab_size) + m.seq_len * d + (d * d + d + 2 * d + m.vocab_size)
+
+
+def test_mlm_recipes_differ_only_where_they_should():
+    """Baseline -> NormFormer: the three NormFormer switches; -> + ResScale: resid_scale; the data,
+    schedule and layout are the same (so is the compute-matched budget's baseline). Their |θ|
+    increments are close to P Table 3's; the baseline's 125.42M is not reproduced (header)."""
+    import dataclasses
+
+    base, nf, rs = (load_config(_path(name)) for name in MLM_RECIPES)
+    assert [MLM_RECIPES[0], MLM_RECIPES[1], MLM_RECIPES[2]] == [
+        "mlm-125m-baseline", "mlm-125m-normformer", "mlm-125m-normformer-resscale",
+    ]  # fmt: skip
+    switches = dict(post_attn_ln=True, head_scale=True, ffn_ln=True)
+    assert nf.model == dataclasses.replace(base.model, **switches)
+    assert rs.model == dataclasses.replace(nf.model, resid_scale=True)
+    for other in (nf, rs):
+        assert (other.data, other.parallel, other.train) == (base.data, base.parallel, base.train)
+    counts = []
+    for cfg in (base, nf, rs):
+        with torch.device("meta"):
+            counts.append(count_parameters(NormFormerLM(cfg.model)))
+    d, layers, heads = 768, 12, 12
+    assert counts[1] - counts[0] == layers * (2 * d + 2 * 4 * d + heads) == 92_304
+    assert counts[2] - counts[1] == layers * d == 9_216
+    p = [MLM[name]["theta"] for name in MLM_RECIPES]
+    # P Table 3's increments, +0.08M and +0.01M, within 0.015M: no rounding of P's 2-decimal |θ| gives
+    # +0.0923M (its NormFormer row is 0.01M short, header DISAGREEMENT), ResScale's +0.0092M fits.
+    assert abs((counts[1] - counts[0]) / 1e6 - (p[1] - p[0])) < 0.015
+    assert abs((counts[2] - counts[1]) / 1e6 - (p[2] - p[1])) < 0.005
+
+
+@pytest.mark.parametrize("name", MLM_RECIPES)
+def test_mlm_hyperparameters_are_roberta_bases_with_the_papers_budget(name):
+    p, cfg = MLM[name], load_config(_path(name))
+    m, t = cfg.model, cfg.train
+    assert (m.objective, m.vocab_size, m.make_vocab_size_divisible_by) == ("mlm", 50265, 1)
+    assert (m.hidden_size, m.num_layers, m.num_attention_heads, m.ffn_size, m.seq_len) == (
+        768,
+        12,
+        12,
+        3072,
+        512,
+    )
+    assert (m.position_embedding, m.position_offset, m.activation, m.tie_embeddings) == (
+        "learned",
+        0,
+        "gelu",
+        True,
+    )
+    assert (m.post_attn_ln, m.head_scale, m.ffn_ln, m.resid_scale) == (p["nf"], p["nf"], p["nf"], p["resid"])
+    assert (m.hidden_dropout, m.attention_dropout, m.embedding_dropout) == (0.1, 0.1, 0.1)
+    assert (m.init, m.init_std, m.scale_embedding, m.layernorm_eps) == ("gpt2", 0.02, False, 1e-5)
+    assert t.global_batch_size * m.seq_len == 2**20  # P Sec. 3: batches of 1M tokens
+    assert t.steps == 2_000_000  # P Sec. 3: the baseline's 2M batches (NormFormer: 1.92M at its GPU time)
+    assert t.lr == p["lr"] == 6e-4  # RoBERTa Table 9, BASE
+    assert (t.adam_beta1, t.adam_beta2, t.adam_eps, t.weight_decay, t.grad_clip) == (
+        0.9,
+        0.98,
+        1e-6,
+        0.01,
+        0.0,
+    )
+    assert (t.warmup_steps, t.lr_decay, t.min_lr, t.weight_decay_params) == (24000, "linear", 0.0, "all")
+    assert t.warmup_steps >= 5 + t.budget_measure_steps  # a --budget-device-hours run can time itself
+    text = _header(name)
+    if p["nf"]:
+        assert "1.92" in text and "--budget-device-hours" in text
