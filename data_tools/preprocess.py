@@ -36,6 +36,7 @@ import functools
 import glob
 import json
 import os
+import signal
 import sys
 import time
 from collections import Counter
@@ -1062,6 +1063,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        # A stop signal that arrives again from here on (a second one, or one held while signals
+        # were blocked) must not turn this clean exit into a death by signal on the way out.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         print(
             "interrupted; nothing finished was written (temporaries removed): rerun to redo it",
             file=sys.stderr,
