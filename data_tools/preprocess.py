@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import glob
 import json
@@ -47,7 +48,9 @@ from typing import BinaryIO
 
 import numpy as np
 
+from data_tools import fastjson
 from data_tools.atomic import is_output_error, sigterm_as_interrupt, stop_signals_blocked, write_error
+from data_tools.bpe_cache import CachedGPT2BPETokenizer
 from data_tools.errors import DataFormatError, DataToolsError, PreprocessError
 from data_tools.files import atomic_write_json
 from data_tools.indexed_dataset import IndexedDataset, optimal_dtype
@@ -97,6 +100,7 @@ _BOM = b"\xef\xbb\xbf"
 # tokenizing, small enough that a handful of whole-book text files still spread over the workers.
 _CHUNK_DOCS = 256
 _CHUNK_BYTES = 1 << 20
+_PROBE_BYTES = 1 << 16  # bytes read at a time to find where a range of an uncompressed file ends
 _DEFAULT_LOG_INTERVAL = 10_000  # documents between progress lines in logs
 _MAX_REPORTED_SKIPS = 10  # skipped records named one by one on stderr; the rest are only counted
 
@@ -216,10 +220,16 @@ def _utf8_error(where_file: Path, data: bytes, err: UnicodeDecodeError, first_li
     return BadRecord(f"{where_file}:{line}", INVALID_UTF8, f"bytes {bad!r} are not UTF-8 ({err.reason})")
 
 
-def _parse_jsonl_line(path: Path | str, lineno: int, raw: bytes, keys: Sequence[str]) -> Record | None:
-    """One JSONL line (without or with its newline) as a record; ``None`` for a blank line."""
+def _parse_jsonl_line(
+    path: Path | str, lineno: int, raw: bytes, keys: Sequence[str], first: bool | None = None
+) -> Record | None:
+    """One JSONL line (without or with its newline) as a record; ``None`` for a blank line.
+
+    ``first``: whether this is the file's first line (a UTF-8 BOM there is dropped); by default,
+    whether ``lineno`` is 1.
+    """
     where = f"{path}:{lineno}"
-    if lineno == 1 and raw.startswith(_BOM):
+    if (lineno == 1 if first is None else first) and raw.startswith(_BOM):
         raw = raw[len(_BOM) :]
     if not raw.strip():
         return None  # blank lines (often one at the end) are not records
@@ -258,7 +268,9 @@ def _iter_jsonl(path: Path, compression: str | None, keys: Sequence[str]) -> Ite
 
 
 def _jsonl_blocks(path: Path, compression: str | None) -> Iterator[tuple[int, bytes]]:
-    """``(number of its first line, bytes)`` blocks of about ``_CHUNK_BYTES`` of whole lines.
+    """``(number of its first line, bytes)`` blocks of about ``_CHUNK_BYTES`` of whole lines, for
+    compressed JSONL (a stream: the main process decompresses it; see :func:`_jsonl_ranges` for
+    uncompressed files).
 
     The workers split and parse the lines: the reading process only finds the last newline of
     each block, so it stays far from being the bottleneck, and a block pickles as one bytes object.
@@ -276,6 +288,61 @@ def _jsonl_blocks(path: Path, compression: str | None) -> Iterator[tuple[int, by
             lineno += block.count(b"\n")
         if carry:
             yield lineno, carry
+
+
+def _jsonl_ranges(
+    path: Path, bytes_after: int | None = None, tail_bytes: int = 0
+) -> Iterator[tuple[int, int]]:
+    """``(start, end)`` byte ranges of an uncompressed file, each about ``_CHUNK_BYTES`` of whole
+    lines (the last one up to the end of the file, newline or not).
+
+    Only a few KB after each cut are read here, to find the end of its line: the workers read the
+    ranges themselves (:func:`_read_range`), so the text does not pass through the main process
+    and a pipe, and the main process's work does not grow with the bytes of the input.
+
+    ``bytes_after``: the input's bytes after this file, when known; then the last ``tail_bytes``
+    of the input go out in ranges of ``_CHUNK_BYTES / 8``, so that the workers finish together
+    (one worker busy with a whole last range while the others wait costs half a range's time).
+    """
+    with open(path, "rb", buffering=0) as f:
+        fd = f.fileno()
+        size = os.fstat(fd).st_size
+        start = 0
+        while start < size:
+            in_tail = bytes_after is not None and size - start + bytes_after <= tail_bytes
+            pos, end = start + (_CHUNK_BYTES // 8 if in_tail else _CHUNK_BYTES) - 1, size
+            while pos < size:  # the first newline at or after pos ends the range
+                window = os.pread(fd, _PROBE_BYTES, pos)
+                cut = window.find(b"\n")
+                if cut >= 0:
+                    end = pos + cut + 1
+                    break
+                if not window:  # shorter than when it was opened: the worker will say so
+                    break
+                pos += len(window)
+            yield start, end
+            start = end
+
+
+def _read_range(path: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of ``path``.
+
+    Raises:
+        PreprocessError: the file is shorter than that (it changed while it was being read).
+    """
+    parts = []
+    with open(path, "rb", buffering=0) as f:
+        pos = start
+        while pos < end:
+            data = os.pread(f.fileno(), min(end - pos, 1 << 30), pos)
+            if not data:
+                raise PreprocessError(
+                    f"{path}: the file ended at byte {pos:,}, before byte {end:,} where it ended when the "
+                    "run started: it changed while it was being read; rerun once nothing writes to it"
+                )
+            parts.append(data)
+            pos += len(data)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _iter_parquet(path: Path, keys: Sequence[str]) -> Iterator[Record]:
@@ -426,7 +493,7 @@ def _init_worker(
     if tokenizer is None:  # in a pool worker (its stop signals are set by OrderedPool)
         # A forked worker inherits the tokenizer the parent set just before starting the pool (see
         # _encoded_units): no second build per worker. Other start methods build their own.
-        tokenizer = _WORKER.get("tokenizer") or build_tokenizer(**tokenizer_kwargs)
+        tokenizer = _WORKER.get("tokenizer") or _build_tokenizer(tokenizer_kwargs)
     _WORKER["tokenizer"] = tokenizer
     _WORKER["append_eod"] = append_eod
     _WORKER["dtype"] = dtype
@@ -463,53 +530,174 @@ class _Encoded:
     document counts)."""
     sequences: list[np.ndarray] | None = None
     """With --split-sentences, per key: sentences per document."""
+    path: str | None = None
+    """A ``jsonl-range`` unit's file, whose bad records' lines count from the range's first line."""
+    newlines: int | None = None
+    """A ``jsonl-range`` unit's newlines (to number the lines of the next range of its file)."""
+
+
+def _block_records(path: str, first_line: int, lines: list[bytes], keys: tuple[str, ...], file_start: bool):
+    """The records of a block's JSONL lines, in order: ``(line number, texts, UTF-8 bytes)`` for a
+    document, a :class:`BadRecord` for a bad one; blank lines are left out.
+
+    The fast path takes orjson's object when every key holds a non-blank string (nearly every line
+    of real data); every other line goes through :func:`_parse_jsonl_line`, which decodes with
+    :mod:`json` (see :mod:`data_tools.fastjson`), so the records, and the words of every bad one,
+    are the same as with :mod:`json` alone. ``file_start``: the block starts the file (a BOM on its
+    first line is dropped).
+    """
+    loads = fastjson.loads
+    key = keys[0] if len(keys) == 1 else None
+    for k, raw in enumerate(lines, start=first_line):
+        first = file_start and k == first_line
+        if not first:
+            obj = loads(raw)
+            # `t and not t.isspace()` is `t.strip()` without the copy; orjson's strings have no
+            # lone surrogates, so they encode, and an ASCII one is as long in bytes
+            if type(obj) is dict and key is not None:  # one key (the usual case), without generators
+                t = obj.get(key)
+                if type(t) is str and t and not t.isspace():
+                    yield k, (t,), len(t) if t.isascii() else len(t.encode("utf-8"))
+                    continue
+            elif type(obj) is dict:
+                texts = tuple(map(obj.get, keys))
+                if all(type(t) is str and t and not t.isspace() for t in texts):
+                    yield k, texts, sum(len(t) if t.isascii() else len(t.encode("utf-8")) for t in texts)
+                    continue
+        record = _parse_jsonl_line(path, k, raw, keys, first=first)
+        if record is not None:
+            yield record if isinstance(record, BadRecord) else (k, record.texts, record.num_bytes)
+
+
+def _encode_lines(
+    path: str, first_line: int, lines: list[bytes], key: str, file_start: bool, encode, out: list,
+    document_bytes: list[int], bad: list[BadRecord],
+) -> int:  # fmt: skip
+    """:func:`_encode_unit`'s loop for the usual case, JSONL with one key and whole documents: the
+    lines parsed and tokenized in one pass (:func:`_block_records` and the general loop, without
+    their per-record tuples and generators). Appends each document's ids to ``out`` and its UTF-8
+    bytes to ``document_bytes``, each bad record to ``bad``; returns the records seen."""
+    loads = fastjson.loads
+    seen = 0
+    for k, raw in enumerate(lines, start=first_line):
+        first = file_start and k == first_line
+        if not first:
+            obj = loads(raw)
+            if type(obj) is dict:  # see _block_records for the fast path's conditions
+                t = obj.get(key)
+                if type(t) is str and t and not t.isspace():
+                    seen += 1
+                    ids = encode(t)
+                    if len(ids):
+                        out.append(ids)
+                        document_bytes.append(len(t) if t.isascii() else len(t.encode("utf-8")))
+                    else:
+                        bad.append(BadRecord(f"{path}:{k}", EMPTY_DOCUMENT, "the text has no tokens"))
+                    continue
+        record = _parse_jsonl_line(path, k, raw, (key,), first=first)
+        if record is None:
+            continue
+        seen += 1
+        if isinstance(record, BadRecord):
+            bad.append(record)
+        elif len(ids := encode(record.texts[0])):
+            out.append(ids)
+            document_bytes.append(record.num_bytes)
+        else:
+            bad.append(BadRecord(record.where, EMPTY_DOCUMENT, "the text has no tokens"))
+    return seen
 
 
 def _encode_unit(unit: tuple) -> _Encoded:
     """Parses (for JSONL) and tokenizes one work unit in a worker (or in-process with one worker).
 
-    ``unit`` is ``("jsonl", path, first_line, block_bytes)`` or ``("records", [Document | BadRecord])``.
-    One tokenizer call per text on purpose: a worker is one core, so ``--workers`` is the number of
-    cores used, as in Megatron (tiktoken's batch call would add its own threads). Where the
-    tokenizer has ``encode_array`` (GPT-2 BPE), ids come back as numpy arrays, not Python lists.
+    ``unit`` is ``("jsonl-range", path, start, end)`` (bytes of an uncompressed file, read here; bad
+    records are numbered by their line in the range, which the main process turns into the line in
+    the file), ``("jsonl", path, first_line, block_bytes)`` (decompressed by the main process) or
+    ``("records", [Document | BadRecord])``. One tokenizer call per text on purpose: a worker is
+    one core, so ``--workers`` is the number of cores used, as in Megatron (tiktoken's batch call
+    would add its own threads). Where the tokenizer has ``encode_array`` (GPT-2 BPE), ids come back
+    as numpy arrays, not Python lists.
     """
     tokenizer, append_eod, dtype, keys, split = (
         _WORKER[k] for k in ("tokenizer", "append_eod", "dtype", "keys", "split")
     )
-    if unit[0] == "jsonl":
+    kind, path, newlines, lines = unit[0], None, None, None
+    if kind == "jsonl-range":
+        _, path, start, end = unit
+        lines = _read_range(path, start, end).split(b"\n")
+        newlines, first_line, file_start = len(lines) - 1, 1, start == 0
+    elif kind == "jsonl":
         _, path, first_line, block = unit
-        lines = enumerate(block.split(b"\n"), start=first_line)
-        records = [r for k, raw in lines if (r := _parse_jsonl_line(path, k, raw, keys)) is not None]
-    else:
-        records = unit[1]
+        lines, file_start = block.split(b"\n"), first_line == 1
     encode = getattr(tokenizer, "encode_array", None) or tokenizer.encode
     per_key: list[list] = [[] for _ in keys]
     bad: list[BadRecord] = []
     document_bytes: list[int] = []
+    seen = 0
+    if lines is not None and len(keys) == 1 and split is None:  # JSONL, one key, whole documents
+        seen = _encode_lines(
+            path, first_line, lines, keys[0], file_start, encode, per_key[0], document_bytes, bad
+        )
+        records = ()
+    elif lines is not None:
+        records = _block_records(path, first_line, lines, keys, file_start)
+    else:
+        records = ((r.where, r.texts, r.num_bytes) if isinstance(r, Document) else r for r in unit[1])
     for record in records:
+        seen += 1
         if isinstance(record, BadRecord):
             bad.append(record)
             continue
-        ids = [encode_sentences(encode, text, split) for text in record.texts]
-        if any(sum(len(s) for s in x) == 0 for x in ids):
-            bad.append(BadRecord(record.where, EMPTY_DOCUMENT, "the text has no tokens"))
+        line, texts, num_bytes = record
+        if split is None:  # one sequence per text
+            ids = [encode(text) for text in texts]
+            empty = any(len(x) == 0 for x in ids)
+        else:  # a list of sentences per text
+            ids = [encode_sentences(encode, text, split) for text in texts]
+            empty = any(sum(len(s) for s in x) == 0 for x in ids)
+        if empty:
+            where = line if isinstance(line, str) else f"{path}:{line}"
+            bad.append(BadRecord(where, EMPTY_DOCUMENT, "the text has no tokens"))
             continue
         for out, x in zip(per_key, ids):
             out.append(x)
-        document_bytes.append(record.num_bytes)
+        document_bytes.append(num_bytes)
     eod = tokenizer.eod if append_eod else None
     extra = int(append_eod)
-    lengths = np.array([[sum(map(len, x)) + extra for x in lists] for lists in per_key], dtype=np.int32)
+    if split is None:
+        docs = per_key
+        lengths = np.array([[len(x) + extra for x in lists] for lists in per_key], dtype=np.int32)
+    else:
+        docs = [[x[0] if len(x) == 1 else np.concatenate(x) for x in lists] for lists in per_key]
+        lengths = np.array([[sum(map(len, x)) + extra for x in lists] for lists in per_key], dtype=np.int32)
     lengths = lengths.reshape(len(keys), -1)
-    docs = [[x[0] if len(x) == 1 else np.concatenate(x) for x in lists] for lists in per_key]
     tokens = [_concatenate(lists, int(n.sum()), dtype, eod) for lists, n in zip(docs, lengths)]
     counts = [sparse_counts(t) for t in tokens]
-    encoded = _Encoded(lengths, tokens, counts, bad, len(records), sum(document_bytes))
+    encoded = _Encoded(lengths, tokens, counts, bad, seen, sum(document_bytes))
     encoded.document_bytes = np.array(document_bytes, dtype=np.int64)
     if split is not None:
         encoded.sequences = [np.array([len(x) for x in lists], dtype=np.int64) for lists in per_key]
         encoded.sequence_lengths = [sentence_lengths(lists, extra) for lists in per_key]
+    if newlines is not None:
+        encoded.path, encoded.newlines = path, newlines
     return encoded
+
+
+def _number_lines(encoded: _Encoded, state: list) -> None:
+    """Turns the line numbers of a ``jsonl-range`` unit's bad records (counted from the range's
+    first line) into lines of the file; ``state`` is ``[path, lines before the next range]``, kept
+    by the caller across the units, which come in input order."""
+    if state[0] != encoded.path:
+        state[0], state[1] = encoded.path, 0
+    base = state[1]
+    if base and encoded.bad:
+        shifted = []
+        for record in encoded.bad:
+            head, line = record.where.rsplit(":", 1)
+            shifted.append(dataclasses.replace(record, where=f"{head}:{int(line) + base}"))
+        encoded.bad = shifted
+    state[1] = base + encoded.newlines
 
 
 def _concatenate(parts: list, size: int, dtype: np.dtype, eod: int | None) -> np.ndarray:
@@ -527,14 +715,35 @@ def _concatenate(parts: list, size: int, dtype: np.dtype, eod: int | None) -> np
     return out
 
 
-def _work_units(paths: Sequence[Path], keys: Sequence[str], split_blank_lines: bool) -> Iterator[tuple]:
+def _work_units(
+    paths: Sequence[Path], keys: Sequence[str], split_blank_lines: bool, workers: int = 1
+) -> Iterator[tuple]:
     """The input as work units for ``_encode_unit``, in input order.
 
-    JSONL goes out as raw blocks of lines (parsed in the workers); Parquet and plain text are read
-    here and go out as chunks of records of about ``_CHUNK_BYTES``.
+    Uncompressed JSONL goes out as byte ranges of whole lines (read and parsed in the workers;
+    the input's last ``workers`` MB in smaller ranges when the files from there to the end are
+    all uncompressed JSONL, see :func:`_jsonl_ranges`), compressed JSONL as blocks of
+    decompressed lines (parsed in the workers); Parquet and plain text are read here and go out
+    as chunks of records of about ``_CHUNK_BYTES``.
     """
-    for path in paths:
+    after: list[int | None] = []  # per file: the bytes of the files after it, if all ranges
+    total: int | None = 0
+    for path in reversed(paths):
+        after.append(total)
         kind, compression = _split_suffixes(path)
+        total = (
+            total + path.stat().st_size
+            if total is not None and (kind, compression) == ("jsonl", None)
+            else None
+        )
+    after.reverse()
+    tail_bytes = workers * _CHUNK_BYTES if workers > 1 else 0
+    for path, bytes_after in zip(paths, after):
+        kind, compression = _split_suffixes(path)
+        if kind == "jsonl" and compression is None:  # the workers read the bytes
+            for start, end in _jsonl_ranges(path, bytes_after, tail_bytes):
+                yield ("jsonl-range", str(path), start, end)
+            continue
         if kind == "jsonl":
             for first_line, block in _jsonl_blocks(path, compression):
                 yield ("jsonl", str(path), first_line, block)
@@ -665,7 +874,7 @@ def plan_run(args: argparse.Namespace, tokenizer=None) -> RunPlan:
         "tokenizer_model": args.tokenizer_model,
     }
     if tokenizer is None:  # here first, so bad files fail before any work
-        tokenizer = build_tokenizer(**tokenizer_kwargs)
+        tokenizer = _build_tokenizer(tokenizer_kwargs)
     return RunPlan(
         paths=paths,
         output_prefix=output_prefix,
@@ -678,6 +887,16 @@ def plan_run(args: argparse.Namespace, tokenizer=None) -> RunPlan:
         eod=tokenizer.eod if args.append_eod else None,
         manifest=_shard_manifest(paths, args, tokenizer_kwargs) if args.num_shards > 1 else None,
     )
+
+
+def _build_tokenizer(tokenizer_kwargs: dict):
+    """``build_tokenizer(**tokenizer_kwargs)``; GPT-2 BPE's vocabulary comes through the cache of
+    checked vocabularies (:mod:`data_tools.bpe_cache`: the same tokenizer, built in ~0.03 s instead
+    of ~0.1 s, time every run spends before its workers start)."""
+    vocab, merges = tokenizer_kwargs.get("vocab_file"), tokenizer_kwargs.get("merge_file")
+    if tokenizer_kwargs["tokenizer_type"] == "GPT2BPETokenizer" and vocab and merges:
+        return CachedGPT2BPETokenizer(vocab, merges)
+    return build_tokenizer(**tokenizer_kwargs)
 
 
 def preprocess(args: argparse.Namespace) -> PreprocessSummary:
@@ -733,9 +952,24 @@ def preprocess(args: argparse.Namespace) -> PreprocessSummary:
     return summary
 
 
+class _NoBar(contextlib.nullcontext):
+    """What ``_tokenize`` uses of a disabled tqdm bar, without importing tqdm (tens of
+    milliseconds of every run's start-up, before the workers start)."""
+
+    disable = True
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        pass
+
+
 def _progress_bar(log_interval: int | None):
     """tqdm's bar on stderr: on a terminal without ``--log-interval``, else disabled (then
-    ``--log-interval`` lines are printed instead)."""
+    ``--log-interval`` lines are printed instead; the test is tqdm's own for ``disable=None``)."""
+    if log_interval is not None or (hasattr(sys.stderr, "isatty") and not sys.stderr.isatty()):
+        return _NoBar()
     from tqdm import tqdm
 
     with stop_signals_blocked():  # tqdm's monitor thread must not take the stop signals
@@ -767,15 +1001,18 @@ def _tokenize(
     # disable=None: a bar on a terminal, nothing in logs (where --log-interval lines are printed);
     # an explicit --log-interval prints its lines on a terminal too, instead of the bar.
     log_interval = _DEFAULT_LOG_INTERVAL if args.log_interval is None else args.log_interval
-    units = _work_units(plan.paths, args.json_keys, args.text_split_blank_lines)
+    units = _work_units(plan.paths, args.json_keys, args.text_split_blank_lines, args.workers)
     split = args.keep_newlines if args.split_sentences else None
     init_args = (plan.tokenizer_kwargs, args.append_eod, dtype, tuple(args.json_keys), split)
     bar = _progress_bar(args.log_interval)
     # closing(): on an interrupt the pool is killed here, not whenever the suspended generator
     # happens to be collected (after main() has already reported the interrupt).
     encoded_units = contextlib.closing(_encoded_units(units, args.workers, init_args, plan.tokenizer))
+    lines: list = [None, 0]  # the file of the last jsonl-range unit, and its lines so far
     with bar, encoded_units as encoded_iter:
         for encoded in encoded_iter:
+            if encoded.newlines is not None:
+                _number_lines(encoded, lines)
             for record in encoded.bad:
                 _skip(record, args.skip_bad_records, summary)
             before = (summary.documents, summary.text_bytes)
@@ -1084,4 +1321,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # Everything is written, renamed and closed, and the workers are gone: leave without the
+    # interpreter's teardown (freeing every module's objects: ~30 ms, 1% of tokenizing 100 MB on 2
+    # cores). Only the standard streams hold anything still to write.
+    with contextlib.suppress(OSError):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(status)

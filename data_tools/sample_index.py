@@ -16,11 +16,17 @@ its own seeded permutation. The first N samples served are therefore the same fo
 is served twice within an epoch. The arrays are built through the end of the last chunk needed
 (``sample_idx`` may hold more rows than S + 1; ``shuffle_idx`` holds S entries).
 
-Built with numpy only (no Python loop over documents or samples): a keyed pseudorandom
-permutation computed blockwise (``random_permutation``; ``rng.permutation`` for small sizes), a
-blockwise cumulative sum, and ``np.repeat`` of each document's position by the number of sample
-starts it holds (linear time, unlike a binary search per sample). At 100M documents / 54M samples of
-2048 the arrays are 0.4 + 0.43 + 0.22 GB.
+Two builds give the same arrays bit for bit. The reference is numpy (no Python loop over
+documents or samples): a keyed pseudorandom permutation computed blockwise
+(``random_permutation``; ``rng.permutation`` for small sizes), a blockwise cumulative sum, and
+``np.repeat`` of each document's position by the number of sample starts it holds (linear time,
+unlike a binary search per sample). For large indices (4M documents + samples and more) the same
+steps run as compiled loops (:mod:`data_tools.index_kernels`, numba) that write each array once,
+in place, without numpy's temporaries (at 100M documents the arrays take 3 s instead of 8.6 s, and
+the whole cold start of ``bench/index_scale.py`` 1.9 GB of peak RSS instead of 2.4 GB); without
+numba, numpy builds them (after a one-line note). At 100M documents / 54M samples of 2048 (one
+epoch, whose last sample reaches one token into a second epoch, so doc_idx holds two) the arrays
+are 0.8 + 0.43 + 0.22 GB. ``load_or_build`` saves each array on a thread while the next is built.
 
 Cache: ``load_or_build`` stores the three arrays under ``{name}_{key}_{doc,sample,shuffle}_idx.npy``
 where ``key`` hashes everything that shapes them: the dataset's index content (its sequence lengths,
@@ -37,10 +43,12 @@ uses it ahead of a run.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import sys
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +60,7 @@ from data_tools.indexed_dataset import HEADER_SIZE, IndexedDataset
 __all__ = [
     "SampleIndex",
     "build_sample_index",
+    "compiled_kernels",
     "dataset_digest",
     "load_or_build",
     "split_documents",
@@ -66,10 +75,31 @@ ORDER_CHUNK = 1 << 22
 """Most samples shuffled together (4,194,304: 8.6B tokens at seq_len 2048); chunks of one epoch
 are served one after another, so this bounds the index built for a run shorter than an epoch."""
 _HASH_BLOCK = 64 << 20
+_KERNELS: dict = {}  # compiled_kernels()'s answer, once per process
+_COMPILED_FROM = 4_000_000  # documents + samples from which compiled=None takes the compiled path
 
 
 def _index_dtype(n: int) -> type:
     return np.int32 if n < 2**31 else np.int64
+
+
+def compiled_kernels():
+    """The module :mod:`data_tools.index_kernels` (numba), imported on first use, or ``None``
+    where numba is not usable (the reason is printed to stderr once per process) or where the
+    environment sets ``MEGAFORMER_INDEX_NUMPY=1`` (numpy asked for: no note)."""
+    if "kernels" not in _KERNELS:
+        _KERNELS["kernels"] = None
+        if os.environ.get("MEGAFORMER_INDEX_NUMPY") != "1":
+            try:
+                _KERNELS["kernels"] = importlib.import_module("data_tools.index_kernels")
+            except Exception as e:  # ImportError, or a numba that does not work with this numpy
+                print(
+                    f"note: numba is not usable here ({type(e).__name__}: {e}); sample indices are built "
+                    "with numpy instead: the same indices, about 3x slower and with about 25% more "
+                    "memory (scripts/install.sh installs numba)",
+                    file=sys.stderr,
+                )
+    return _KERNELS["kernels"]
 
 
 def split_documents(num_documents: int, valid_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -91,22 +121,34 @@ def split_documents(num_documents: int, valid_fraction: float, seed: int) -> tup
 
 
 def build_sample_index(
-    doc_ids: np.ndarray,
+    doc_ids: np.ndarray | None,
     doc_lengths: np.ndarray,
     seq_len: int,
     num_samples: int,
     seed: int,
     shuffle: bool = True,
+    *,
+    compiled: bool | None = None,
+    _sink=None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Builds (doc_idx, sample_idx, shuffle_idx) for ``num_samples`` samples of ``seq_len + 1`` tokens.
 
     Args:
-        doc_ids: int[D] ids of the documents to draw from.
+        doc_ids: int[D] ids of the documents to draw from; ``None``: all of them (the same indices
+            as ``np.arange(len(doc_lengths))``, without that array).
         doc_lengths: int[total documents], tokens per document of the whole dataset.
         seq_len: tokens per sample input (each sample holds seq_len + 1 tokens).
         num_samples: samples wanted; as many epochs over ``doc_ids`` are made as this needs.
         seed: seeds the per-epoch document permutations and the sample shuffle.
         shuffle: shuffle documents per epoch and samples (False: natural order, for evaluation).
+        compiled: build with the compiled kernels of :mod:`data_tools.index_kernels` (numba):
+            ``None``: for 4M documents + samples or more, when numba is usable (see
+            :func:`compiled_kernels`; smaller indices take numpy well under a second, less than
+            importing numba); ``False``: with numpy (the reference: the same arrays, about 3x
+            slower at 100M documents and with 25% more memory); ``True``: with the kernels or not
+            at all.
+        _sink: ``sink(i, array)`` is called with each of the three arrays (i = 0, 1, 2) as soon as
+            it is final, by the compiled build (:func:`load_or_build` saves it meanwhile).
 
     Returns:
         doc_idx [E·D], sample_idx [B + 1, 2] (B >= num_samples: through the last order chunk),
@@ -116,11 +158,35 @@ def build_sample_index(
     Raises:
         DataFormatError: the documents hold no more than ``seq_len`` tokens (not one sample), or
             ``num_samples``/``seq_len`` below 1.
+        RuntimeError: ``compiled=True`` and numba is not usable.
     """
     if seq_len < 1 or num_samples < 1:
         raise DataFormatError(f"expected seq_len >= 1 and num_samples >= 1, got {seq_len} and {num_samples}")
-    doc_ids = np.asarray(doc_ids)
     doc_lengths = np.asarray(doc_lengths)
+    # Below a few million documents and samples numpy takes well under a second, less than
+    # importing numba: the compiled path is for large indices (or asked for).
+    large = (doc_lengths.size if doc_ids is None else len(doc_ids)) + num_samples >= _COMPILED_FROM
+    kernels = compiled_kernels() if compiled or (compiled is None and large) else None
+    if compiled and kernels is None:
+        raise RuntimeError("compiled=True, but numba is not usable here (see the note above)")
+    if kernels is not None:
+        return _build_compiled(kernels, doc_ids, doc_lengths, seq_len, num_samples, seed, shuffle, _sink)
+    return _build_numpy(doc_ids, doc_lengths, seq_len, num_samples, seed, shuffle)
+
+
+def _build_numpy(
+    doc_ids: np.ndarray | None,
+    doc_lengths: np.ndarray,
+    seq_len: int,
+    num_samples: int,
+    seed: int,
+    shuffle: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`build_sample_index` with numpy: the reference the compiled build is tested against
+    (same arguments, same arrays, same errors)."""
+    if doc_ids is None:
+        doc_ids = np.arange(doc_lengths.size, dtype=_index_dtype(doc_lengths.size))
+    doc_ids = np.asarray(doc_ids)
     tokens_per_epoch = int(np.sum(doc_lengths[doc_ids], dtype=np.int64))
     if tokens_per_epoch <= seq_len:
         raise DataFormatError(
@@ -188,12 +254,18 @@ def random_permutation(n: int, rng: np.random.Generator, dtype: type = np.int64)
     """
     if n <= _PLAIN_SHUFFLE_MAX:
         return rng.permutation(n).astype(dtype, copy=False)
-    bits = (n - 1).bit_length()
-    work = np.uint32 if bits <= 32 else np.uint64
-    mask = work((1 << bits) - 1)
-    shift = work((bits + 1) // 2)
-    adds = rng.integers(0, 1 << bits, _PERM_ROUNDS, dtype=np.uint64).astype(work)
-    muls = (rng.integers(0, 1 << bits, _PERM_ROUNDS, dtype=np.uint64) | 1).astype(work)
+    keys = _permutation_keys(n, rng)
+    out = np.empty(n, dtype=dtype)
+    for c0 in range(0, n, _PERM_BLOCK):
+        c1 = min(c0 + _PERM_BLOCK, n)
+        out[c0:c1] = _bijection(c0, c1, n, keys)
+    return out
+
+
+def _bijection(first: int, stop: int, n: int, keys: tuple) -> np.ndarray:
+    """``random_permutation(n, ...)[first:stop]`` for the bijection of ``keys`` (see
+    :func:`_permutation_keys`), in its work dtype: numpy, block-wise, the reference."""
+    work, mask, shift, adds, muls = keys
 
     def f(x: np.ndarray) -> np.ndarray:  # in place; unsigned arithmetic wraps, then & mask
         for a, m in zip(adds, muls):
@@ -203,16 +275,98 @@ def random_permutation(n: int, rng: np.random.Generator, dtype: type = np.int64)
             x ^= x >> shift
         return x
 
-    out = np.empty(n, dtype=dtype)
-    for c0 in range(0, n, _PERM_BLOCK):
-        x = f(np.arange(c0, min(c0 + _PERM_BLOCK, n), dtype=work))
-        walk = np.flatnonzero(x >= n)
-        while walk.size:
-            y = f(x[walk])
-            x[walk] = y
-            walk = walk[y >= n]
-        out[c0 : c0 + x.size] = x
-    return out
+    x = f(np.arange(first, stop, dtype=work))
+    walk = np.flatnonzero(x >= n)
+    while walk.size:
+        y = f(x[walk])
+        x[walk] = y
+        walk = walk[y >= n]
+    return x
+
+
+def _permutation_keys(n: int, rng: np.random.Generator) -> tuple:
+    """``(work dtype, mask, shift, adds, muls)`` of :func:`random_permutation`'s bijection for
+    ``n > _PLAIN_SHUFFLE_MAX`` elements, drawn from ``rng`` (both builds draw them here, in the
+    same order)."""
+    bits = (n - 1).bit_length()
+    work = np.uint32 if bits <= 32 else np.uint64
+    mask = work((1 << bits) - 1)
+    shift = work((bits + 1) // 2)
+    adds = rng.integers(0, 1 << bits, _PERM_ROUNDS, dtype=np.uint64).astype(work)
+    muls = (rng.integers(0, 1 << bits, _PERM_ROUNDS, dtype=np.uint64) | 1).astype(work)
+    return work, mask, shift, adds, muls
+
+
+def _permute_into(
+    kernels, out: np.ndarray, n: int, rng: np.random.Generator, base: int = 0, ids: np.ndarray | None = None
+) -> None:
+    """Compiled path: ``out[:] = base + random_permutation(n, rng)[:out.size]`` (or ``ids[...]``
+    of it), drawing from ``rng`` exactly as :func:`random_permutation` does, and computing only
+    the ``out.size`` values needed."""
+    if n <= _PLAIN_SHUFFLE_MAX:
+        perm = rng.permutation(n)[: out.size]
+        out[:] = ids[perm] if ids is not None else base + perm
+        return
+    _, mask, shift, adds, muls = _permutation_keys(n, rng)
+    u64 = np.uint64
+    no_ids = np.zeros(0, dtype=out.dtype)
+    kernels.permutation(
+        out, 0, out.size, u64(n), adds.astype(u64), muls.astype(u64), u64(mask), u64(shift), base,
+        no_ids if ids is None else ids,
+    )  # fmt: skip
+
+
+def _build_compiled(
+    kernels, doc_ids: np.ndarray | None, doc_lengths: np.ndarray, seq_len: int, num_samples: int, seed: int,
+    shuffle: bool, sink=None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """:func:`build_sample_index` with the compiled kernels: the same arrays, each written once
+    in place (no temporaries as large as the index), and no ``arange`` for all documents."""
+    if doc_ids is None:
+        tokens_per_epoch = int(np.sum(doc_lengths, dtype=np.int64))
+        num_ids, dtype, is_all = doc_lengths.size, _index_dtype(doc_lengths.size), True
+        ids = None
+    else:
+        doc_ids = np.asarray(doc_ids)
+        tokens_per_epoch = int(kernels.gather_sum(doc_lengths, doc_ids)) if doc_ids.size else 0
+        num_ids, dtype = doc_ids.size, _index_dtype(int(doc_ids.max(initial=0)) + 1)
+        ids = doc_ids.astype(dtype, copy=False)
+        is_all = bool(ids.size) and bool(kernels.is_arange(ids))
+    if tokens_per_epoch <= seq_len:
+        raise DataFormatError(
+            f"the selected documents hold {tokens_per_epoch} tokens, fewer than one sample of "
+            f"seq_len + 1 = {seq_len + 1}; use more data or a shorter model.seq_len"
+        )
+    chunks = list(order_chunks(num_samples, tokens_per_epoch, seq_len)) if shuffle else []
+    built = chunks[-1][2] if shuffle else num_samples
+    epochs = -(-(built * seq_len + 1) // tokens_per_epoch)
+    if shuffle:
+        rng = np.random.default_rng([seed, 0xD0C])
+        doc_idx = np.empty(epochs * num_ids, dtype=dtype)
+        for e in range(epochs):
+            part = doc_idx[e * num_ids : (e + 1) * num_ids]
+            _permute_into(kernels, part, num_ids, rng, ids=None if is_all else ids)
+    else:
+        doc_idx = np.tile(np.arange(num_ids, dtype=dtype) if ids is None else ids, epochs)
+    if sink is not None:
+        sink(0, doc_idx)
+    total = built + 1
+    sample_idx = np.empty((total, 2), dtype=_index_dtype(max(doc_idx.size, int(doc_lengths.max(initial=0)))))
+    filled = kernels.sample_starts(doc_idx, doc_lengths, seq_len, total, sample_idx)
+    if filled != total:  # epochs are enough
+        raise AssertionError(f"the stream holds {filled} sample starts, expected {total}")
+    if sink is not None:
+        sink(1, sample_idx)
+    order = np.empty(num_samples, dtype=_index_dtype(built))
+    if shuffle:
+        for epoch, lo, hi in chunks:
+            part = order[lo : min(hi, num_samples)]
+            _permute_into(kernels, part, hi - lo, np.random.default_rng([seed, 0x5A3, epoch, lo]), base=lo)
+    else:
+        order[:] = np.arange(num_samples, dtype=order.dtype)
+    if sink is not None:
+        sink(2, order)
+    return doc_idx, sample_idx, order
 
 
 def _sample_starts(
@@ -258,21 +412,28 @@ def dataset_digest(dataset: IndexedDataset) -> str:
     """SHA-256 of what in the ``.idx`` shapes sample indices: dtype, counts, sequence lengths and
     document indices (not the path or the mtime: a copy on another node has the same digest).
 
-    Reads the index in 64 MB blocks through file reads (about 0.3 s per GB).
+    Reads the index in 64 MB blocks through file reads, each hashed on a second thread while the
+    next is read (hashlib and file reads release the GIL): at 100M documents, 1.2 GB in about
+    0.7 s instead of 1.2 s here.
     """
     h = hashlib.sha256()
     n, d = len(dataset), dataset.num_documents + 1
     h.update(f"{dataset.dtype.str}:{n}:{d}".encode())
     sections = [(HEADER_SIZE, 4 * n), (HEADER_SIZE + 12 * n, 8 * d)]  # lengths, document indices
-    with open(dataset.idx_path, "rb") as f:
+    with open(dataset.idx_path, "rb") as f, ThreadPoolExecutor(1, thread_name_prefix="index-hash") as pool:
+        hashing = None  # the previous block's update, in flight
         for start, size in sections:
             f.seek(start)
             while size > 0:
                 block = f.read(min(_HASH_BLOCK, size))
                 if not block:
                     raise DataFormatError(f"{dataset.idx_path}: truncated while hashing")
-                h.update(block)
+                if hashing is not None:
+                    hashing.result()  # blocks are hashed in order
+                hashing = pool.submit(h.update, block)
                 size -= len(block)
+        if hashing is not None:
+            hashing.result()
     return h.hexdigest()
 
 
@@ -308,6 +469,49 @@ def cache_key(
         "shuffle": shuffle,
     }
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:24]
+
+
+class _Saver:
+    """Saves the three arrays of an index, in order (the shuffle index renamed into place last:
+    readers check all three, and a file that another builder replaces meanwhile has the same
+    content, the build being deterministic), on a thread of its own: numpy's file writes and the
+    compiled kernels release the GIL, so saving overlaps building. The first failure (a read-only
+    or full cache directory: ``OSError``) stops the saves; :meth:`finish` waits for them and
+    returns it."""
+
+    def __init__(self, paths: tuple[Path, Path, Path]) -> None:
+        self._paths = paths
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="index-save")
+        self._handed: set[int] = set()
+        self._error: OSError | None = None
+        self._futures = [self._pool.submit(self._mkdir)]
+
+    def _mkdir(self) -> None:
+        try:
+            self._paths[0].parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            self._error = e
+
+    def _write(self, i: int, array: np.ndarray) -> None:
+        if self._error is None:
+            try:
+                _save_atomic(self._paths[i], array)
+            except OSError as e:
+                self._error = e
+
+    def save(self, i: int, array: np.ndarray) -> None:
+        """Queues array ``i`` (once)."""
+        if i not in self._handed:
+            self._handed.add(i)
+            self._futures.append(self._pool.submit(self._write, i, array))
+
+    def finish(self) -> OSError | None:
+        """Waits for the saves; the first ``OSError`` among them, or ``None``. Other errors (bugs)
+        are raised."""
+        self._pool.shutdown(wait=True)
+        for f in self._futures:
+            f.result()
+        return self._error
 
 
 def _save_atomic(path: Path, array: np.ndarray) -> None:
@@ -359,22 +563,28 @@ def load_or_build(
             return SampleIndex(*arrays, paths=paths, cache_hit=True)
     if doc_lengths is None:
         doc_lengths = dataset.document_lengths(np.int32)
-    ids = np.arange(doc_lengths.size, dtype=_index_dtype(doc_lengths.size)) if doc_ids is None else doc_ids
-    arrays = build_sample_index(ids, doc_lengths, seq_len, num_samples, seed, shuffle)
-    if paths is not None:
-        try:
-            paths[0].parent.mkdir(parents=True, exist_ok=True)
-            # The shuffle index is renamed into place last; readers check all three, and a file that
-            # another builder replaces meanwhile has the same content (the build is deterministic).
-            for p, a in zip(paths, arrays):
-                _save_atomic(p, a)
-        except OSError as e:  # a read-only or full cache directory: the run needs no cache
-            print(
-                f"warning: cannot save the sample index in the cache directory {cache_dir} "
-                f"({e.strerror or e}); using it from memory (it is rebuilt by the next run): point "
-                "data.index_cache_dir at a writable directory, or prebuild it there with "
-                "python -m data_tools.build_index",
-                file=sys.stderr,
-            )
-            paths = None
+    if paths is None:
+        arrays = build_sample_index(doc_ids, doc_lengths, seq_len, num_samples, seed, shuffle)
+        return SampleIndex(*arrays, paths=None, cache_hit=False)
+    saver = _Saver(paths)
+    try:
+        # The compiled build hands each array over as soon as it is final, and it is saved while
+        # the next is built (a GB of writes that can take seconds when the disk is busy); the
+        # numpy build's arrays are saved after it.
+        arrays = build_sample_index(
+            doc_ids, doc_lengths, seq_len, num_samples, seed, shuffle, _sink=saver.save
+        )
+        for i, a in enumerate(arrays):
+            saver.save(i, a)  # no-op for an array already handed over
+    finally:
+        e = saver.finish()
+    if e is not None:  # a read-only or full cache directory: the run needs no cache
+        print(
+            f"warning: cannot save the sample index in the cache directory {cache_dir} "
+            f"({e.strerror or e}); using it from memory (it is rebuilt by the next run): point "
+            "data.index_cache_dir at a writable directory, or prebuild it there with "
+            "python -m data_tools.build_index",
+            file=sys.stderr,
+        )
+        paths = None
     return SampleIndex(*arrays, paths=paths, cache_hit=False)
