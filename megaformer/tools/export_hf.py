@@ -15,14 +15,27 @@ model's ``seq_len``; every file gets the mode ``open()`` gives (``0o666 & ~umask
 The checkpoint may come from any (tp, pp, dp) layout: its module weights are consolidated by
 :func:`megaformer.checkpoint.reshard.consolidate` (the loader every tool shares), vocabulary padding cut.
 
+A masked LM (``model.objective: mlm``) exports as ``MegaformerForMaskedLM`` (remote code, loaded with
+``AutoModelForMaskedLM``; no ``generation_config.json``): bidirectional attention and RoBERTa's LM
+head exactly as megaformer's (``lm_head.{dense,layer_norm,bias}``, the decoder tied to the token
+embedding), logits over the whole ``model.vocab_size`` (50265; only the padding beyond it is cut).
+Its tokenizer is transformers' ``RobertaTokenizer`` on the GPT-2 files with the ids of
+:mod:`megaformer.data.mlm` (:func:`mlm_tokenizer_config`), so ``pipeline("fill-mask", model=DIR,
+trust_remote_code=True)`` works. No native RoBERTa export: transformers' ``RobertaModel`` and
+``RobertaPreLayerNormModel`` apply a LayerNorm to the sum of token, position and token-type
+embeddings, which no weights switch off and megaformer does not have (the token-type row could be
+zero and RoBERTa's position offset absorbed into the table; the LayerNorm cannot), and
+``RobertaModel`` is Post-LN (``tests/unit/test_export_hf_mlm.py`` shows the normalised embeddings).
+
 ``--format gpt2`` writes transformers' native ``GPT2LMHeadModel`` instead (no remote code). It is
-offered only where GPT-2 computes exactly megaformer's function: the Pre-LN baseline (``norm_scheme``
-pre_ln, every NormFormer switch and ``qkv_ln`` off), GELU or ReLU²; the sinusoidal table goes into
-GPT-2's position table ``wpe`` (exact: a table lookup either way), and with ``scale_embedding`` the
-input embedding is written as ``sqrt(d)·E`` and the output projection as ``E``, untied. Why not XGLM,
-the native sinusoidal Pre-LN model: its ``XGLMSinusoidalPositionalEmbedding`` looks position ``p`` up at
-row ``p + 2`` of a fairseq table whose row 1 (the padding index) is zeroed, where megaformer uses row
-``p``; the same weights give other logits (``tests/unit/test_export_hf.py`` shows the offset).
+offered only where GPT-2 computes exactly megaformer's function (never a masked LM): the Pre-LN
+baseline (``norm_scheme`` pre_ln, every NormFormer switch and ``qkv_ln`` off), GELU or ReLU²; the
+sinusoidal table goes into GPT-2's position table ``wpe`` (exact: a table lookup either way), and
+with ``scale_embedding`` the input embedding is written as ``sqrt(d)·E`` and the output projection as
+``E``, untied. Why not XGLM, the native sinusoidal Pre-LN model: its
+``XGLMSinusoidalPositionalEmbedding`` looks position ``p`` up at row ``p + 2`` of a fairseq table whose
+row 1 (the padding index) is zeroed, where megaformer uses row ``p``; the same weights give other
+logits (``tests/unit/test_export_hf.py`` shows the offset).
 """
 
 from __future__ import annotations
@@ -43,6 +56,7 @@ REPO = Path(__file__).resolve().parents[2]
 REMOTE_CODE = Path(__file__).resolve().parent / "hf_remote"
 REMOTE_FILES = ("configuration_megaformer.py", "modeling_megaformer.py")
 EOD = 50256
+MLM_HEAD = "tied_modules.embed.lm_head."  # megaformer's MaskedLMHead, held by the embedding module
 
 
 class ExportError(ValueError):
@@ -56,14 +70,22 @@ def _block_prefixes(config: ModelConfig) -> tuple[list[str], str, str]:
 
 
 def hf_config(config: ModelConfig) -> dict:
-    """``config.json`` of the remote-code model (:mod:`megaformer.tools.hf_remote`)."""
+    """``config.json`` of the remote-code model (:mod:`megaformer.tools.hf_remote`):
+    ``MegaformerForCausalLM``, or ``MegaformerForMaskedLM`` under ``model.objective`` mlm (then also
+    ``objective``, no KV cache, and the special ids of :mod:`megaformer.data.mlm`)."""
     from megaformer.model.normformer import deepnorm_alpha
 
-    return {
-        "architectures": ["MegaformerForCausalLM"],
+    mlm = config.objective == "mlm"
+    arch, auto = (
+        ("MegaformerForMaskedLM", "AutoModelForMaskedLM")
+        if mlm
+        else ("MegaformerForCausalLM", "AutoModelForCausalLM")
+    )
+    cfg = {
+        "architectures": [arch],
         "auto_map": {
             "AutoConfig": "configuration_megaformer.MegaformerConfig",
-            "AutoModelForCausalLM": "modeling_megaformer.MegaformerForCausalLM",
+            auto: f"modeling_megaformer.{arch}",
         },
         "model_type": "megaformer",
         "vocab_size": config.vocab_size,
@@ -92,12 +114,21 @@ def hf_config(config: ModelConfig) -> dict:
         "eos_token_id": EOD,
         "torch_dtype": "float32",
     }
+    if mlm:
+        from megaformer.data.mlm import BOS_ID, PAD_ID
+
+        # Only the masked LM's config.json names its objective: the causal one stays as it was.
+        cfg |= {"objective": "mlm", "use_cache": False, "bos_token_id": BOS_ID, "pad_token_id": PAD_ID}
+    return cfg
 
 
 def to_hf_state(full: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """megaformer's consolidated weights (:func:`~megaformer.checkpoint.reshard.consolidate`) renamed for
-    ``MegaformerForCausalLM``, fp32, contiguous. The tied output projection is not repeated
-    (transformers ties ``lm_head.weight`` to ``model.embed_tokens.weight`` on load).
+    ``MegaformerForCausalLM`` (or ``MegaformerForMaskedLM``), fp32, contiguous. The tied output
+    projection is not repeated (transformers ties ``lm_head.weight``, the masked LM's
+    ``lm_head.decoder.weight``, to ``model.embed_tokens.weight`` on load). The masked LM's head,
+    ``tied_modules.embed.lm_head.{dense,layer_norm,bias}``, becomes ``lm_head.*`` (its vocabulary
+    bias cut to ``model.vocab_size`` by ``consolidate``, as the embedding rows).
 
     Raises:
         ExportError: a weight that has no place in the exported model (another model version).
@@ -109,6 +140,8 @@ def to_hf_state(full: dict[str, torch.Tensor], config: ModelConfig) -> dict[str,
             new = "model.embed_tokens.weight"
         elif name == "tied_modules.embed.position":
             new = "model.embed_positions.weight"
+        elif name.startswith(MLM_HEAD):
+            new = "lm_head." + name[len(MLM_HEAD) :]
         elif name.startswith(final):
             new = "model.final_norm." + name[len(final) :]
         elif name == output + "proj.weight":
@@ -126,6 +159,12 @@ def to_hf_state(full: dict[str, torch.Tensor], config: ModelConfig) -> dict[str,
 
 def gpt2_refusal(config: ModelConfig) -> str | None:
     """Why GPT-2 cannot compute this model's function exactly, or None when it can."""
+    if config.objective != "clm":
+        return (
+            f"model.objective={config.objective!r} (a masked LM): GPT2LMHeadModel is a causal LM (and "
+            "transformers' RoBERTa classes cannot compute megaformer's encoder exactly: they apply a "
+            "LayerNorm to the embeddings, which megaformer has not)"
+        )
     on = [k for k in ("post_attn_ln", "head_scale", "ffn_ln", "resid_scale", "qkv_ln") if getattr(config, k)]
     if config.norm_scheme != "pre_ln":
         return f"model.norm_scheme={config.norm_scheme!r}: GPT-2 is Pre-LN"
@@ -210,21 +249,71 @@ def to_gpt2_state(full: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
     return {k: v.detach().float().contiguous().clone() for k, v in out.items()}
 
 
+def mlm_tokenizer_config(vocab_size: int, model_max_length: int | None) -> dict:
+    """``tokenizer_config.json`` of a masked LM: transformers' ``RobertaTokenizer`` (byte-level BPE
+    over GPT-2's files; ``<s> A </s>`` and ``<s> A </s></s> B </s>`` as RoBERTa) with megaformer's
+    ids (:mod:`megaformer.data.mlm`): ``</s>`` is GPT-2's ``<|endoftext|>`` (50256, the document
+    separator of the training stream), ``<mask>`` 50257 (absorbing the space before it, as RoBERTa's),
+    ``<s>`` 50258 (every training block's first token), ``<pad>`` 50259, and the rows no input or
+    target uses, 50260 .. ``vocab_size - 1``, as special ``madeupwordNNNN`` tokens (fairseq's name for
+    the rows that pad its dictionary), so that ``len(tokenizer) == vocab_size``, the logits' width."""
+    from megaformer.data.mlm import BOS_ID, EOD_ID, MASK_ID, PAD_ID
+
+    names = {EOD_ID: "<|endoftext|>", MASK_ID: "<mask>", BOS_ID: "<s>", PAD_ID: "<pad>"}
+    names |= {i: f"madeupword{i - PAD_ID - 1:04d}" for i in range(PAD_ID + 1, vocab_size)}
+    added = {
+        str(i): {
+            "content": text,
+            "lstrip": i == MASK_ID,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for i, text in sorted(names.items())
+    }
+    return {
+        "tokenizer_class": "RobertaTokenizer",
+        "bos_token": "<s>",
+        "cls_token": "<s>",
+        "eos_token": "<|endoftext|>",
+        "sep_token": "<|endoftext|>",
+        "unk_token": "<|endoftext|>",  # byte-level BPE needs none; GPT-2's choice
+        "pad_token": "<pad>",
+        "mask_token": "<mask>",
+        "add_prefix_space": False,
+        "model_max_length": model_max_length,
+        "added_tokens_decoder": added,
+    }
+
+
 def write_tokenizer(
-    out_dir: str, vocab_file: str, merge_file: str, vocab_size: int, model_max_length: int | None = None
+    out_dir: str,
+    vocab_file: str,
+    merge_file: str,
+    vocab_size: int,
+    model_max_length: int | None = None,
+    mlm: bool = False,
 ) -> None:
     """GPT-2 byte-level BPE files under transformers' names, for ``AutoTokenizer``;
-    ``model_max_length`` (the model's ``seq_len``) goes into ``tokenizer_config.json``.
+    ``model_max_length`` (the model's ``seq_len``) goes into ``tokenizer_config.json``. A masked LM
+    (``mlm``) gets :func:`mlm_tokenizer_config`: GPT-2's 50257 ids plus the specials above them.
 
     Raises:
-        ExportError: missing files, or a vocabulary whose size is not the model's.
+        ExportError: missing files, or a vocabulary whose size is not the model's (GPT-2's 50257
+            for a masked LM).
     """
     for path in (vocab_file, merge_file):
         if not os.path.isfile(path):
             raise ExportError(f"{path}: tokenizer file not found; pass --vocab-file / --merge-file")
     with open(vocab_file, encoding="utf-8") as f:
         size = len(json.load(f))
-    if size != vocab_size:
+    if mlm and size != EOD + 1:
+        raise ExportError(
+            f"{vocab_file} has {size} entries: a masked LM's <mask>/<s>/<pad> are ids 50257..50259 above "
+            f"GPT-2's {EOD + 1} BPE ids (megaformer.data.mlm); pass GPT-2's encoder.json / vocab.bpe"
+        )
+    if not mlm and size != vocab_size:
         raise ExportError(
             f"{vocab_file} has {size} entries but the checkpoint's model.vocab_size is {vocab_size}: pass "
             "the GPT-2 files the run's data was preprocessed with (SentencePiece runs are not exported yet)"
@@ -240,6 +329,8 @@ def write_tokenizer(
         "add_prefix_space": False,
         "model_max_length": model_max_length,
     }
+    if mlm:
+        tok_config = mlm_tokenizer_config(vocab_size, model_max_length)
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(tok_config, f, indent=2)
 
@@ -280,11 +371,6 @@ def export(
     verify(tag_dir, needs=NEEDS_WEIGHTS)
     full, run_config, extra = consolidate(tag_dir, trust_code=trust_code)
     config = ModelConfig(**run_config["model"])
-    if config.objective != "clm":
-        raise ExportError(
-            f"{tag_dir}: the checkpoint's model.objective='{config.objective}' (a masked LM): export_hf "
-            "writes a causal LM (megaformer or GPT-2 format); exporting a masked LM is not implemented yet"
-        )
     info = {"step": extra.get("step"), "checkpoint": os.path.abspath(checkpoint)}
     return write_hf_dir(
         full, config, output, fmt=fmt, vocab_file=vocab_file, merge_file=merge_file, info=info
@@ -318,19 +404,18 @@ def _chmod_files(directory: str) -> None:
 
 def register_auto_classes() -> None:
     """Register megaformer's own Hugging Face classes (this installation's ``hf_remote`` code) with
-    ``AutoConfig`` / ``AutoModelForCausalLM`` under ``model_type="megaformer"``, so an export loads
-    with ``trust_remote_code=False``: transformers then uses the registered classes, and the Python
-    files inside the directory (which anyone could have edited) never run. Idempotent."""
+    ``AutoConfig`` / ``AutoModelForCausalLM`` / ``AutoModelForMaskedLM`` under
+    ``model_type="megaformer"``, so an export loads with ``trust_remote_code=False``: transformers then
+    uses the registered classes, and the Python files inside the directory (which anyone could have
+    edited) never run. Idempotent."""
     import transformers
 
     from megaformer.tools.hf_remote.configuration_megaformer import MegaformerConfig
-    from megaformer.tools.hf_remote.modeling_megaformer import MegaformerForCausalLM
+    from megaformer.tools.hf_remote.modeling_megaformer import MegaformerForCausalLM, MegaformerForMaskedLM
 
-    try:
-        transformers.AutoConfig.register("megaformer", MegaformerConfig)
-        transformers.AutoModelForCausalLM.register(MegaformerConfig, MegaformerForCausalLM)
-    except ValueError:  # already registered (by an earlier call in this process)
-        pass
+    transformers.AutoConfig.register("megaformer", MegaformerConfig, exist_ok=True)
+    transformers.AutoModelForCausalLM.register(MegaformerConfig, MegaformerForCausalLM, exist_ok=True)
+    transformers.AutoModelForMaskedLM.register(MegaformerConfig, MegaformerForMaskedLM, exist_ok=True)
 
 
 def write_hf_dir(
@@ -366,13 +451,15 @@ def write_hf_dir(
         merge_file or str(REPO / "data" / "gpt2-bpe" / "vocab.bpe"),
         config.vocab_size,
         model_max_length=config.seq_len,
+        mlm=config.objective == "mlm",
     )
     save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2)
-    gen = {"bos_token_id": EOD, "eos_token_id": EOD, "pad_token_id": EOD}
-    with open(os.path.join(tmp, "generation_config.json"), "w", encoding="utf-8") as f:
-        json.dump(gen, f, indent=2)
+    if config.objective == "clm":  # a masked LM does not generate
+        gen = {"bos_token_id": EOD, "eos_token_id": EOD, "pad_token_id": EOD}
+        with open(os.path.join(tmp, "generation_config.json"), "w", encoding="utf-8") as f:
+            json.dump(gen, f, indent=2)
     if fmt == "megaformer":
         for name in REMOTE_FILES:
             shutil.copyfile(REMOTE_CODE / name, os.path.join(tmp, name))
@@ -400,7 +487,8 @@ def main(argv: list[str] | None = None) -> int:
         "--format",
         default="megaformer",
         choices=["megaformer", "gpt2"],
-        help="megaformer: remote code, every scheme; gpt2: native GPT2LMHeadModel, Pre-LN baseline only",
+        help="megaformer: remote code, every scheme, causal or masked LM; "
+        "gpt2: native GPT2LMHeadModel, causal Pre-LN baseline only",
     )
     p.add_argument("--vocab-file", default=str(REPO / "data" / "gpt2-bpe" / "encoder.json"))
     p.add_argument("--merge-file", default=str(REPO / "data" / "gpt2-bpe" / "vocab.bpe"))

@@ -1,4 +1,5 @@
-"""Hugging Face configuration of a megaformer model (NormFormer / Pre-LN / Post-LN / DeepNorm decoder).
+"""Hugging Face configuration of a megaformer model (NormFormer / Pre-LN / Post-LN / DeepNorm), a causal
+LM (decoder) or, with ``objective="mlm"``, a RoBERTa-style masked LM (bidirectional encoder).
 
 Shipped next to the weights by ``python -m megaformer.tools.export_hf`` and loaded with
 ``trust_remote_code=True``; it imports only ``transformers``. The fields are the checkpoint's
@@ -15,10 +16,14 @@ from transformers import PretrainedConfig
 
 
 class MegaformerConfig(PretrainedConfig):
-    """Shape and normalisation scheme of an exported megaformer decoder.
+    """Shape and normalisation scheme of an exported megaformer model.
 
     Args:
-        vocab_size: tokenizer vocabulary (GPT-2 BPE: 50257); the export drops megaformer's padding rows.
+        vocab_size: tokenizer vocabulary (GPT-2 BPE: 50257; the masked LM: megaformer's
+            ``model.vocab_size``, 50265, with ``<mask>`` / ``<s>`` / ``<pad>`` at 50257..50259); the
+            export drops megaformer's padding rows (those beyond ``model.vocab_size``).
+        objective: ``"clm"`` (causal attention, ``MegaformerForCausalLM``) or ``"mlm"`` (bidirectional
+            attention, ``MegaformerForMaskedLM`` with RoBERTa's LM head; no KV cache).
         hidden_size, num_hidden_layers, num_attention_heads, intermediate_size: width d, layers N,
             heads, FFN width.
         max_position_embeddings: megaformer's ``seq_len``: the longest context (position table size).
@@ -41,6 +46,7 @@ class MegaformerConfig(PretrainedConfig):
     def __init__(
         self,
         vocab_size: int = 50257,
+        objective: str = "clm",
         hidden_size: int = 256,
         num_hidden_layers: int = 4,
         num_attention_heads: int = 4,
@@ -67,6 +73,7 @@ class MegaformerConfig(PretrainedConfig):
         **kwargs,
     ) -> None:
         self.vocab_size = vocab_size
+        self.objective = objective
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
         self.num_attention_heads = num_attention_heads

@@ -1,9 +1,12 @@
-"""A megaformer decoder as a Hugging Face causal LM, with a KV cache for ``generate()``.
+"""A megaformer decoder as a Hugging Face causal LM, with a KV cache for ``generate()``, and a megaformer
+masked LM (``model.objective: mlm``) as a Hugging Face masked LM.
 
 Shipped next to the weights by ``python -m megaformer.tools.export_hf``; loaded with
-``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)``. It imports only ``torch`` and
-``transformers`` and recomputes, in one process, the function megaformer's tensor-parallel model
-(``megaformer/model/normformer.py``) computes at TP = 1::
+``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`` (or ``AutoModelForMaskedLM``
+for a masked LM: :class:`MegaformerForMaskedLM`, the same blocks with bidirectional attention and
+RoBERTa's LM head, as megaformer's ``MaskedLMHead``; no KV cache; ``pipeline("fill-mask")`` works).
+It imports only ``torch`` and ``transformers`` and recomputes, in one process, the function
+megaformer's tensor-parallel model (``megaformer/model/normformer.py``) computes at TP = 1::
 
     pre_ln:    h = x + POSTATTN_LN(HeadScaleMHA(LN1(x)))
                y = RESID_SCALE * h + W2 FFN_LN(act(W1 LN2(h) + b1)) + b2
@@ -61,7 +64,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast, MaskedLMOutput
 from transformers.utils import logging
 
 from .configuration_megaformer import MegaformerConfig
@@ -80,17 +83,19 @@ def _one_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | No
 
 
 def eager_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``softmax(q k^T / sqrt(head_dim) + mask) v`` and the softmax weights ``[B, heads, T, S]``: what
     ``F.scaled_dot_product_attention`` computes, with its weights. ``q: [B, heads, T, hs]``, ``k, v: [B,
     heads, S, hs]``; ``mask``: bool (True: may attend), broadcast to ``[B, heads, T, S]``, or None for
-    causal attention (query i sees keys 0..i + S - T). The softmax runs in fp32."""
+    causal attention (query i sees keys 0..i + S - T), or for no mask at all when not ``causal`` (the
+    masked LM). The softmax runs in fp32."""
     n_q, n_k = q.shape[-2], k.shape[-2]
     scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    if mask is None:
+    if mask is None and causal:
         mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(n_k - n_q)
-    scores = scores.masked_fill(~mask, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(weights, v), weights
 
@@ -128,7 +133,8 @@ class QKVLayerNorm(nn.Module):
 
 
 class MegaformerAttention(nn.Module):
-    """Causal multi-head attention with NormFormer's HeadScale and optional q/k/v LayerNorms.
+    """Multi-head attention with NormFormer's HeadScale and optional q/k/v LayerNorms; causal, or
+    bidirectional under ``config.objective == "mlm"`` (the masked LM).
 
     ``x: float[B, T, d]`` -> (``float[B, T, d]``, the attention weights ``[B, heads, T, past + T]`` when
     ``output_attentions`` else None); with a cache the keys and values of earlier calls are prepended
@@ -146,6 +152,7 @@ class MegaformerAttention(nn.Module):
         # 'after_out_proj' (fairseq's c_attn): gamma scales out_proj's output in head_dim chunks.
         self.head_scale_after = getattr(config, "head_scale_position", "before_out_proj") == "after_out_proj"
         self.out_proj = nn.Linear(d, d)
+        self.is_causal = getattr(config, "objective", "clm") != "mlm"
         self.config = config  # its _attn_implementation is read at call time (set_attn_implementation)
 
     def forward(
@@ -165,9 +172,9 @@ class MegaformerAttention(nn.Module):
             k, v = past_key_values.update(k, v, self.layer_idx)  # (B, nh, past + T, hs)
         weights = None
         if output_attentions or getattr(self.config, "_attn_implementation", None) == "eager":
-            y, weights = eager_attention(q, k, v, mask)
+            y, weights = eager_attention(q, k, v, mask, causal=self.is_causal)
         elif mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=self.is_causal)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         y = y.transpose(1, 2)  # (B, T, nh, hs)
@@ -252,20 +259,26 @@ class MegaformerPreTrainedModel(PreTrainedModel):
             module.head_scale.fill_(1.0)
         elif isinstance(module, MegaformerBlock) and module.resid_scale is not None:
             module.resid_scale.fill_(1.0)
+        elif isinstance(module, MegaformerMaskedLMHead):
+            module.bias.zero_()
 
 
 def _attention_mask(
-    attention_mask: torch.Tensor | None, past: int, new: int, device: torch.device
+    attention_mask: torch.Tensor | None, past: int, new: int, device: torch.device, causal: bool = True
 ) -> torch.Tensor | None:
     """``bool[B, 1, new, past + new]`` (True: may attend), or None where plain causal attention over
-    the new tokens alone is exact (no cache, no padding). A padded query row keeps its own key, so
-    that no row is all False (SDPA would return NaN there; the row's output is never used)."""
+    the new tokens alone (bidirectional when not ``causal``) is exact (no cache, no padding). A
+    padded query row keeps its own key, so that no row is all False (SDPA would return NaN there;
+    the row's output is never used)."""
     if past == 0 and (attention_mask is None or bool(attention_mask.all())):
         return None
     total = past + new
     q_pos = torch.arange(past, total, device=device).view(new, 1)
     k_pos = torch.arange(total, device=device).view(1, total)
-    allowed = (k_pos <= q_pos).view(1, 1, new, total)
+    if causal:
+        allowed = (k_pos <= q_pos).view(1, 1, new, total)
+    else:
+        allowed = torch.ones(1, 1, new, total, dtype=torch.bool, device=device)
     if attention_mask is not None:
         keys = attention_mask[:, -total:].bool().view(-1, 1, 1, total)
         allowed = allowed & (keys | (k_pos == q_pos).view(1, 1, new, total))
@@ -291,6 +304,7 @@ class MegaformerModel(MegaformerPreTrainedModel):
         self.final_norm = (
             nn.LayerNorm(d, eps=config.layer_norm_eps) if config.norm_scheme == "pre_ln" else None
         )
+        self.is_causal = getattr(config, "objective", "clm") != "mlm"
         self.gradient_checkpointing = False  # set by gradient_checkpointing_enable() (with the blocks')
         self.post_init()
 
@@ -342,6 +356,11 @@ class MegaformerModel(MegaformerPreTrainedModel):
         )
         return_dict = cfg.return_dict if return_dict is None else return_dict
         use_cache = cfg.use_cache if use_cache is None else use_cache
+        if not self.is_causal and (use_cache or past_key_values is not None):
+            # Bidirectional attention: cached tokens would not see later ones; no cache to reuse.
+            if past_key_values is not None:
+                raise ValueError("the masked LM (objective='mlm') attends both ways and takes no KV cache")
+            use_cache = False
         if use_cache and self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             logger.warning_once("use_cache=True is incompatible with gradient checkpointing: use_cache=False")
             use_cache = False
@@ -354,7 +373,7 @@ class MegaformerModel(MegaformerPreTrainedModel):
         if position_ids is None:
             position_ids = torch.arange(past, past + new, device=inputs_embeds.device).unsqueeze(0)
         x = inputs_embeds * self.embed_scale + self._positions(position_ids).to(inputs_embeds.dtype)
-        mask = _attention_mask(attention_mask, past, new, x.device)
+        mask = _attention_mask(attention_mask, past, new, x.device, causal=self.is_causal)
         hidden_states = (x,) if output_hidden_states else None
         attentions = () if output_attentions else None
         for layer in self.layers:
@@ -448,6 +467,95 @@ class MegaformerForCausalLM(MegaformerPreTrainedModel, GenerationMixin):
             hidden_states=out.hidden_states,
             attentions=out.attentions,
             **{_CACHE_FIELD: getattr(out, _CACHE_FIELD)},
+        )
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        return result if return_dict else result.to_tuple()
+
+
+class MegaformerMaskedLMHead(nn.Module):
+    """RoBERTa's LM head as megaformer's ``MaskedLMHead`` + ``masked_lm_logits``:
+    ``logits = LayerNorm(GELU(dense(h))) · Eᵀ + bias``, ``float[B, T, d]`` -> ``float[B, T, vocab_size]``;
+    ``decoder`` is tied to the token embedding ``E`` (unscaled: ``scale_embedding`` applies to the
+    input only, as in megaformer). Weight names follow transformers' ``RobertaLMHead``."""
+
+    def __init__(self, config: MegaformerConfig) -> None:
+        super().__init__()
+        d = config.hidden_size
+        self.dense = nn.Linear(d, d)
+        self.layer_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
+        self.decoder = nn.Linear(d, config.vocab_size, bias=False)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.layer_norm(F.gelu(self.dense(hidden)))) + self.bias
+
+
+class MegaformerForMaskedLM(MegaformerPreTrainedModel):
+    """The masked LM (megaformer's ``model.objective: mlm``): bidirectional attention, RoBERTa's LM
+    head (:class:`MegaformerMaskedLMHead`); logits ``float[B, T, vocab_size]`` over megaformer's whole
+    ``model.vocab_size`` (GPT-2's ids, then ``<mask>`` 50257, ``<s>`` 50258, ``<pad>`` 50259 and the
+    never-used rows up to 50264, as RoBERTa-base's 50265). With ``labels`` (original ids at the
+    predicted positions, -100 elsewhere) the loss is the mean cross-entropy over the predicted
+    positions (megaformer's ``MaskedLMLoss``), or their sum over ``num_items_in_batch`` when
+    ``Trainer`` passes it. ``attention_mask`` (0 = padding) hides padded keys; positions count from 0
+    (right padding keeps every real token's position)."""
+
+    _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.decoder.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: MegaformerConfig) -> None:
+        super().__init__(config)
+        self.model = MegaformerModel(config)
+        self.lm_head = MegaformerMaskedLMHead(config)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head.decoder
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head.decoder = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> MaskedLMOutput | tuple:
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=False,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+        )
+        logits = self.lm_head(out.last_hidden_state)
+        loss = None
+        if labels is not None:
+            num_items = kwargs.get("num_items_in_batch")  # Trainer's count over accumulated batches
+            loss = F.cross_entropy(
+                logits.flatten(0, 1).float(),
+                labels.flatten().to(logits.device),
+                ignore_index=-100,
+                reduction="mean" if num_items is None else "sum",
+            )
+            if num_items is not None:
+                loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+        result = MaskedLMOutput(
+            loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions
         )
         return_dict = self.config.return_dict if return_dict is None else return_dict
         return result if return_dict else result.to_tuple()
