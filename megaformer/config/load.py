@@ -387,11 +387,6 @@ def check_parallel(cfg: RunConfig) -> None:
         f"parallel.partition_method='{p.partition_method}': use parameters, uniform or type:NormFormerBlock.",
     )
     _require(
-        p.pp_size == 1 or m.objective == "clm",
-        f"parallel.pp_size={p.pp_size} with model.objective='{m.objective}': the masked LM's head is not "
-        "yet split into pipeline stages; set parallel.pp_size=1 (tensor and data parallelism work).",
-    )
-    _require(
         p.pp_size <= m.num_layers,
         f"parallel.pp_size={p.pp_size} stages for model.num_layers={m.num_layers} blocks; use at most "
         f"{m.num_layers} stages.",

@@ -67,8 +67,9 @@ class LayerDef:
             DeepSpeed's ``TiedLayerSpec``; None for an ordinary layer.
         forward_fn: for a tied entry, ``forward_fn(module, x)`` is called instead of ``module(x)``
             (the tied output projection reads the embedding's weight).
-        tied_weight_attr: for a tied entry, the dotted name of the shared weight (DeepSpeed
-            all-reduces its gradient between the stages that hold a copy).
+        tied_weight_attr: for a tied entry, the dotted name of the shared weight, or a tuple of
+            them (DeepSpeed all-reduces their gradients between the stages that hold a copy and
+            broadcasts them from the first such stage after a load).
 
     Raises:
         ValueError: a ``forward_fn`` or ``tied_weight_attr`` on an untied entry, or a tied entry
@@ -80,7 +81,7 @@ class LayerDef:
     kwargs: Mapping[str, Any] = field(default_factory=dict)
     tied_key: str | None = None
     forward_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
-    tied_weight_attr: str | None = None
+    tied_weight_attr: str | tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.tied_key is None and (self.forward_fn is not None or self.tied_weight_attr is not None):
@@ -122,9 +123,8 @@ def model_layers(
     # One generator for all blocks: separate ones, all seeded alike, would repeat the same masks.
     rng = dropout_rng or DropoutRNG(seed, tp_rank=tp_rank(tp_group))
     common = {"tp_group": tp_group, "seed": seed, "sequence_parallel": sp, "dropout_rng": rng}
-    embed = LayerDef(
-        NormFormerEmbedding, (config,), common, tied_key="embed", tied_weight_attr="token.weight"
-    )
+    tied = embedding_tied_weights(config)
+    embed = LayerDef(NormFormerEmbedding, (config,), common, tied_key="embed", tied_weight_attr=tied)
     plan = [embed]
     plan += [LayerDef(NormFormerBlock, (config, i), common) for i in range(config.num_layers)]
     plan.append(LayerDef(FinalNorm, (config,), {"tp_group": tp_group, "sequence_parallel": sp}))
@@ -136,13 +136,27 @@ def model_layers(
                 common,
                 tied_key="embed",
                 forward_fn=masked_lm_logits if config.objective == "mlm" else tied_output_logits,
-                tied_weight_attr="token.weight",
+                tied_weight_attr=tied,
             )
         )
     else:
         output_kwargs = {k: common[k] for k in ("tp_group", "seed", "sequence_parallel")}
         plan.append(LayerDef(OutputProjection, (config,), output_kwargs))
     return plan
+
+
+def embedding_tied_weights(config: ModelConfig) -> str | tuple[str, ...]:
+    """What the first and the last pipeline stage share of the tied embedding module: the token
+    table; under ``model.objective`` mlm also RoBERTa's LM head (``lm_head.*``), which the module
+    holds and only the last stage computes with. Tying the head's parameters too keeps the copy
+    on the first stage (the one DeepSpeed saves and counts in the gradient norm) equal to the
+    last stage's: their gradients are summed between the two stages (the first stage's are
+    zeros: :attr:`~megaformer.model.normformer.NormFormerEmbedding.head_grads_here`) and both
+    take the same update."""
+    if config.objective != "mlm":
+        return "token.weight"
+    head = ("dense.weight", "dense.bias", "layer_norm.weight", "layer_norm.bias", "bias")
+    return ("token.weight", *(f"lm_head.{name}" for name in head))
 
 
 def layer_prefixes(plan: list[LayerDef]) -> list[str | None]:

@@ -57,7 +57,9 @@ equals the same layer built inside the whole model, at any TP degree.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -342,6 +344,11 @@ class NormFormerEmbedding(nn.Module):
             if config.objective == "mlm"
             else None
         )
+        # The first pipeline stage's copy of the module (the embedding: it never runs lm_head) sets
+        # this (megaformer.pipeline.build_pipeline_module): forward then makes lm_head's
+        # gradients zeros rather than None, so that DeepSpeed's all-reduce of the tied gradients
+        # (embedding_tied_weights) finds a tensor on both stages.
+        self.head_grads_here = False
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         seq_len = tokens.shape[-1]
@@ -367,7 +374,13 @@ class NormFormerEmbedding(nn.Module):
         # fairseq's dropout on the embedding output; replicated across TP ranks (the same mask on
         # each), or this rank's own tokens under sequence parallelism (its own mask).
         region = "sharded" if self.sequence_parallel else "replicated"
-        return _dropout(x, self.config.embedding_dropout, self.training, self.dropout_rng, region)
+        x = _dropout(x, self.config.embedding_dropout, self.training, self.dropout_rng, region)
+        if self.head_grads_here and self.lm_head is not None and torch.is_grad_enabled():
+            # + 0 · (one element of each head parameter): the values are unchanged, the head's
+            # parameters join the graph and get zero gradients.
+            anchor = torch.stack([p.reshape(-1)[0] for p in self.lm_head.parameters()]).sum()
+            x = x + 0.0 * anchor.to(x.dtype)
+        return x
 
 
 class NormFormerBlock(nn.Module):
@@ -448,6 +461,9 @@ class NormFormerBlock(nn.Module):
         # Selective recomputation of the attention core (train.recompute=selective; set by
         # megaformer.model.set_selective_recompute after the model is built).
         self.recompute_core_attention = False
+        # bool[B, T], False at padded keys, while :func:`padded_keys` holds it (fine-tuning on
+        # padded batches of sentences); None: every key is attended (training's packed blocks).
+        self.key_padding_mask: torch.Tensor | None = None
         if config.resid_scale:
             lam = nn.Parameter(torch.ones(d))  # paper Sec. 2: λ_resid initialised to 1
             self.resid_scale = mark_no_weight_decay(mark_replicated(lam))
@@ -577,10 +593,24 @@ class NormFormerBlock(nn.Module):
         """``softmax(q kᵀ / sqrt(hs)) v`` with attention dropout, causal under ``model.objective`` clm,
         bidirectional (no mask) under mlm: 3 × ``[B, nh, T, hs]`` -> ``[B, nh, T, hs]``."""
         dropout_p = self.config.attention_dropout if self.training else 0.0
+        if self.key_padding_mask is not None:
+            return self._padded_core_attention(q, k, v, dropout_p)
         if dropout_p > 0.0:
             # The local heads differ on every TP rank: independent masks.
             return self.dropout_rng.attention(q, k, v, dropout_p, "sharded", is_causal=self.is_causal)
         return F.scaled_dot_product_attention(q, k, v, is_causal=self.is_causal)
+
+    def _padded_core_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float
+    ) -> torch.Tensor:
+        """:meth:`_core_attention` with :attr:`key_padding_mask`: no query attends to a padded key
+        (and causally masked under clm). One process only: the attention dropout is torch's own
+        generator, not the TP-aware streams of :class:`~megaformer.parallel.rng.DropoutRNG`."""
+        keep = self.key_padding_mask[:, None, None, :]  # (B, 1, 1, T): over heads and queries
+        if self.is_causal:
+            t = q.shape[-2]
+            keep = keep & torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p)
 
     def _recomputed_core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """:meth:`_core_attention` under selective recomputation (``train.recompute=selective``):
@@ -687,6 +717,28 @@ class FinalNorm(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden if self.norm is None else self.norm(hidden)
+
+
+@contextlib.contextmanager
+def padded_keys(blocks: Sequence[NormFormerBlock], keep: torch.Tensor) -> Iterator[None]:
+    """Inside the ``with`` statement, every block's attention ignores the keys where ``keep``
+    (``bool[B, T]``, the batch's real tokens) is False: right-padded batches of unequal sentences,
+    as fine-tuning feeds them (:mod:`megaformer.tools.finetune`); a real token's hidden state is
+    then the same as for its row alone. Single-process models only (see
+    :meth:`NormFormerBlock._padded_core_attention`); the mask is removed on exit.
+
+    Raises:
+        ValueError: ``keep`` is not 2-D boolean.
+    """
+    if keep.dtype != torch.bool or keep.dim() != 2:
+        raise ValueError(f"keep must be bool[B, T], got {keep.dtype} of shape {tuple(keep.shape)}")
+    for block in blocks:
+        block.key_padding_mask = keep
+    try:
+        yield
+    finally:
+        for block in blocks:
+            block.key_padding_mask = None
 
 
 def tied_output_logits(embedding: NormFormerEmbedding, hidden: torch.Tensor) -> torch.Tensor:
@@ -847,7 +899,9 @@ class MaskedLMLoss:
     micro-batch and data-parallel rank) over their count (its ``sample_size``), not the mean of the
     micro-batches' means; the trainer's engine adapter reweights each micro-batch's loss by its
     masked count to get it (:meth:`megaformer.training.ds_adapter.Engine.train_step`), and
-    validation likewise.
+    validation likewise. Under a pipeline the weight travels with the labels: ``labels`` may be
+    ``(labels, weight)``, weight a 0-dim float tensor that multiplies the mean
+    (:meth:`~megaformer.training.ds_adapter.Engine._weighted_masked_batches`).
 
     Raises:
         ValueError: ``labels`` does not have the shape of the logits' first two dimensions.
@@ -857,7 +911,12 @@ class MaskedLMLoss:
         self.vocab_size = config.vocab_size
         self.tp_group = tp_group
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, logits: torch.Tensor, labels: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        weight = None
+        if isinstance(labels, (tuple, list)):  # (labels, weight): a pipeline's last stage
+            labels, weight = labels
         if labels.shape != logits.shape[:-1]:
             raise ValueError(
                 f"labels {tuple(labels.shape)} must have the shape of tokens {tuple(logits.shape[:-1])}"
@@ -869,7 +928,8 @@ class MaskedLMLoss:
         nll = vocab_parallel_cross_entropy(
             logits, labels.where(chosen, 0), self.tp_group, self.vocab_size, inplace=True
         )  # (B, T)
-        return (nll * chosen).sum() / chosen.sum().clamp(min=1)
+        loss = (nll * chosen).sum() / chosen.sum().clamp(min=1)
+        return loss if weight is None else loss * weight.to(loss.dtype)
 
 
 def lm_loss(config: ModelConfig, tp_group: ProcessGroup | None) -> LMLoss | MaskedLMLoss:

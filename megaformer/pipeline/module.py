@@ -186,7 +186,7 @@ def build_pipeline_module(
     """
     # The blocks and the recomputation must see the same generator object to replay its masks.
     dropout_rng = dropout_rng or DropoutRNG(seed, tp_rank=tp_rank(tp_group))
-    return PipelineModule(
+    module = PipelineModule(
         layers=layer_specs(
             config, tp_group=tp_group, seed=seed, sequence_parallel=sequence_parallel, dropout_rng=dropout_rng
         ),
@@ -197,3 +197,9 @@ def build_pipeline_module(
         activation_checkpoint_func=checkpointed(dropout_rng),
         checkpointable_layers=[NormFormerBlock.__name__],
     )
+    # The masked LM's head is tied between the first and the last stage (embedding_tied_weights):
+    # the first stage's copy, which only embeds, must give zero gradients for it, not None.
+    tied = getattr(module, "tied_modules", {})
+    if "embed" in tied and module.stage_id == 0:
+        tied["embed"].head_grads_here = True
+    return module

@@ -335,16 +335,20 @@ class Engine:
         engine: what ``deepspeed.initialize`` returned.
         state: the job's :class:`~megaformer.parallel.state.ParallelState`.
         pipelined: ``engine`` is a ``PipelineEngine``.
+        masked_lm: ``model.objective`` is mlm (losses averaged over the step's masked tokens); None:
+            read from the module's ``config`` (a ``PipelineModule`` has none: pass it).
     """
 
-    def __init__(self, engine: Any, state: Any, pipelined: bool) -> None:
+    def __init__(self, engine: Any, state: Any, pipelined: bool, masked_lm: bool | None = None) -> None:
         self.engine = engine
         self.state = state
         self.pipelined = pipelined
         self.gas = engine.gradient_accumulation_steps()
-        # model.objective mlm (pp = 1 only): losses averaged over the step's masked tokens.
-        config = getattr(getattr(engine, "module", None), "config", None)
-        self.masked_lm = not pipelined and getattr(config, "objective", "clm") == "mlm"
+        # model.objective mlm: losses averaged over the step's masked tokens.
+        if masked_lm is None:
+            config = getattr(getattr(engine, "module", None), "config", None)
+            masked_lm = getattr(config, "objective", "clm") == "mlm"
+        self.masked_lm = masked_lm
         self._fp32_plain = not (
             engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization()
         )
@@ -392,6 +396,8 @@ class Engine:
             # Every stage gets the iterator; the first stage reads the tokens, the last the labels.
             # The loss returned is the last stage's, averaged over data-parallel ranks and
             # broadcast to every stage by DeepSpeed.
+            if self.masked_lm:
+                micro_batches = self._weighted_masked_batches(micro_batches, self.gas)
             loss = self.engine.train_batch(micro_batches)
             self._grad_norm = self.engine.get_global_grad_norm()
             return loss.detach().double()
@@ -451,6 +457,34 @@ class Engine:
         summed = self._mean_over_dp(total)  # Σ NLL / dp
         return summed / mean_count.to(summed.device).clamp(min=1.0)
 
+    def _weighted_masked_batches(
+        self, micro_batches: Iterator[tuple[torch.Tensor, torch.Tensor]], count: int
+    ) -> Iterator[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]:
+        """The masked LM under a pipeline: the next ``count`` micro-batches, each with the weight
+        ``n · count · dp / N`` beside its labels (``(tokens, (labels, weight))``, ``n`` its masked
+        tokens, ``N`` those of all ``count`` micro-batches of every data-parallel rank), for
+        :class:`~megaformer.model.MaskedLMLoss` to scale its mean by. DeepSpeed's pipeline engine
+        averages the loss and the gradients over the micro-batches and the data-parallel ranks, so
+        both become fairseq's ``Σ NLL / N``, as :meth:`_masked_lm_train_step` makes them at pp = 1.
+
+        Every stage reads the micro-batches and computes the same weights (its data-parallel group's
+        all-reduce, before the schedule starts: no collective inside it); only the last stage uses
+        them. Counted on the engine's device, one all-reduce, no host sync.
+        """
+        from megaformer.data.mlm import IGNORE_INDEX
+
+        batches = [next(micro_batches) for _ in range(count)]
+        device = self.engine.device
+        counts = [(labels.to(device) != IGNORE_INDEX).sum().double() for _, labels in batches]
+        mean_count = mean_over_group(torch.stack(counts).sum(), self.state.dp_group, self.state.dp_size)
+        mean_count = mean_count.to(device).clamp(min=1.0)
+        return iter(
+            [
+                (tokens, (labels, (n * count / mean_count).float()))
+                for (tokens, labels), n in zip(batches, counts, strict=True)
+            ]
+        )
+
     def _reduce_gradients(self) -> None:
         """pp = 1 with coalesced sequence-parallel gradients, after each micro-batch's ``backward``
         (which skipped it): at the accumulation boundary the TP sum of the sequence-parallel
@@ -484,6 +518,8 @@ class Engine:
             A float64 0-dim device tensor; the same on every rank.
         """
         if self.pipelined:
+            if self.masked_lm:
+                micro_batches = self._weighted_masked_batches(micro_batches, count)
             loss = self.engine.eval_batch(micro_batches, num_micro_batches=count)
             return loss.detach().double()
         self.engine.eval()
@@ -581,6 +617,7 @@ def initialize(
     ds_config: dict,
     state: Any,
     pipelined: bool,
+    masked_lm: bool | None = None,
 ) -> Engine:
     """``deepspeed.initialize`` with our optimizer, schedule and layout, wrapped in :class:`Engine`.
 
@@ -597,4 +634,4 @@ def initialize(
         mpu=None if pipelined else state.mpu(),
         dist_init_required=False,
     )
-    return Engine(engine, state, pipelined)
+    return Engine(engine, state, pipelined, masked_lm=masked_lm)

@@ -477,7 +477,15 @@ def _build_engine(cfg: RunConfig, layout: Any, dp_size: int, load_dir: str | Non
     schedule = Schedule(t)
     optimizer, scheduler = build_optimizer(model, cfg, init_step, schedule)
     ds_config = build_deepspeed_config(cfg, dp_size)
-    engine = initialize(model, optimizer, scheduler, ds_config, s, pipelined=cfg.parallel.pp_size > 1)
+    engine = initialize(
+        model,
+        optimizer,
+        scheduler,
+        ds_config,
+        s,
+        pipelined=cfg.parallel.pp_size > 1,
+        masked_lm=cfg.model.objective == "mlm",
+    )
     _log_layout(cfg, layout, n_params, engine.gas)
     return engine, dropout_rng, n_params, init_step, schedule
 

@@ -46,6 +46,15 @@ SCHEMES = {  # every normalisation scheme, NormFormer with every switch on
 REL_TOL = 1e-5  # of the largest magnitude of each tensor (see the module docstring)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo_cache():
+    """Each test compiles from an empty cache: graphs that other test files compiled in this
+    process (other shapes and configs of the same block code) would count against dynamo's
+    recompile limit of 8 per code object, which fullgraph=True turns into a failure."""
+    torch._dynamo.reset()
+    yield
+
+
 def _assert_close_rel(got: torch.Tensor, want: torch.Tensor) -> None:
     scale = float(want.abs().max().clamp_min(1e-30))
     assert float((got - want).abs().max()) <= REL_TOL * scale, (float((got - want).abs().max()), scale)

@@ -164,8 +164,7 @@ def test_config_rules_for_mlm():
         check_model_config(dataclasses.replace(TINY_MLM, vocab_size=97))
     with pytest.raises(ConfigError, match=r"model.tie_embeddings=false .*model.objective='mlm'"):
         check_model_config(dataclasses.replace(TINY_MLM, tie_embeddings=False))
-    with pytest.raises(ConfigError, match=r"parallel.pp_size=2 with model.objective='mlm'"):
-        check_parallel(RunConfig(model=TINY_MLM, parallel=ParallelConfig(pp_size=2)))
+    check_parallel(RunConfig(model=TINY_MLM, parallel=ParallelConfig(pp_size=2)))  # pipelines train it
     check_parallel(RunConfig(model=TINY_MLM, parallel=ParallelConfig(tp_size=2)))
 
 
@@ -239,3 +238,36 @@ def test_the_masked_lm_sample_index_is_built_for_seq_len_minus_1():
 
     assert index_seq_len(RunConfig(model=TINY_MODEL)) == TINY_MODEL.seq_len
     assert index_seq_len(RunConfig(model=TINY_MLM)) == TINY_MLM.seq_len - 1
+
+
+@pytest.mark.parametrize("config", [TINY_MLM, TINY_MODEL], ids=["mlm", "clm"])
+def test_padded_keys_give_each_row_its_own_hidden_states(config):
+    """padded_keys: a right-padded batch's real positions equal each row run alone (bidirectional
+    and causal), and the mask is off again afterwards."""
+    from megaformer.model.normformer import padded_keys
+
+    model = NormFormerLM(config, seed=2).eval()
+    rows = [_tokens(config, 9)[0, :9] % config.vocab_size, _tokens(config, 5)[0, :5] % config.vocab_size]
+    batch = torch.zeros(2, 9, dtype=torch.long)
+    keep = torch.zeros(2, 9, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        batch[i, : len(r)], keep[i, : len(r)] = r, True
+
+    def hidden(tokens):
+        x = model.embedding(tokens)
+        for block in model.blocks:
+            x = block(x)
+        return x
+
+    with torch.no_grad():
+        with padded_keys(model.blocks, keep):
+            padded = hidden(batch)
+        alone = [hidden(r[None])[0] for r in rows]
+        unmasked = hidden(batch)
+    for i, r in enumerate(rows):
+        torch.testing.assert_close(padded[i, : len(r)], alone[i], atol=1e-5, rtol=1e-5)
+    assert all(b.key_padding_mask is None for b in model.blocks)
+    if config.objective == "mlm":  # bidirectional: without the mask row 1 sees its padding
+        assert not torch.allclose(unmasked[1, 0], alone[1][0], atol=1e-4)
+    with pytest.raises(ValueError, match="keep must be bool"), padded_keys(model.blocks, keep.long()):
+        pass

@@ -1,0 +1,254 @@
+"""GLUE fine-tuning (issue 21, "Fine-tuning"): the metrics against scikit-learn / scipy, RoBERTa's input
+format and head, the padding mask, a separable task learnt to > 95%, real RTE data end to end from a
+tiny masked-LM checkpoint, and the refusal of a causal-LM checkpoint."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from sklearn import metrics as skm
+
+from megaformer.checkpoint.reshard import split, write_module_checkpoint
+from megaformer.config.load import to_dict
+from megaformer.config.schema import ConfigError, ModelConfig, RunConfig
+from megaformer.data import glue
+from megaformer.data.mlm import BOS_ID, EOD_ID, MLM_VOCAB_SIZE, PAD_ID
+from megaformer.model import NormFormerLM, vocab_param_names
+from megaformer.tools import finetune as ft
+
+REPO = Path(__file__).resolve().parents[2]
+GLUE_DIR = REPO / "data" / "glue"
+
+
+def tiny_config(objective: str = "mlm", seq_len: int = 64) -> ModelConfig:
+    """d 64, 2 layers, 4 heads; the masked LM's 50265-row vocabulary (GPT-2's for the causal LM)."""
+    return ModelConfig(
+        vocab_size=MLM_VOCAB_SIZE if objective == "mlm" else 50257,
+        make_vocab_size_divisible_by=8,
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        seq_len=seq_len,
+        objective=objective,
+        position_embedding="learned",
+    )
+
+
+def full_weights(config: ModelConfig, seed: int = 3) -> dict[str, torch.Tensor]:
+    """A freshly initialised model's weights as :func:`~megaformer.checkpoint.reshard.consolidate`
+    returns them (vocabulary rows cut to ``vocab_size``)."""
+    vocab = set(vocab_param_names(config))
+    model = NormFormerLM(config, seed=seed)
+    return {
+        n: (p.detach()[: config.vocab_size] if n in vocab else p.detach()).clone()
+        for n, p in model.named_parameters()
+    }
+
+
+def write_checkpoint(root: Path, config: ModelConfig) -> Path:
+    """``root/checkpoints/global_step1`` in DeepSpeed's layout (TP = 1), as the trainer writes it."""
+    run = to_dict(RunConfig(model=config))
+    shards = split(full_weights(config), config, 1)
+    write_module_checkpoint(str(root / "checkpoints"), "global_step1", shards, run, 1, None, run)
+    return root / "checkpoints"
+
+
+# ---- metrics: GLUE's, against the reference implementations ----
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_classification_metrics_match_scikit_learn(seed):
+    rng = np.random.default_rng(seed)
+    labels, preds = rng.integers(0, 2, 300), rng.integers(0, 2, 300)
+    assert glue.accuracy(labels, preds) == pytest.approx(skm.accuracy_score(labels, preds), abs=1e-12)
+    assert glue.f1_positive(labels, preds) == pytest.approx(skm.f1_score(labels, preds), abs=1e-12)
+    assert glue.matthews(labels, preds) == pytest.approx(skm.matthews_corrcoef(labels, preds), abs=1e-12)
+    three_l, three_p = rng.integers(0, 3, 300), rng.integers(0, 3, 300)  # MNLI's three classes
+    assert glue.matthews(three_l, three_p) == pytest.approx(
+        skm.matthews_corrcoef(three_l, three_p), abs=1e-12
+    )
+
+
+def test_degenerate_predictions_score_as_scikit_learn_does():
+    labels = np.array([0, 1, 1, 0, 1])
+    constant = np.zeros(5, dtype=int)
+    assert glue.matthews(labels, constant) == skm.matthews_corrcoef(labels, constant) == 0.0
+    assert glue.f1_positive(labels, constant) == skm.f1_score(labels, constant, zero_division=0) == 0.0
+    assert math.isnan(glue.pearson(labels.astype(float), constant.astype(float)))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_correlations_match_scipy_ties_included(seed):
+    rng = np.random.default_rng(seed)
+    gold = rng.integers(0, 26, 400) / 5.0  # STS-B scores on a 0.2 grid: many ties
+    pred = gold + rng.normal(0, 1.0, 400)
+    pred[:50] = np.round(pred[:50])  # ties on the predicted side too
+    assert glue.pearson(gold, pred) == pytest.approx(stats.pearsonr(gold, pred)[0], abs=1e-12)
+    assert glue.spearman(gold, pred) == pytest.approx(stats.spearmanr(gold, pred)[0], abs=1e-12)
+
+
+def test_score_uses_the_argmax_and_each_task_s_metrics():
+    logits = np.array([[2.0, 1.0], [0.0, 3.0], [1.0, 0.5], [0.2, 0.1]])  # predictions 0, 1, 0, 0
+    labels = np.array([0, 1, 1, 0])
+    mrpc = glue.score(glue.glue_task("mrpc"), labels, logits)
+    assert mrpc == {"f1": pytest.approx(2 / 3), "accuracy": 0.75}
+    cola = glue.score(glue.glue_task("cola"), labels, logits)
+    assert set(cola) == {"mcc", "accuracy"}
+    assert cola["mcc"] == pytest.approx(skm.matthews_corrcoef(labels, [0, 1, 0, 0]))
+    stsb = glue.score(glue.glue_task("sts-b"), np.array([0.0, 1.0, 4.0]), np.array([[0.5], [1.5], [3.0]]))
+    assert set(stsb) == {"pearson", "spearman"} and stsb["spearman"] == pytest.approx(1.0)
+
+
+# ---- RoBERTa's input format, head and schedule ----
+
+
+def test_inputs_are_roberta_s_with_megaformer_s_special_ids():
+    encode = lambda text: [len(w) for w in text.split()]  # noqa: E731  (a stand-in tokenizer)
+    assert glue.encode_example(("a bb",), encode, 16) == [BOS_ID, 1, 2, EOD_ID]
+    # <s> A </s></s> B </s>
+    assert glue.encode_example((" a bb ", "ccc"), encode, 16) == [BOS_ID, 1, 2, EOD_ID, EOD_ID, 3, EOD_ID]
+    # Too long: the longer sentence loses tokens from its end first.
+    ids = glue.encode_example(("a a a a a a a a", "bb bb"), encode, 10)
+    assert ids == [BOS_ID, 1, 1, 1, 1, EOD_ID, EOD_ID, 2, 2, EOD_ID]
+
+
+def test_head_is_roberta_s_classification_head():
+    head = ft.ClassificationHead(8, 3, pooler_dropout=0.0)
+    assert head.dense.weight.shape == (8, 8) and head.out_proj.weight.shape == (3, 8)
+    features = torch.randn(2, 5, 8)
+    expected = head.out_proj(torch.tanh(head.dense(features[:, 0])))
+    torch.testing.assert_close(head(features), expected)  # reads the first token only
+
+
+def test_schedule_warms_up_linearly_then_decays_to_zero():
+    f = ft.polynomial_decay(total=100, warmup=6)
+    assert [f(n) for n in (0, 1, 3, 6)] == [1 / 6, 1 / 6, 0.5, 1.0]  # fairseq: no update at rate 0
+    assert f(53) == pytest.approx(0.5) and f(100) == f(120) == 0.0
+    assert ft.polynomial_decay(total=10, warmup=0)(0) == 1.0
+
+
+def test_padding_is_masked_out_of_attention():
+    """The first token's features of a right-padded row equal those of the row alone."""
+    config = tiny_config(seq_len=16)
+    lm = NormFormerLM(config, seed=1)
+    model = ft.SentenceClassifier(lm, 2).eval()
+    rows = [[BOS_ID, 11, 12, 13, 14, 15, EOD_ID], [BOS_ID, 21, 22, EOD_ID]]
+    with torch.no_grad():
+        padded = model.features(ft.pad_batch(rows))
+        alone = [model.features(torch.tensor([r]))[0] for r in rows]
+        unmasked = lm.final_norm(lm.blocks[1](lm.blocks[0](lm.embedding(ft.pad_batch(rows)))))
+    assert ft.pad_batch(rows)[1, 4:].eq(PAD_ID).all()
+    for i, r in enumerate(rows):
+        torch.testing.assert_close(padded[i, : len(r)], alone[i], atol=1e-5, rtol=1e-5)
+    # Without the mask the short row's first token would see the padding.
+    assert not torch.allclose(unmasked[1, 0], alone[1][0], atol=1e-3)
+    assert all(b.key_padding_mask is None for b in lm.blocks)  # the mask is gone afterwards
+
+
+# ---- learning: a separable task ----
+
+
+def _separable(n: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    """Class 0 sentences of tokens 1000..1099, class 1 of tokens 2000..2099, 4 to 12 tokens."""
+    rng = np.random.default_rng(seed)
+    rows, labels = [], []
+    for _ in range(n):
+        label = int(rng.integers(0, 2))
+        body = rng.integers(1000 + 1000 * label, 1100 + 1000 * label, int(rng.integers(4, 13)))
+        rows.append([BOS_ID, *body.tolist(), EOD_ID])
+        labels.append(label)
+    return rows, labels
+
+
+def test_a_separable_task_is_learnt_to_over_95_percent():
+    config = tiny_config(seq_len=32)
+    hp = ft.FinetuneConfig(epochs=3, batch_size=16, seed=0)
+    run = ft.finetune_one(
+        full_weights(config), config, glue.glue_task("sst2"), _separable(320, 0), _separable(200, 1), 1e-3, hp
+    )
+    assert run["updates"] == 60 and run["warmup"] == 4
+    assert [h["epoch"] for h in run["epochs"]] == [1, 2, 3]
+    assert run["best"]["metrics"]["accuracy"] > 0.95, run["epochs"]
+
+
+def test_sts_b_is_a_regression_with_one_output_and_mse():
+    config = tiny_config(seq_len=32)
+    rows, labels = _separable(48, 2)
+    scores = [4.5 if y else 0.5 for y in labels]
+    hp = ft.FinetuneConfig(epochs=1, batch_size=16, max_steps=2)
+    run = ft.finetune_one(
+        full_weights(config), config, glue.glue_task("stsb"), (rows, scores), (rows, scores), 1e-3, hp
+    )
+    assert run["updates"] == 2 and set(run["best"]["metrics"]) == {"pearson", "spearman"}
+    model = ft.build_classifier(full_weights(config), config, glue.glue_task("stsb"), hp, "cpu")
+    assert model.head.out_proj.out_features == 1
+    assert model.lm.config.hidden_dropout == model.lm.config.attention_dropout == 0.1  # RoBERTa's
+
+
+# ---- the command: real RTE data, a causal checkpoint, bad flags ----
+
+
+def test_rte_from_a_tiny_masked_lm_checkpoint_end_to_end(tmp_path, capsys):
+    ckpt = write_checkpoint(tmp_path / "run", tiny_config(seq_len=128))
+    argv = ["--checkpoint", str(ckpt), "--task", "rte", "--data", str(GLUE_DIR), "--device", "cpu"]
+    argv += ["--lr", "1e-4", "1e-3", "--epochs", "2", "--max-steps", "4", "--max-train-examples", "160"]
+    assert ft.main(argv) == 0
+    out = tmp_path / "run" / "finetune"
+    doc = json.loads((out / "rte.json").read_text())  # strict JSON (no NaN)
+    assert doc["task"] == "RTE" and doc["model"]["name"] == "run"
+    assert doc["data"]["train_examples"] == 160 and doc["data"]["valid_examples"] == 277  # GLUE's dev
+    assert [r["lr"] for r in doc["runs"]] == [1e-4, 1e-3]
+    assert all(r["updates"] == 4 and len(r["epochs"]) == 1 for r in doc["runs"])  # 4 updates < 1 epoch
+    best = doc["best"]
+    assert best["selected_by"] == "accuracy" and best["lr"] in (1e-4, 1e-3)
+    assert best["metrics"]["accuracy"] == max(r["best"]["metrics"]["accuracy"] for r in doc["runs"])
+    assert doc["hyperparameters"]["adam_betas"] == [0.9, 0.98] and doc["hyperparameters"]["batch_size"] == 16
+    table = (out / "table3.md").read_text()
+    header = "| Model | Size (M) | λ_resid | PPL | CoLA | MNLI | MRPC | QNLI | QQP | RTE | SST-2 | Avg |"
+    assert header in table
+    row = next(line for line in table.splitlines() if line.startswith("| run |"))
+    assert f"| {100 * best['metrics']['accuracy']:.1f} |" in row and "(1/7)" in row
+    capsys.readouterr()
+    assert ft.main(["--table", str(out)]) == 0
+    assert header in capsys.readouterr().out
+
+
+def test_a_causal_lm_checkpoint_is_refused_naming_model_objective(tmp_path, capsys):
+    ckpt = write_checkpoint(tmp_path / "clm", tiny_config("clm"))
+    with pytest.raises(ConfigError, match=r"model\.objective='clm'"):
+        ft.load_masked_lm(str(ckpt))
+    argv = ["--checkpoint", str(ckpt), "--task", "rte", "--data", str(GLUE_DIR), "--lr", "1e-4"]
+    assert ft.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "model.objective='clm'" in err and "model.objective='mlm'" in err and "global_step1" in err
+    assert not (tmp_path / "clm" / "finetune").exists()
+
+
+def test_an_unknown_task_or_a_bad_data_file_is_an_error_before_the_checkpoint_is_read(tmp_path, capsys):
+    missing_ckpt = str(tmp_path / "nothing")
+    assert ft.main(["--checkpoint", missing_ckpt, "--task", "rtee", "--data", str(GLUE_DIR)]) == 2
+    assert "'rtee': not a GLUE task; choose one of cola, sst2, mrpc" in capsys.readouterr().err
+    bad = tmp_path / "RTE"
+    bad.mkdir()
+    (bad / "dev.tsv").write_text("index\tsentence1\tsentence2\tlabel\n0\tA.\tB.\tmaybe\n")
+    (bad / "train.tsv").write_text("index\tsentence1\tsentence2\tlabel\n0\tA.\tB.\tentailment\n")
+    ckpt = write_checkpoint(tmp_path / "run", tiny_config())
+    assert ft.main(["--checkpoint", str(ckpt), "--task", "RTE", "--data", str(tmp_path), "--lr", "1e-4"]) == 2
+    assert f"{bad / 'dev.tsv'}:2: label 'maybe' is not one of RTE's labels" in capsys.readouterr().err
+
+
+def test_flags_are_checked(capsys):
+    with pytest.raises(SystemExit) as e:
+        ft.main(["--task", "rte"])
+    assert e.value.code == 2 and "--checkpoint, --data required" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ft.main(["--checkpoint", "x", "--task", "rte", "--data", "d", "--lr", "0"])
+    assert "--lr values must be > 0" in capsys.readouterr().err
+    assert ft.PAPER_LR_GRID == (1e-5, 1e-4, 3e-4, 1e-3, 3e-3, 6e-3)
+    assert ft.build_parser().parse_args([]).lr == list(ft.PAPER_LR_GRID)  # the default grid
