@@ -18,6 +18,10 @@ operations", eq. (3): ``72·B·s·l·h²·(1 + s/(6h) + V/(12·h·l))`` per batc
     scales     3 · (d [HeadScale] + d [ResScale])      NormFormer's elementwise products
                3 · 2d [DeepNorm's α·x]                 per layer, where switched on
 
+Under ``model.objective`` mlm, RoBERTa's LM head adds its dense ``d -> d`` layer (``2·d²``) and its
+LayerNorm; the decoder is counted at every position, as megaformer computes it (fairseq decodes the
+masked positions only, ~15 %: a shape that depends on the data, a host sync per micro-batch).
+
 The token embedding is a lookup (no FLOPs); softmax, activations, dropout and residual additions
 are not counted (as in Megatron and PaLM). The norms and scales are NormFormer's extra operations:
 they change the count by well under 1 % at the paper's sizes, but they are counted so that schemes
@@ -54,7 +58,8 @@ def normalised_elements_per_token(config: ModelConfig) -> int:
         per_layer += 3 * d  # "+3 More LN": q, k and v
     # Pre-LN ends with a final LayerNorm; Post-LN and DeepNorm, whose blocks end normalised, have none.
     final = d if getattr(config, "norm_scheme", "pre_ln") == "pre_ln" else 0
-    return config.num_layers * per_layer + final
+    head = d if getattr(config, "objective", "clm") == "mlm" else 0  # RoBERTa's LM head LayerNorm
+    return config.num_layers * per_layer + final + head
 
 
 def model_flops_per_token(config: ModelConfig, padded_vocab_size: int | None = None) -> float:
@@ -71,6 +76,8 @@ def model_flops_per_token(config: ModelConfig, padded_vocab_size: int | None = N
     d, f, L, T = config.hidden_size, config.ffn_size, config.num_layers, config.seq_len  # noqa: N806
     V = padded_vocab_size or config.padded_vocab_size(1)  # noqa: N806
     forward = 2 * (L * (4 * d * d + 2 * d * f) + d * V)  # matmuls
+    if getattr(config, "objective", "clm") == "mlm":
+        forward += 2 * d * d  # RoBERTa's LM head dense d -> d, before the tied decoder
     forward += 2 * L * 2 * T * d  # attention scores and weighted values
     forward += LAYER_NORM_FLOPS_PER_ELEMENT * normalised_elements_per_token(config)
     forward += L * d * (int(config.head_scale) + int(config.resid_scale))

@@ -47,6 +47,14 @@ def test_normformer_counts_its_extra_operations():
     assert 0 < extra / model_flops_per_token(BASE) < 0.01
 
 
+def test_masked_lm_counts_its_head():
+    """RoBERTa's LM head before the tied decoder: dense d x d and a LayerNorm over d, per token."""
+    mlm = dataclasses.replace(BASE, objective="mlm", vocab_size=50265, position_embedding="learned")
+    clm = dataclasses.replace(mlm, objective="clm")
+    head = 3 * (2 * 768 * 768 + LAYER_NORM_FLOPS_PER_ELEMENT * 768)
+    assert model_flops_per_token(mlm) - model_flops_per_token(clm) == pytest.approx(head)
+
+
 def test_meter_accumulates_tokens_device_hours_and_mfu():
     meter = ComputeMeter(
         flops_per_token=1e9, world_size=4, peak_flops=1e12, tokens=100, device_seconds=3600.0
