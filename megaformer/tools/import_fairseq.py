@@ -1,7 +1,7 @@
 """Import a fairseq ``transformer_lm`` checkpoint (NormFormer included) as a megaformer checkpoint.
 
     python -m megaformer.tools.import_fairseq --checkpoint model.pt [--dict dict.txt] --output DIR
-        [--trust-checkpoint-code]
+        [--vocab fairseq|gpt2] [--trust-checkpoint-code]
 
 writes ``DIR/checkpoints/global_stepN`` (N: fairseq's ``num_updates``) with its ``manifest.json`` and
 ``DIR/checkpoints/latest``, in the layout of :func:`megaformer.checkpoint.reshard.write_module_checkpoint`
@@ -28,10 +28,15 @@ sinusoidal positions with ``position_offset`` = padding_idx + 1 = 2, tied output
 LayerNorm; dropouts from ``dropout`` / ``attention_dropout`` (``embedding_dropout`` = ``dropout``,
 as fairseq's ``forward_embedding``). ``data.eod_token`` is set to fairseq's ``</s>`` (2).
 
-The vocabulary keeps fairseq's order (``<s>`` 0, ``<pad>`` 1, ``</s>`` 2, ``<unk>`` 3, then
+The vocabulary keeps fairseq's order by default (``<s>`` 0, ``<pad>`` 1, ``</s>`` 2, ``<unk>`` 3, then
 ``dict.txt``'s symbols); ``vocab_size`` is the embedding's row count, and megaformer pads the table
 above it as usual (``make_vocab_size_divisible_by``). ``--dict`` (default: ``dict.txt`` beside the
-checkpoint, when present) is only checked against that count and copied.
+checkpoint, when present) is checked against that count and copied. ``--vocab gpt2`` reorders the
+rows to GPT-2's ids instead (:func:`gpt2_rows`: the model then reads megaformer's GPT-2 ``.bin``
+data, ``data.eod_token`` 50256): every GPT-2 id in the dictionary gets exactly fairseq's logit;
+the softmax runs over GPT-2's 50,257 ids, without fairseq's ``<s>``/``<pad>``/``madeupword`` rows,
+and with ``<unk>``'s logit for each id fairseq never saw, so probabilities differ from fairseq's by
+that mass (none for a dictionary that holds every id the data uses).
 
 Refused, naming the key: an untied output projection, learned positions, adaptive softmax,
 ``layernorm_embedding``, ``project_in_dim`` / ``project_out_dim``, no final LayerNorm (absent, or
@@ -69,6 +74,9 @@ ALLOWED_TYPES = (argparse.Namespace,)
 FAIRSEQ_PADDING_IDX = 1  # fairseq Dictionary: <s>=0, <pad>=1, </s>=2, <unk>=3
 FAIRSEQ_EOS = 2
 FAIRSEQ_SPECIALS = 4
+FAIRSEQ_UNK = 3
+GPT2_VOCAB = 50257  # GPT-2 BPE ids 0..50256; 50256 is <|endoftext|>, megaformer's EOD
+_MADEUP = re.compile(r"^madeupword\d+$")  # fairseq's rows padding a dictionary to a multiple of 8
 
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # fairseq layer key -> megaformer block key (the q/k/v projections are fused separately).
@@ -290,14 +298,66 @@ def read_dict(path: str) -> list[str]:
         return [line.rstrip("\n").rsplit(" ", 1)[0] for line in f if line.strip()]
 
 
+def gpt2_rows(symbols: list[str], dict_path: str) -> tuple[torch.Tensor, int]:
+    """For ``--vocab gpt2``: the fairseq embedding row of every GPT-2 id, and how many GPT-2 ids the
+    dictionary lacks.
+
+    A fairseq LM trained on GPT-2 BPE (fairseq's ``--bpe gpt2``) numbers the BPE ids by frequency:
+    ``dict.txt``'s line ``i`` (from 0) holds a GPT-2 id as its symbol and is embedding row
+    ``4 + i``. GPT-2 id ``g`` then reads the row of the line whose symbol is ``g``; ``<|endoftext|>``
+    (50256, megaformer's EOD) reads fairseq's ``</s>`` (row 2), which ends every fairseq line and
+    document as the EOD does in megaformer's data; a GPT-2 id absent from the dictionary (never seen
+    in fairseq's training data) reads ``<unk>`` (row 3), as fairseq's encoder would map it.
+    ``madeupwordNNNN`` lines (fairseq's padding of the dictionary) are skipped.
+
+    Returns:
+        ``(rows int64[50257], absent)``.
+
+    Raises:
+        FairseqImportError: a symbol that is not a GPT-2 id (``FILE:LINE``), or one given twice.
+    """
+    rows = torch.full((GPT2_VOCAB,), FAIRSEQ_UNK, dtype=torch.long)
+    seen = torch.zeros(GPT2_VOCAB, dtype=torch.bool)
+    for i, symbol in enumerate(symbols):
+        if _MADEUP.match(symbol):
+            continue
+        if not symbol.isdigit() or int(symbol) >= GPT2_VOCAB:
+            raise FairseqImportError(
+                f"{dict_path}:{i + 1}: symbol {symbol!r} is not a GPT-2 BPE id (0..{GPT2_VOCAB - 1}): "
+                "--vocab gpt2 needs the dictionary of a model trained with fairseq's --bpe gpt2; "
+                "drop --vocab gpt2 to keep fairseq's own ids"
+            )
+        g = int(symbol)
+        if seen[g]:
+            raise FairseqImportError(f"{dict_path}:{i + 1}: GPT-2 id {g} appears twice in the dictionary")
+        seen[g] = True
+        rows[g] = FAIRSEQ_SPECIALS + i
+    # fairseq's end of line / document; a "50256" symbol (rare: raw text never yields it) is overridden.
+    rows[GPT2_VOCAB - 1] = FAIRSEQ_EOS
+    absent = int((~seen[: GPT2_VOCAB - 1]).sum())
+    return rows, absent
+
+
 def import_fairseq(
-    checkpoint: str, output: str, dict_path: str | None = None, trust_code: bool = False
+    checkpoint: str,
+    output: str,
+    dict_path: str | None = None,
+    trust_code: bool = False,
+    vocab: str = "fairseq",
 ) -> str:
     """Import ``checkpoint`` into ``output`` (see the module docstring); return the tag directory.
+
+    Args:
+        vocab: ``fairseq``: the embedding keeps fairseq's row order (``<s>``, ``<pad>``, ``</s>``,
+            ``<unk>``, then ``dict.txt``'s symbols); ``gpt2``: reordered to GPT-2's ids
+            (:func:`gpt2_rows`; needs the dictionary), so the model reads data preprocessed with
+            ``data_tools.preprocess --tokenizer-type GPT2BPETokenizer`` and ``data.eod_token`` is 50256.
 
     Raises:
         FairseqImportError: what cannot be mapped (named); UntrustedCheckpointError: a disallowed type.
     """
+    if vocab not in ("fairseq", "gpt2"):
+        raise FairseqImportError(f"--vocab {vocab!r}: use fairseq or gpt2")
     from megaformer.checkpoint.reshard import partition_dims, split, write_module_checkpoint
     from megaformer.config.load import to_dict
 
@@ -317,11 +377,27 @@ def import_fairseq(
                 f"{config.vocab_size} rows: not this model's dictionary"
             )
     full = map_state(state, config)
+    eod = FAIRSEQ_EOS
+    if vocab == "gpt2":
+        if dict_path is None:
+            raise FairseqImportError(
+                f"--vocab gpt2: no dict.txt beside {checkpoint}; pass --dict (the dictionary maps the "
+                "embedding rows to GPT-2 ids)"
+            )
+        rows, absent = gpt2_rows(symbols, dict_path)
+        key = "tied_modules.embed.token.weight"
+        full[key] = full[key][rows].contiguous()
+        config = dataclasses.replace(config, vocab_size=GPT2_VOCAB)
+        eod = GPT2_VOCAB - 1
+        print(
+            f"import_fairseq: embedding reordered to GPT-2 ids ({GPT2_VOCAB - 1 - absent:,} BPE ids from "
+            f"{dict_path}, <|endoftext|> = fairseq's </s>, {absent:,} ids absent from it read <unk>)"
+        )
     names = set(partition_dims(config))
     if set(full) != names:
         raise FairseqImportError(f"{checkpoint}: mapped {sorted(set(full) ^ names)} do not match the model")
     run = RunConfig(model=config)
-    run = dataclasses.replace(run, data=dataclasses.replace(run.data, eod_token=FAIRSEQ_EOS))
+    run = dataclasses.replace(run, data=dataclasses.replace(run.data, eod_token=eod))
     run_config = to_dict(run)
     ckpt_dir = os.path.join(output, "checkpoints")
     provenance = {"imported_from": os.path.abspath(checkpoint), "imported_from_format": "fairseq"}
@@ -350,6 +426,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--output", required=True, help="output directory DIR")
     parser.add_argument(
+        "--vocab",
+        choices=("fairseq", "gpt2"),
+        default="fairseq",
+        help="embedding row order: fairseq's dictionary (default), or GPT-2's ids (needs dict.txt; "
+        "the model then reads data preprocessed with the GPT-2 BPE, EOD 50256)",
+    )
+    parser.add_argument(
         TRUST_FLAG,
         dest="trust_code",
         action="store_true",
@@ -357,7 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        tag_dir = import_fairseq(args.checkpoint, args.output, args.dict, args.trust_code)
+        tag_dir = import_fairseq(args.checkpoint, args.output, args.dict, args.trust_code, args.vocab)
     except (CheckpointReadError, FairseqImportError) as e:
         print(f"import_fairseq: {e}", file=sys.stderr)
         return 2

@@ -232,3 +232,46 @@ def test_imported_checkpoint_evaluates_and_starts_a_run(tmp_path, capsys):
     assert run.returncode == 0, run.stderr[-3000:]
     assert "initialised weights from" in run.stdout and "step 2/2" in run.stdout
     assert (tmp_path / "run" / "checkpoints" / "global_step2" / "manifest.json").is_file()
+
+
+def test_gpt2_vocab_reorders_the_embedding_to_gpt2_ids(tmp_path, reference, capsys):
+    """``--vocab gpt2``: with a dictionary of GPT-2 ids (as fairseq's --bpe gpt2 writes it), the
+    fixture's tokens rewritten as GPT-2 ids give fairseq's logits at the GPT-2 ids of its symbols,
+    ``</s>`` read as <|endoftext|> (50256) and ``<unk>`` as any id the dictionary lacks."""
+    rng = torch.Generator().manual_seed(0)
+    ids = (torch.randperm(50256, generator=rng)[:75] + 0).tolist()  # 75 BPE ids, never 50256
+    symbols = [str(g) for g in ids] + ["madeupword0000"]  # 76 lines: the fixture's 80 rows - 4
+    (tmp_path / "dict.txt").write_text("".join(f"{s} {1000 - i}\n" for i, s in enumerate(symbols)))
+    out = tmp_path / "imported"
+    assert main(["--checkpoint", str(FIXTURE / "model.pt"), "--dict", str(tmp_path / "dict.txt"),
+                 "--output", str(out), "--vocab", "gpt2"]) == 0  # fmt: skip
+    assert "75 BPE ids" in capsys.readouterr().out
+    model, config, _ = load_for_generation(str(out / "checkpoints"))
+    assert config.vocab_size == 50257
+    import yaml
+
+    assert yaml.safe_load((out / "config.yaml").read_text())["data"]["eod_token"] == 50256
+    unk_id = next(g for g in range(50256) if g not in set(ids))
+    to_gpt2 = {2: 50256, 3: unk_id} | {4 + i: g for i, g in enumerate(ids)}
+    cols = torch.tensor([to_gpt2[t] for t in range(2, 79)])  # fairseq columns 2..78 (no madeupword)
+    with torch.no_grad():
+        for r in range(reference["tokens"].shape[0]):
+            keep = reference["nonpad_mask"][r]
+            tokens = torch.tensor([to_gpt2[int(t)] for t in reference["tokens"][r][keep]])
+            ours = model(tokens[None])[0][:, cols]
+            want = reference["logits"][r][keep][:, 2:79]
+            assert (ours - want).abs().max() <= 1e-5 * want.abs().max() + 1e-6, r
+    # A dictionary of other symbols is refused at its line; --vocab gpt2 without one too.
+    bad = tmp_path / "words.txt"
+    bad.write_text("".join(f"w{i:02d} 5\n" for i in range(76)))
+    with pytest.raises(FairseqImportError, match=r"words.txt:1: symbol 'w00' is not a GPT-2 BPE id"):
+        import_fairseq(str(FIXTURE / "model.pt"), str(tmp_path / "o2"), str(bad), vocab="gpt2")
+    twice = tmp_path / "twice.txt"
+    twice.write_text("".join(f"{7 if i in (3, 9) else 100 + i} 5\n" for i in range(76)))
+    with pytest.raises(FairseqImportError, match=r"twice.txt:10: GPT-2 id 7 appears twice"):
+        import_fairseq(str(FIXTURE / "model.pt"), str(tmp_path / "o3"), str(twice), vocab="gpt2")
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    (lone / "model.pt").write_bytes((FIXTURE / "model.pt").read_bytes())
+    with pytest.raises(FairseqImportError, match=r"--vocab gpt2: no dict\.txt beside"):
+        import_fairseq(str(lone / "model.pt"), str(tmp_path / "o4"), vocab="gpt2")
