@@ -51,6 +51,39 @@ class SyntheticSamples:
         return np.random.default_rng(i).integers(0, self.vocab, self.seq_len + 1, dtype=np.int64)
 
 
+class SyntheticMaskedSamples:
+    """The masked LM's rows: ``(input_ids, labels)``, ``int64[seq_len]`` each, as
+    :class:`~megaformer.data.mlm.MaskedLMSamples` serves them: ``<s>`` then GPT-2 ids drawn by a
+    generator seeded with the sample index, masked by :func:`~megaformer.data.mlm.mask_block` (15%,
+    80/10/10) keyed by the same index."""
+
+    def __init__(self, seq_len: int, count: int, seed: int) -> None:
+        self.seq_len, self.count, self.seed = seq_len, count, seed
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        from megaformer.data.mlm import BOS_ID, EOD_ID, mask_block
+
+        tokens = np.random.default_rng(i).integers(0, EOD_ID + 1, self.seq_len, dtype=np.int64)
+        tokens[0] = BOS_ID
+        return mask_block(tokens, seed=self.seed, epoch=0, index=i)
+
+
+def _synthetic_data(cfg: Any) -> Any:
+    """Training and validation samples of the run's objective, without a dataset."""
+    from megaformer.training.builders import Data
+
+    t, m = cfg.train, cfg.model
+    count = t.steps * t.global_batch_size
+    if m.objective == "mlm":
+        train = SyntheticMaskedSamples(m.seq_len, count, t.seed)
+        return Data(train, SyntheticMaskedSamples(m.seq_len, t.global_batch_size, t.seed + 1), {}, 0.0)
+    train = SyntheticSamples(m.seq_len, m.vocab_size, count)
+    return Data(train, SyntheticSamples(m.seq_len, m.vocab_size, t.global_batch_size), {}, 0.0)
+
+
 class _InPhase:
     """An iterable whose items are produced in one of the audit's phases (the loader: "data")."""
 
@@ -363,7 +396,7 @@ def _instrument_loop(loop: Any, engine: Any, audit: Any) -> list:
 def _run_rank(cfg: Any, dp_size: int, audit: Any, report: dict, steps: int, out_dir: str) -> None:
     import torch
 
-    from megaformer.training.builders import Data, build_layout
+    from megaformer.training.builders import build_layout
     from megaformer.training.stopping import StopCheck
     from megaformer.training.trainer import TrainLoop, _compute_meter
 
@@ -376,10 +409,7 @@ def _run_rank(cfg: Any, dp_size: int, audit: Any, report: dict, steps: int, out_
     audit.name_group(torch.distributed.group.WORLD, "world")
     report["layout"] = {"tp": s.tp_size, "pp": s.pp_size, "dp": s.dp_size, "pp_rank": s.pp_rank,
                         "tp_rank": s.tp_rank, "dp_rank": s.dp_rank, "backend": layout.backend}  # fmt: skip
-    vocab = cfg.model.vocab_size
-    count = t.steps * t.global_batch_size
-    samples = SyntheticSamples(cfg.model.seq_len, vocab, count)
-    data = Data(samples, SyntheticSamples(cfg.model.seq_len, vocab, t.global_batch_size), {}, 0.0)
+    data = _synthetic_data(cfg)
     engine, schedule = _audited_engine(cfg, layout, dp_size, audit, report)
     grad_dtypes = _label_gradients(engine, audit, report)
     checkpoints = _NoCheckpoints()

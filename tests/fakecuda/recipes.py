@@ -7,11 +7,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PAPER = [f"{size}-{kind}" for size in ("125m", "355m", "1.3b", "2.7b") for kind in ("baseline", "normformer")]
-# Not listed: the masked-LM recipes (configs/paper/mlm-125m-*.yaml). The fake-CUDA session serves
-# causal synthetic rows only (megaformer/fakecuda/session.py SyntheticSamples, not MLM's (input_ids,
-# labels)), and MaskedLMLoss selects the masked positions by boolean indexing (logits[chosen]): a
-# data-dependent shape, a host sync per micro-batch on a GPU, which fake CUDA refuses (aten.nonzero).
-# Their layouts and memory estimates are checked in tests/unit/test_recipes.py.
+# The masked-LM recipes (synthetic masked rows: megaformer/fakecuda/session.py SyntheticMaskedSamples).
+PAPER += [f"mlm-125m-{kind}" for kind in ("baseline", "normformer", "normformer-resscale")]
 
 
 def _paper_layouts(name: str) -> list[tuple[str, str, list[str], int, str]]:

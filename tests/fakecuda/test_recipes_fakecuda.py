@@ -24,7 +24,7 @@ from megaformer.fakecuda.launch import run_rank_of_job
 from megaformer.fakecuda.runtime import GPUS
 from tests.fakecuda.recipes import recipe_cases
 
-# Every recipe at full size (about 2.5 min on 2 cores): the full run's, outside `scripts/check.sh --fast`.
+# Every recipe at full size (about 3 min on 2 cores): the full run's, outside `scripts/check.sh --fast`.
 pytestmark = pytest.mark.slow
 
 CASES = recipe_cases()
