@@ -50,6 +50,15 @@ def _wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:
     return True
 
 
+def _default_stop_signals() -> None:
+    """In the child, before exec: SIGINT and SIGTERM at their defaults, as a terminal's foreground job
+    or a scheduler's step has them. A test run started in the background by a non-interactive shell
+    (``cmd &``) inherits SIGINT ignored, and Python then installs no Ctrl-C handler: the signal would
+    be dropped and the run finish, which says nothing about preprocess."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _start(inputs: Path, out_dir: Path, gpt2_flags: list[str]) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "data_tools.preprocess", "--input", str(inputs)]
@@ -60,6 +69,7 @@ def _start(inputs: Path, out_dir: Path, gpt2_flags: list[str]) -> subprocess.Pop
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own session and process group, as under a scheduler
+        preexec_fn=_default_stop_signals,
     )
 
 
