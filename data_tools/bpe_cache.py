@@ -24,8 +24,7 @@ import os
 import struct
 from pathlib import Path
 
-from data_tools.errors import TokenizerError
-from data_tools.tokenizer import EOD_TOKEN, GPT2_PATTERN, GPT2BPETokenizer, load_gpt2_bpe
+from data_tools.tokenizer import GPT2BPETokenizer, load_gpt2_bpe
 
 __all__ = ["CachedGPT2BPETokenizer", "cache_dir", "load_gpt2_bpe_cached"]
 
@@ -69,20 +68,7 @@ class CachedGPT2BPETokenizer(GPT2BPETokenizer):
     """:class:`~data_tools.tokenizer.GPT2BPETokenizer` whose vocabulary comes through
     :func:`load_gpt2_bpe_cached`: the same ids, attributes and errors."""
 
-    def __init__(self, vocab_file: str | os.PathLike[str], merge_file: str | os.PathLike[str]) -> None:
-        import tiktoken
-
-        ranks, special = load_gpt2_bpe_cached(vocab_file, merge_file)
-        if EOD_TOKEN not in special:
-            raise TokenizerError(f"{vocab_file}: expected an {EOD_TOKEN!r} entry (the EOD token), found none")
-        self.vocab_size = len(ranks) + len(special)
-        self.eod = special[EOD_TOKEN]
-        self._enc = tiktoken.Encoding(
-            name=f"gpt2-bpe:{os.fspath(vocab_file)}",
-            pat_str=GPT2_PATTERN,
-            mergeable_ranks=ranks,
-            special_tokens=special,
-        )
+    _load_vocabulary = staticmethod(load_gpt2_bpe_cached)
 
 
 def _read(path: Path) -> tuple[dict[bytes, int], dict[str, int]] | None:

@@ -260,10 +260,14 @@ class GPT2BPETokenizer:
         TokenizerError: see ``load_gpt2_bpe``; also a vocabulary without ``<|endoftext|>``.
     """
 
+    # How the vocabulary is read: ``(vocab_file, merge_file) -> (ranks, special)``; a subclass may
+    # read it another way (data_tools.bpe_cache: from a cache of checked ranks).
+    _load_vocabulary = staticmethod(load_gpt2_bpe)
+
     def __init__(self, vocab_file: str | os.PathLike[str], merge_file: str | os.PathLike[str]) -> None:
         import tiktoken  # imported here so that SentencePiece-only use does not need it
 
-        ranks, special = load_gpt2_bpe(vocab_file, merge_file)
+        ranks, special = self._load_vocabulary(vocab_file, merge_file)
         if EOD_TOKEN not in special:
             raise TokenizerError(f"{vocab_file}: expected an {EOD_TOKEN!r} entry (the EOD token), found none")
         self.vocab_size = len(ranks) + len(special)
