@@ -433,17 +433,13 @@ class Engine:
         masked tokens counted and the count summed over the data-parallel ranks (``N``), and each
         micro-batch's loss is back-propagated times ``n · gas · dp / N``: the gradient is that of
         ``Σ NLL / N``. The returned loss is ``Σ NLL / N`` too (float64, on the device)."""
-        from megaformer.data.mlm import IGNORE_INDEX
-
         batches = [next(micro_batches) for _ in range(self.gas)]
-        counts = [(labels != IGNORE_INDEX).sum().double() for _, labels in batches]
-        # N / dp, on every rank (a tensor: no host sync)
-        mean_count = mean_over_group(torch.stack(counts).sum(), self.state.dp_group, self.state.dp_size)
+        counts, mean_count = self._masked_counts(batches)
         total = None
         self._grad_norm = None
         for (tokens, labels), n in zip(batches, counts, strict=True):
             loss = self.engine(tokens, labels)
-            weight = (n * self.gas / mean_count.to(n.device).clamp(min=1.0)).to(loss.dtype)
+            weight = (n * self.gas / mean_count).to(loss.dtype)
             self.engine.backward(loss * weight)
             if self._sp_grads is not None:
                 self._reduce_gradients()
@@ -455,7 +451,19 @@ class Engine:
         if self._grad_norm is None:
             self._grad_norm = self.engine.get_global_grad_norm()
         summed = self._mean_over_dp(total)  # Σ NLL / dp
-        return summed / mean_count.to(summed.device).clamp(min=1.0)
+        return summed / mean_count.to(summed.device)
+
+    def _masked_counts(
+        self, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device | None = None
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Each micro-batch's masked-token count ``n`` and ``N / dp`` (their sum over the
+        data-parallel ranks, averaged; at least 1), float64 on ``device`` (None: where the labels
+        are): one all-reduce, no host sync."""
+        from megaformer.data.mlm import IGNORE_INDEX
+
+        counts = [(labels.to(device) != IGNORE_INDEX).sum().double() for _, labels in batches]
+        mean_count = mean_over_group(torch.stack(counts).sum(), self.state.dp_group, self.state.dp_size)
+        return counts, mean_count.to(counts[0].device).clamp(min=1.0)
 
     def _weighted_masked_batches(
         self, micro_batches: Iterator[tuple[torch.Tensor, torch.Tensor]], count: int
@@ -471,13 +479,8 @@ class Engine:
         all-reduce, before the schedule starts: no collective inside it); only the last stage uses
         them. Counted on the engine's device, one all-reduce, no host sync.
         """
-        from megaformer.data.mlm import IGNORE_INDEX
-
         batches = [next(micro_batches) for _ in range(count)]
-        device = self.engine.device
-        counts = [(labels.to(device) != IGNORE_INDEX).sum().double() for _, labels in batches]
-        mean_count = mean_over_group(torch.stack(counts).sum(), self.state.dp_group, self.state.dp_size)
-        mean_count = mean_count.to(device).clamp(min=1.0)
+        counts, mean_count = self._masked_counts(batches, self.engine.device)
         return iter(
             [
                 (tokens, (labels, (n * count / mean_count).float()))
