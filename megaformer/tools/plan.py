@@ -19,7 +19,8 @@ What is counted, per rank (``Ψ`` = this rank's parameters: its TP shard of its 
   copy of the weights and of the gradients (4 + 4)Ψ/dp; bf16 without ZeRO or with ZeRO-1 (DeepSpeed
   0.19's ``BF16_Optimizer``, deepspeed/runtime/bf16_optimizer.py): bf16 weights 2Ψ
   (``bf16_groups_flat``), the parameters' bf16 gradients 2Ψ (kept for the whole step:
-  ``clear_lp_grads`` zeroes them, it does not free them), the fp32 gradient accumulation 4Ψ
+  ``clear_lp_grads`` zeroes them, it does not free them; not held with ``bf16.immediate_grad_update``,
+  which the bf16 recipes' JSONs set: :func:`immediate_grad_update`), the fp32 gradient accumulation 4Ψ
   (``fp32_groups_gradients_flat``, full size), fp32 master + m + v 12Ψ/dp
   (``fp32_groups_flat_partition`` and Adam's state); bf16 ZeRO-2 (``DeepSpeedZeroOptimizer``,
   deepspeed/runtime/zero/stage_1_and_2.py): bf16 weights 2Ψ, the gradient-reduction buckets
@@ -152,11 +153,12 @@ def stage_bounds(counts: list[int], pp: int, method: str = "parameters") -> list
 
 
 def model_state_bytes(
-    params: int, precision: str, zero: int, dp: int, cpu: bool = False
+    params: int, precision: str, zero: int, dp: int, cpu: bool = False, immediate_grad_update: bool = False
 ) -> tuple[float, float, float]:
     """(weights, gradients, optimizer state) bytes on one rank holding ``params`` parameters (see
     the module docstring for DeepSpeed 0.19's buffers per precision and ZeRO stage; the reduction
-    buckets are :func:`_ipg_bytes`, added by :func:`make_plan`)."""
+    buckets are :func:`_ipg_bytes`, added by :func:`make_plan`). ``immediate_grad_update``: bf16
+    with ZeRO ≤ 1 keeps no bf16 gradients (:func:`immediate_grad_update`)."""
     shard = dp if zero >= 1 else 1
     if precision == "fp32":
         weights, grads = 4.0 * params, 4.0 * params
@@ -165,6 +167,8 @@ def model_state_bytes(
             optim += 4.0 * params / shard
     elif precision == "bf16" and zero <= 1:  # BF16_Optimizer: bf16 .grad 2Ψ + fp32 accumulation 4Ψ
         weights, grads, optim = 2.0 * params, 6.0 * params, 12.0 * params / shard
+        if immediate_grad_update:  # each bf16 gradient is freed once added to the fp32 buffer
+            grads = 4.0 * params
     elif precision == "bf16":  # ZeRO-2/3: the fp32 gradient partition, beside the buckets below
         weights, grads, optim = 2.0 * params, 4.0 * params, 12.0 * params / shard
     else:  # fp16
@@ -298,7 +302,9 @@ def make_plan(cfg: RunConfig, device: Device, world: int, mfu: float = 0.4) -> P
         params = sum(counts[lo:hi])
         precision = t.precision if not device.cpu else "fp32"
         buckets = 0.0 if device.cpu else _ipg_bytes(cfg, params)
-        weights, grads, optim = model_state_bytes(params, precision, t.zero_stage, dp, device.cpu)
+        weights, grads, optim = model_state_bytes(
+            params, precision, t.zero_stage, dp, device.cpu, immediate_grad_update(cfg)
+        )
         grads += buckets
         blocks = sum(1 for i in range(lo, hi) if 1 <= i <= m.num_layers)
         in_flight = min(pp - stage, gas)
@@ -310,6 +316,25 @@ def make_plan(cfg: RunConfig, device: Device, world: int, mfu: float = 0.4) -> P
         stages.append(StagePlan(stage, (lo, hi), params, weights, grads, optim, acts, logits, buffers))
     flops = model_flops_per_token(m, m.padded_vocab_size(tp)) * t.global_batch_size * m.seq_len
     return Plan(cfg, device, world, dp, gas, stages, flops, mfu)
+
+
+def immediate_grad_update(cfg: RunConfig) -> bool:
+    """Whether ``train.deepspeed_config`` sets ``bf16.immediate_grad_update`` for a bf16 run.
+
+    With it, DeepSpeed 0.19's ``BF16_Optimizer`` (bf16 with ZeRO ≤ 1 and fp32 gradient
+    accumulation) adds each parameter's bf16 gradient into its fp32 accumulation buffer from a
+    post-accumulate-grad hook as soon as backward produces it, and drops the bf16 gradient
+    (``accumulate_hp_grads_and_remove_lp``, deepspeed/runtime/bf16_optimizer.py): the 2Ψ bytes of
+    bf16 ``.grad`` are no longer held (one parameter's at a time, transiently), and the separate
+    accumulation pass after each micro-batch's backward (``update_hp_grads``) becomes a no-op. The
+    arithmetic is the same (fp32 += bf16 gradient per micro-batch; shown bitwise equal on CPU by
+    ``tests/distributed/test_immediate_grad_update.py``)."""
+    import json
+
+    if cfg.train.precision != "bf16" or not cfg.train.deepspeed_config:
+        return False
+    with open(cfg.train.deepspeed_config) as f:
+        return bool(json.load(f).get("bf16", {}).get("immediate_grad_update", False))
 
 
 def _bucket_bytes(cfg: RunConfig) -> float:
@@ -526,6 +551,7 @@ __all__ = [
     "Plan",
     "StagePlan",
     "block_activation_bytes",
+    "immediate_grad_update",
     "layer_param_counts",
     "make_plan",
     "model_state_bytes",

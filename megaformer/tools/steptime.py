@@ -38,8 +38,9 @@ layout (tp, pp, dp, ZeRO, precision, recompute, micro-batches) and a :class:`Dev
     this rank's partition (Ψ/dp under ZeRO ≥ 1); the copy to 16-bit weights 6 Ψ/dp; the BF16
     optimizer's fp32 gradient accumulation 10 Ψ per micro-batch (read bf16 2 + fp32 4, write 4);
     autograd's accumulation into ``.grad`` 3·q Ψ per micro-batch after the first; zeroing the
-    gradients (q + 4) Ψ. On a CPU the AdamW step runs at its measured parameter rate where that is
-    slower than its 28 bytes per parameter.
+    gradients (q + 4) Ψ (4 Ψ with ``bf16.immediate_grad_update``, which frees the bf16
+    gradients). On a CPU the AdamW step runs at its measured parameter rate where that is slower
+    than its 28 bytes per parameter.
 ``tp_comm``
     Megatron's tensor parallelism: 2 all-reduces of ``b·s·d·q`` bytes per block in the forward and 2
     in the backward (Narayanan et al. 2021, arXiv:2104.04473, Sec. 3.3; Shoeybi et al. 2019 Fig. 4),
@@ -415,11 +416,20 @@ def _busiest_stage(
 
 
 def _optimizer_time(
-    dev: DeviceSpec, params: float, part: float, gas: int, q: int, bf16_low_zero: bool
+    dev: DeviceSpec,
+    params: float,
+    part: float,
+    gas: int,
+    q: int,
+    bf16_low_zero: bool,
+    immediate: bool = False,
 ) -> float:
-    """The optimizer step and gradient accumulation (memory-bound), seconds (module docstring)."""
+    """The optimizer step and gradient accumulation (memory-bound), seconds (module docstring).
+    ``immediate``: the BF16 optimizer's ``immediate_grad_update`` (the same 10Ψ accumulation per
+    micro-batch, inside backward; no bf16 gradients left to zero)."""
     accum = gas * 10.0 * params if bf16_low_zero else (gas - 1) * 3.0 * q * params
-    opt_bytes = accum + 28.0 * part + (6.0 * part if q == 2 else 0.0) + (q + 4.0) * params
+    zeroing = (4.0 if (bf16_low_zero and immediate) else q + 4.0) * params
+    opt_bytes = accum + 28.0 * part + (6.0 * part if q == 2 else 0.0) + zeroing
     return opt_bytes / dev.memory_bytes_per_s + max(
         0.0, part / dev.adamw_per_s - 28.0 * part / dev.memory_bytes_per_s
     )
@@ -468,7 +478,7 @@ def predict(cfg: RunConfig, dev: DeviceSpec, world: int, gpus_per_node: int = 8)
     Raises:
         ConfigError: as :func:`megaformer.tools.plan.make_plan` (layout or batch does not divide).
     """
-    from megaformer.tools.plan import DEVICES, Device, make_plan
+    from megaformer.tools.plan import DEVICES, Device, immediate_grad_update, make_plan
 
     m, par, t = cfg.model, cfg.parallel, cfg.train
     mem_device = Device("cpu", 1e9, dev.peak_tflops, cpu=True) if dev.cpu else DEVICES["a100-80gb"]
@@ -486,7 +496,8 @@ def predict(cfg: RunConfig, dev: DeviceSpec, world: int, gpus_per_node: int = 8)
         p2p = gas * 2 * (act / bw + lat)
 
     part = params / dp if t.zero_stage >= 1 else params
-    optimizer = _optimizer_time(dev, params, part, gas, q, precision == "bf16" and t.zero_stage <= 1)
+    bf16_low_zero = precision == "bf16" and t.zero_stage <= 1
+    optimizer = _optimizer_time(dev, params, part, gas, q, bf16_low_zero, immediate_grad_update(cfg))
     dp_total, dp_exposed = _dp_comm(cfg, dev, params, plan, q, t_mb, world, gpus_per_node)
 
     tokens = t.global_batch_size * m.seq_len

@@ -371,6 +371,18 @@ class Engine:
     def module(self) -> torch.nn.Module:
         return self.engine.module
 
+    def optimizer_summary(self) -> str:
+        """DeepSpeed's optimizer wrapper of this run, for the start-up log: its class name (e.g.
+        ``BF16_Optimizer``: bf16 with fp32 gradient accumulation at ZeRO ≤ 1;
+        ``DeepSpeedZeroOptimizer``; ``FP16_Optimizer``; the torch optimizer itself without one),
+        with ``(immediate_grad_update)`` when the BF16 optimizer adds each gradient to its fp32
+        buffer during backward (``bf16.immediate_grad_update`` in the JSON)."""
+        opt = self.engine.optimizer
+        name = type(opt).__name__
+        if getattr(opt, "immediate_grad_update", False):
+            name += " (immediate_grad_update)"
+        return name
+
     def train_step(self, micro_batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """One optimizer step over ``gas`` micro-batches of this data-parallel rank.
 

@@ -486,7 +486,7 @@ def _build_engine(cfg: RunConfig, layout: Any, dp_size: int, load_dir: str | Non
         pipelined=cfg.parallel.pp_size > 1,
         masked_lm=cfg.model.objective == "mlm",
     )
-    _log_layout(cfg, layout, n_params, engine.gas)
+    _log_layout(cfg, layout, n_params, engine.gas, engine.optimizer_summary())
     return engine, dropout_rng, n_params, init_step, schedule
 
 
@@ -538,7 +538,7 @@ def _log_data(cfg: RunConfig, layout: Layout, data: Data) -> None:
     )
 
 
-def _log_layout(cfg: RunConfig, layout: Layout, n_params: int, gas: int) -> None:
+def _log_layout(cfg: RunConfig, layout: Layout, n_params: int, gas: int, optimizer: str) -> None:
     t, par, dp = cfg.train, cfg.parallel, layout.dp_size
     pipelined = par.pp_size > 1
     log(
@@ -550,7 +550,7 @@ def _log_layout(cfg: RunConfig, layout: Layout, n_params: int, gas: int) -> None
         f"pp {par.pp_size}{f' ({par.partition_method})' if pipelined else ''} | dp {dp} | "
         f"micro_batch_size {t.micro_batch_size} × grad accumulation {gas} × dp {dp} = "
         f"global_batch_size {t.global_batch_size} | seq_len {cfg.model.seq_len} | {t.precision} | "
-        f"ZeRO {t.zero_stage}",
+        f"ZeRO {t.zero_stage} | DeepSpeed optimizer {optimizer}",
     )
 
 

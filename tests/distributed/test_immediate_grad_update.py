@@ -1,0 +1,88 @@
+"""``bf16.immediate_grad_update`` (the bf16 recipes' DeepSpeed JSONs set it) changes no number.
+
+With it, DeepSpeed 0.19's ``BF16_Optimizer`` adds each parameter's bf16 gradient into its fp32
+accumulation buffer from a post-accumulate-grad hook during backward and frees the bf16 gradient;
+without it, one pass after each micro-batch's backward does the same addition and the bf16
+gradients stay allocated (2 bytes per parameter: ``megaformer.tools.plan`` counts the difference).
+Here both run through the launcher on real text in bf16 with fp32 accumulation at ZeRO-1 and two
+micro-batches per step, in the layouts where megaformer's own gradient work meets DeepSpeed's:
+tp 2 with sequence parallelism × dp 2 (the sequence-parallel gradients' TP all-reduce in backward,
+the data-parallel reduction of the fp32 buffers, per-layer diagnostics through
+``safe_get_full_grad``) and pp 2 (the pipeline engine's own accumulation and its tied-embedding
+gradient sum). Every logged loss, gradient norm and diagnostic must be bitwise the same.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.distributed.conftest import read_scalars, run_pretrain
+
+pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
+
+CONFIG = "configs/normformer-quickstart.yaml"
+TINY = [
+    "model.hidden_size=64",
+    "model.num_layers=2",
+    "model.num_attention_heads=4",
+    "model.seq_len=64",
+    "model.resid_scale=true",  # every NormFormer switch on
+    "model.hidden_dropout=0.1",
+    "train.precision=bf16",
+    "train.zero_stage=1",
+    "train.micro_batch_size=2",
+    "train.lr=3e-3",
+    "train.warmup_steps=2",
+    "train.steps=8",
+    "train.log_interval=1",
+    "train.diagnostics_interval=4",
+    "train.eval_interval=8",
+    "train.eval_batches=1",
+    "train.save_interval=0",
+    "data.valid_fraction=0.02",
+]
+LAYOUTS = {  # name: (processes, overrides); each gets 2 micro-batches per step
+    "tp2_sp_dp2": (4, ["parallel.tp_size=2", "parallel.sequence_parallel=true", "train.global_batch_size=8"]),
+    "pp2": (2, ["parallel.pp_size=2", "train.global_batch_size=4"]),
+}
+
+
+def _engine_json(tmp_path, immediate: bool) -> str:
+    path = tmp_path / f"bf16-immediate-{str(immediate).lower()}.json"
+    path.write_text(
+        json.dumps({"data_types": {"grad_accum_dtype": "fp32"}, "bf16": {"immediate_grad_update": immediate}})
+    )
+    return str(path)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_immediate_grad_update_gives_the_same_run(layout, gutenberg_prefix, tmp_path):
+    nproc, extra = LAYOUTS[layout]
+    scalars = {}
+    for immediate in (False, True):
+        run_dir = tmp_path / f"immediate-{immediate}"
+        proc = run_pretrain(
+            CONFIG,
+            [
+                *TINY,
+                *extra,
+                f"train.deepspeed_config={_engine_json(tmp_path, immediate)}",
+                f"data.prefix={gutenberg_prefix}",
+                f"output.dir={run_dir}",
+            ],
+            nproc=nproc,
+        )
+        assert proc.returncode == 0, f"{layout} {immediate}: {proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        # The setting took effect: DeepSpeed's BF16 optimizer, with or without the hooks.
+        want = "BF16_Optimizer (immediate_grad_update)" if immediate else "BF16_Optimizer\n"
+        assert f"DeepSpeed optimizer {want}" in proc.stdout, proc.stdout[-3000:]
+        scalars[immediate] = read_scalars(str(run_dir / "tensorboard"))
+    off, on = scalars[False], scalars[True]
+    assert sorted(off["train/loss"]) == list(range(1, 9))
+    diag = [tag for tag in off if tag.startswith(("grads/", "scales/"))]
+    assert any(tag.startswith("grads/l2/") for tag in diag), sorted(off)  # the diagnostics ran
+    for tag in ["train/loss", "train/grad_norm", "valid/loss", *diag]:
+        assert on[tag] == off[tag], (layout, tag)  # bitwise: the same additions in the same order
+    assert off["train/loss"][8] < off["train/loss"][1] - 0.5  # it trains
