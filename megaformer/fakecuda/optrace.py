@@ -675,9 +675,24 @@ class _Node:
     reads: tuple[tuple[int, int, int], ...]
     writes: tuple[tuple[int, int, int], ...]
     alone: bool = False  # a kernel of its own (a concatenation of buffers: inductor's ConcatKernel)
+    separate: bool = False  # a kernel of its own that does not end the open region (a column reduction)
 
 
-def _nodes(trace: BlockTrace, hidden_dropout_op: bool) -> tuple[list[_Node], int]:
+def _column_reduction(op: OpRecord) -> bool:
+    """A sum over the tokens (a bias or gain gradient): ``sum`` whose output has as many elements as
+    its input's last dimension (features), fewer than its input."""
+    if not op.name.startswith("aten.sum.") or not op.inputs or not op.outputs:
+        return False
+    (shape_in, _), (shape_out, _) = op.inputs[0], op.outputs[0]
+    n_in, n_out = 1, 1
+    for x in shape_in:
+        n_in *= x
+    for x in shape_out:
+        n_out *= x
+    return bool(shape_in) and n_out == shape_in[-1] < n_in
+
+
+def _nodes(trace: BlockTrace, hidden_dropout_op: bool, columns_fuse: bool = True) -> tuple[list[_Node], int]:
     """The trace as the compiled graph's nodes (views dropped), and the bytes of the dropout mask
     kernels. A forward ``native_dropout`` becomes the mask operator (extern; it reads no tensor of
     the block) and the pointwise ``x * keep * scale`` (:meth:`megaformer.parallel.rng.DropoutRNG.dropout`
@@ -698,7 +713,8 @@ def _nodes(trace: BlockTrace, hidden_dropout_op: bool) -> tuple[list[_Node], int
             nodes.append(_Node(op.phase, "mul (x * keep * scale)", False, (x, mask), (out,)))
             continue
         concat = op.name.startswith(CONCAT_OPS) and all(r[0] not in made_by_memory for r in op.reads)
-        nodes.append(_Node(op.phase, op.name, op.kind != "memory", op.reads, op.writes, concat))
+        separate = not columns_fuse and _column_reduction(op)
+        nodes.append(_Node(op.phase, op.name, op.kind != "memory", op.reads, op.writes, concat, separate))
         if op.kind == "memory":
             made_by_memory.update(w[0] for w in op.writes)
     return nodes, mask_bytes
@@ -717,13 +733,17 @@ def _groups(nodes: list[_Node]) -> list[list[int]]:
     made_at: dict[int, int] = {}  # tensor id -> node index that wrote it
     open_g = None
     for i, node in enumerate(nodes):
-        if open_g is not None and (
-            node.phase != nodes[groups[open_g][0]].phase
-            or node.alone
-            or (node.extern and any(owner.get(tid) == open_g for tid, _, _ in node.reads))
+        if (
+            open_g is not None
+            and not node.separate
+            and (
+                node.phase != nodes[groups[open_g][0]].phase
+                or node.alone
+                or (node.extern and any(owner.get(tid) == open_g for tid, _, _ in node.reads))
+            )
         ):
             closed_at[open_g], open_g = i, None
-        if node.alone:
+        if node.alone or node.separate:
             groups.append([i])
             closed_at.append(i + 1)
             owner.update((tid, len(groups) - 1) for tid, _, _ in node.writes)
@@ -776,22 +796,24 @@ def _regions(nodes: list[_Node], rematerialize: bool = True) -> list[Region]:
 
 
 def _rematerialize(nodes: list[_Node], groups: list, readers: dict, reads: list, writes: list) -> None:
-    """AOTAutograd's min-cut partitioner (torch/_functorch/partitioners.py,
+    """Tensors recomputed where they are used rather than stored, where that moves fewer bytes:
+    AOTAutograd's min-cut partitioner (torch/_functorch/partitioners.py,
     ``min_cut_rematerialization_partition``, inductor's default) saves for backward the tensors that
-    are cheapest to keep and recomputes fusible (pointwise) ops in backward rather than saving their
-    outputs. Here: a tensor a forward region writes only for backward's memory-bound ops (no extern
-    op, no other region of its phase reads it) is recomputed in the backward regions that read it,
-    from the region's inputs it derives from (``leaves``: tensors in memory anyway), where those
-    inputs cost fewer bytes than writing it once and reading it in each (in place; the sets of
-    ``(tensor id, offset, bytes)`` per group)."""
+    are cheapest to keep and recomputes fusible (pointwise) ops in backward; within a graph, inductor
+    inlines a pointwise node into each kernel that uses it (``Pointwise`` IR nodes are recomputed
+    unless realized). Here: a tensor a region writes only for other regions' memory-bound ops (no
+    extern op reads it) is recomputed in those regions from the region inputs it derives from
+    (:func:`_leaves`: tensors in memory anyway, kept so), where reading those costs fewer bytes than
+    writing it once and reading it in each. Updates the per-group sets of ``(tensor id, offset,
+    bytes)`` ``reads`` / ``writes`` in place."""
     group_of = {i: g for g, group in enumerate(groups) for i in group}
     producer = {tid: i for i, node in enumerate(nodes) for tid, _, _ in node.writes}
     kept = {e[0] for w in writes for e in w}
+    pinned: set[int] = set()  # leaves of a recomputation: stay written
     for g, group in enumerate(groups):
-        phase = nodes[group[0]].phase
         for entry in sorted(writes[g]):
             users = readers.get(entry[0], set()) - set(group)
-            if not users or any(nodes[u].extern or nodes[u].phase == phase for u in users):
+            if not users or entry[0] in pinned or any(nodes[u].extern for u in users):
                 continue
             leaves = _leaves(nodes, entry, producer, group_of, g)
             if leaves is None or any(
@@ -803,6 +825,8 @@ def _rematerialize(nodes: list[_Node], groups: list, readers: dict, reads: list,
             extra = sum(e[2] for h in targets for e in leaves - reads[h])
             if extra < entry[2] * (1 + len(targets)):
                 writes[g].discard(entry)
+                kept.discard(entry[0])
+                pinned.update(e[0] for e in leaves)
                 for h in targets:
                     reads[h] = {e for e in reads[h] if e[0] != entry[0]} | leaves
 
@@ -810,7 +834,8 @@ def _rematerialize(nodes: list[_Node], groups: list, readers: dict, reads: list,
 def _leaves(nodes: list[_Node], entry: tuple, producer: dict, group_of: dict, g: int) -> set | None:
     """The tensors made outside group ``g`` that ``entry`` (made in ``g``) is computed from, through
     the memory-bound ops of ``g``; None where a reduction's output is needed (LayerNorm statistics
-    are saved by eager, not recomputed: the partitioner bans recomputing reductions)."""
+    are saved by eager, not recomputed: the partitioner bans recomputing reductions) or a
+    concatenation's (a ``ConcatKernel`` writes its output)."""
     out, todo, seen = set(), [entry[0]], set()
     while todo:
         tid = todo.pop()
@@ -818,7 +843,8 @@ def _leaves(nodes: list[_Node], entry: tuple, producer: dict, group_of: dict, g:
             continue
         seen.add(tid)
         node = nodes[producer[tid]]
-        if "sum" in node.name or "mean" in node.name or "var" in node.name:
+        statistics = "layer_norm" in node.name and tid != node.writes[0][0]  # mean, rstd
+        if node.alone or statistics or any(r in node.name for r in ("sum", "mean", "var")):
             return None
         for e in node.reads:
             if producer.get(e[0]) is not None and group_of.get(producer[e[0]]) == g:
@@ -854,10 +880,14 @@ def _attention_dropout_terms(trace: BlockTrace) -> tuple[list[Region], int, floa
     return regions, extern, flops
 
 
-def fuse(trace: BlockTrace) -> FusedBlock:
+def fuse(trace: BlockTrace, *, column_reductions_fuse: bool = True) -> FusedBlock:
     """An ESTIMATE of the memory-bound traffic of the block compiled by inductor (``train.compile``,
     :mod:`megaformer.model.compile`), from the eager fake-CUDA trace: not a trace of compiled kernels
-    (inductor cannot generate Triton kernels on fake CUDA), and an upper bound on what fusion saves.
+    (inductor cannot generate Triton kernels on fake CUDA). Its rules lean to more fusion (an upper
+    bound on what fusion saves, a lower bound on the bytes) except where noted; against inductor's
+    C++ backend on the same block (``bench/steptime_trace.py``'s docstring) the forward kernels match
+    in number and bytes and the backward's bytes lie between ``column_reductions_fuse`` True and
+    False.
 
     Rules, and their sources:
 
@@ -869,7 +899,9 @@ def fuse(trace: BlockTrace) -> FusedBlock:
       GEMMs, attention kernels, collectives, megaformer's opaque operators
       (:mod:`megaformer.parallel.rng_ops`). An extern op ends the open region only where it reads a
       tensor the region wrote (otherwise the region's nodes fuse around it: e.g. the dropout mask
-      operator, which reads only the generator state).
+      operator, which reads only the generator state); a sink (a gradient sum) after such an op may
+      join the region that made its input (:func:`_groups`). A ``cat`` / ``stack`` of realized
+      buffers is a kernel of its own (inductor's ``ConcatKernel``, torch/_inductor/lowering.py).
     * **Traffic**: a region reads the tensors made outside it (extern ops, earlier regions,
       parameters, the block input, saved activations) and writes the tensors used outside it (by an
       op of another region or an extern op, saved for backward, or read by none: the block output
@@ -878,9 +910,13 @@ def fuse(trace: BlockTrace) -> FusedBlock:
     * **Reductions fuse** with their pointwise neighbours (assumed): LayerNorm statistics and their
       backward, bias- and gain-gradient sums, as inductor's persistent reductions do when a row fits
       one kernel (``triton_heuristics.persistent_reduction``). Column reductions (gradients summed
-      over tokens) are often separate kernels that re-read their input: not counted.
-    * **Saved tensors** as eager saves them; AOTAutograd's min-cut partitioner may recompute cheap
-      ops instead (less traffic): not modelled.
+      over tokens) are often separate kernels that re-read their input (inductor's C++ backend on
+      this CPU: ``bench/steptime_trace.py``'s docstring); ``column_reductions_fuse=False`` makes each
+      such ``sum`` a kernel of its own (the pessimistic end).
+    * **Recomputation** (:func:`_rematerialize`): a tensor written only for other regions'
+      memory-bound ops (saved for backward, or read after an all-reduce) is recomputed there from
+      its inputs where that moves fewer bytes (AOTAutograd's min-cut partitioner; inductor's
+      inlining of pointwise nodes); reductions' outputs are not recomputed.
     * **Layout copies**: a view that an extern kernel needs contiguous is copied in eager mode too
       (the trace's ``clone`` / ``copy_``), so it is in a region (its producer's, fused; a region of
       its own between two extern kernels). The compiled GPU attention dropout adds its own copies
@@ -890,7 +926,7 @@ def fuse(trace: BlockTrace) -> FusedBlock:
       ``x * keep * scale`` is pointwise in the region.
     """
     m = dict(trace.key.model)
-    nodes, extern = _nodes(trace, hidden_dropout_op=m.get("hidden_dropout", 0.0) > 0.0)
+    nodes, extern = _nodes(trace, m.get("hidden_dropout", 0.0) > 0.0, column_reductions_fuse)
     regions = _regions(nodes)
     flops = 0.0
     if m.get("attention_dropout", 0.0) > 0.0:
@@ -910,7 +946,13 @@ def compiles(cfg: Any) -> bool:
 
 
 def block_costs(
-    cfg: Any, dev: Any, q: int, gpus_per_node: int, *, compiled: bool = False
+    cfg: Any,
+    dev: Any,
+    q: int,
+    gpus_per_node: int,
+    *,
+    compiled: bool = False,
+    column_reductions_fuse: bool = True,
 ) -> tuple[float, float, float, float, float]:
     """:func:`megaformer.tools.steptime._block_costs` from the block's trace: ``(GEMM seconds,
     attention seconds, memory-bound seconds, TP communication seconds, b·s·d·q bytes)`` for one block,
@@ -925,9 +967,9 @@ def block_costs(
     ``compiled`` (the block as ``train.compile`` runs it on a GPU, :func:`compiles`): the memory-bound
     bytes are :func:`fuse`'s estimate of inductor's fusion (regions plus megaformer's opaque
     operators), and the attention term adds the forward the compiled attention dropout reruns in
-    backward. A CPU device (``dev.cpu``) runs CPU kernels the fake-CUDA trace does not show
-    (the math attention with dropout, ``bernoulli_`` dropout, compute-bound GeLU): the formula's
-    ``_block_costs`` then.
+    backward (``column_reductions_fuse``: :func:`fuse`'s). A CPU device (``dev.cpu``) runs CPU
+    kernels the fake-CUDA trace does not show (the math attention with dropout, ``bernoulli_``
+    dropout, compute-bound GeLU): the formula's ``_block_costs`` then, compiled or not.
 
     Raises:
         as :func:`trace_block`.
@@ -941,7 +983,7 @@ def block_costs(
     attention = sum((0.5 if op.detail == "causal" else 1.0) * op.flops for op in trace.of_kind("attention"))
     memory = trace.memory_bytes
     if compiled:
-        fused = fuse(trace)
+        fused = fuse(trace, column_reductions_fuse=column_reductions_fuse)
         memory = fused.memory_bytes
         attention += (0.5 if trace.attention_causal else 1.0) * fused.extra_attention_flops
     attention /= dev.peak_tflops * 1e12 * dev.attention_fraction
@@ -978,7 +1020,8 @@ def formula_counts(cfg: Any, q: int) -> dict[str, float]:
 def trace_counts(trace: BlockTrace) -> dict[str, float]:
     """The trace's counterparts of :func:`formula_counts`, and the compiled block's estimate
     (:func:`fuse`): ``fused_memory_bytes`` (regions + opaque operators), ``fused_extern_bytes`` (the
-    opaque operators' part), ``fused_kernels`` (regions), ``fused_extra_attention_flops``."""
+    opaque operators' part), ``fused_kernels`` (regions), ``fused_extra_attention_flops``, and
+    ``fused_memory_bytes_columns_apart`` (``column_reductions_fuse=False``)."""
     fused = fuse(trace)
     return {
         "gemm_flops": trace.gemm_flops,
@@ -989,6 +1032,7 @@ def trace_counts(trace: BlockTrace) -> dict[str, float]:
         "fused_extern_bytes": float(fused.extern_bytes),
         "fused_kernels": float(fused.count()),
         "fused_extra_attention_flops": fused.extra_attention_flops,
+        "fused_memory_bytes_columns_apart": float(fuse(trace, column_reductions_fuse=False).memory_bytes),
     }
 
 

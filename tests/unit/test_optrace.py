@@ -161,3 +161,153 @@ def test_block_costs_match_the_steptime_tuple(traces):
     assert ours[3] == pytest.approx(theirs[3], rel=1e-12)
     assert ours[4] == theirs[4]
     assert optrace.trace_block(cfg) is t  # cached: no second child process
+
+
+# --- the compiled block: optrace.fuse (inductor's fusion estimated from the eager trace) ---------------
+
+
+def _op(name, kind, reads, writes, phase="forward"):
+    """A hand-made OpRecord: ``reads`` / ``writes`` as ``(tensor id, bytes)``."""
+    nbytes = sum(b for _, b in reads + writes) if kind == "memory" else 0
+    entries = {"reads": tuple((t, 0, b) for t, b in reads), "writes": tuple((t, 0, b) for t, b in writes)}
+    return optrace.OpRecord(name, phase, kind, (), (), nbytes=nbytes, **entries)
+
+
+def _synthetic(ops, **model):
+    key = optrace.TraceKey(tuple(sorted(model.items())), 1, 1, False, "none", "bf16", "h100-80gb")
+    return optrace.BlockTrace(key, list(ops))
+
+
+def test_a_pointwise_chain_between_two_gemms_costs_one_read_and_one_write():
+    a, w, bias, scale = 1000, 50, 10, 4  # bytes: activation, weight, bias, a scalar
+    ops = [
+        _op("aten.mm.default", "gemm", [(1, a), (2, w)], [(3, a)]),
+        _op("aten.add.Tensor", "memory", [(3, a), (4, bias)], [(5, a)]),
+        _op("aten.gelu.default", "memory", [(5, a)], [(6, a)]),
+        _op("aten.mul.Tensor", "memory", [(6, a), (7, scale)], [(8, a)]),
+        _op("aten.mm.default", "gemm", [(8, a), (9, w)], [(10, a)]),
+    ]
+    trace = _synthetic(ops)
+    fused = optrace.fuse(trace)
+    assert [r.ops for r in fused.regions] == [("aten.add.Tensor", "aten.gelu.default", "aten.mul.Tensor")]
+    assert fused.regions[0].read_bytes == a + bias + scale  # the GEMM's output and the two small operands
+    assert fused.regions[0].write_bytes == a  # only what the second GEMM reads
+    assert fused.memory_bytes == a + bias + scale + a < trace.memory_bytes
+
+
+def test_fused_region_writes_what_backward_reads_and_splits_at_dependent_externs():
+    a = 100
+    ops = [
+        _op("aten.add.Tensor", "memory", [(1, a), (2, a)], [(3, a)]),  # kept for backward
+        _op("aten.gelu.default", "memory", [(3, a)], [(4, a)]),
+        _op("c10d.allreduce_.default", "collective", [(4, a)], [(5, a)]),  # reads the region: splits it
+        _op("aten.mul.Tensor", "memory", [(5, a), (3, a)], [(6, a)]),  # the block output
+        _op("aten.sum.dim_IntList", "memory", [(7, a)], [(8, 1)], phase="backward"),
+        _op("aten.mul.Tensor", "memory", [(7, a), (1, a)], [(9, a)], phase="backward"),
+        _op("aten.mm.default", "gemm", [(9, a), (3, a)], [(10, a)], phase="backward"),
+    ]
+    regions = optrace.fuse(_synthetic(ops)).regions
+    assert [(r.phase, len(r.ops)) for r in regions] == [("forward", 2), ("forward", 1), ("backward", 2)]
+    assert (regions[0].read_bytes, regions[0].write_bytes) == (2 * a, 2 * a)  # 3 (read by backward's GEMM), 4
+    assert (regions[1].read_bytes, regions[1].write_bytes) == (2 * a, a)
+    assert (regions[2].read_bytes, regions[2].write_bytes) == (
+        2 * a,
+        a + 1,
+    )  # grad, input; its output and the sum
+
+
+def test_a_saved_pointwise_output_is_recomputed_in_backward_when_cheaper():
+    a = 100
+    ops = [
+        _op("aten.mm.default", "gemm", [(1, a), (2, a)], [(3, 4 * a)]),
+        _op("aten.gelu.default", "memory", [(3, 4 * a)], [(4, 4 * a)]),  # saved only for backward's use
+        _op("aten.native_layer_norm.default", "memory", [(4, 4 * a)], [(5, 4 * a), (6, 1)]),
+        _op("aten.mm.default", "gemm", [(5, 4 * a), (2, a)], [(7, a)]),
+        _op(
+            "aten.native_layer_norm_backward.default",
+            "memory",
+            [(8, 4 * a), (4, 4 * a), (6, 1)],
+            [(9, 4 * a)],
+            "backward",
+        ),
+        _op("aten.gelu_backward.default", "memory", [(9, 4 * a), (3, 4 * a)], [(10, 4 * a)], "backward"),
+    ]
+    fwd, bwd = optrace.fuse(_synthetic(ops)).regions
+    assert (fwd.read_bytes, fwd.write_bytes) == (4 * a, 4 * a + 1)  # the LayerNorm's input is not written
+    assert (bwd.read_bytes, bwd.write_bytes) == (8 * a + 1, 4 * a)  # recomputed from the GEMM's output
+
+
+def test_trace_tensor_ids_resolve_views_and_version_in_place_writes(traces):
+    _, t = traces["pre_ln"]
+    qkv = next(op for op in t.of_kind("gemm") if op.mkn == (N, D, 3 * D)).writes[0][0]
+    attn = next(op for op in t.of_kind("attention") if op.phase == "forward")
+    assert [r[0] for r in attn.reads] == [qkv] * 3  # q, k, v: views of the one projection output
+    assert [r[1] for r in attn.reads] == [0, D // H, 2 * D // H]  # their storage offsets
+    ids = [w[0] for op in t.ops for w in op.writes if op.kind != "view"]
+    assert len(ids) == len(set(ids))  # every write makes a new tensor id
+
+
+def test_pre_ln_ffn_activation_is_one_region_between_the_gemms(traces):
+    _, t = traces["pre_ln"]
+    regions = optrace.fuse(t).regions
+    gelu = next(r for r in regions if r.ops == ("aten.gelu.default",))
+    assert (gelu.read_bytes, gelu.write_bytes) == (N * F * 2, N * F * 2)
+    # the q, k, v gradients (the attention kernel's outputs) are stacked by a kernel of their own
+    stack = next(r for r in regions if r.ops == ("aten.stack.default",))
+    assert (stack.read_bytes, stack.write_bytes) == (3 * N * D * 2, 3 * N * D * 2)
+
+
+def test_compiled_dropout_and_attention_dropout_operators_cost(traces):
+    _, t = traces["pre_ln"]
+    fused = optrace.fuse(t)
+    act = N * D * 2
+    masks = 2 * (optrace.DROPOUT_KEEP_PASSES * act + N * D)  # two hidden dropouts: fill, dropout, mask
+    copies = 2 * act + 2 * 3 * act  # attention output, then the q, k, v gradients: .contiguous()
+    assert fused.extern_bytes == masks + copies
+    assert fused.extra_attention_flops == 4.0 * B * S * S * D  # the forward rerun in backward
+    assert any(r.ops == ("clone (attention output layout)",) for r in fused.regions)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_fused_bytes_are_at_most_the_eager_bytes(traces, name):
+    _, t = traces[name]
+    fused = optrace.fuse(t)
+    apart = optrace.fuse(t, column_reductions_fuse=False)
+    assert 0 < fused.region_bytes <= fused.memory_bytes < t.memory_bytes
+    # the sums apart: more kernels, more bytes, still fewer than eager's in the regions (with the
+    # opaque operators' own, a tiny Pre-LN block with dropout then moves more bytes than eager)
+    assert fused.region_bytes < apart.region_bytes < t.memory_bytes
+    assert apart.count() > fused.count()  # the bias-gradient sums, each a kernel of its own
+    assert fused.count("forward") >= 3 and fused.count("backward") >= 3
+    assert bool(fused.count("recompute")) == (t.key.recompute == "full")
+
+
+@pytest.mark.parametrize("tp", ["", "_tp2"])
+def test_normformer_adds_almost_no_fused_traffic(traces, tp):
+    _, pre = traces["pre_ln" + tp]
+    _, nf = traces["normformer" + tp]
+    eager = nf.memory_bytes - pre.memory_bytes
+    fused = optrace.fuse(nf).memory_bytes - optrace.fuse(pre).memory_bytes
+    act = N * D * 2  # one [B, S, d] bf16 tensor
+    assert eager > 30 * act
+    if tp:  # the FFN LayerNorm's statistics, summed across TP ranks: passes split by the all-reduces
+        assert fused < 0.15 * eager
+        return
+    # ResScale's and HeadScale's gradients read their inputs, the post-attention LayerNorm recomputes
+    # its input from W_O's output; the FFN LayerNorm's own input is recomputed from fc1's output
+    assert fused < 8 * act and fused < 0.2 * eager
+
+
+def test_block_costs_compiled_uses_the_fused_bytes(traces):
+    from megaformer.tools.steptime import DEVICE_SPECS
+
+    cfg, t = traces["pre_ln"]
+    dev = DEVICE_SPECS["h100-80gb"]
+    eager = optrace.block_costs(cfg, dev, 2, 8)
+    compiled = optrace.block_costs(cfg, dev, 2, 8, compiled=True)
+    fused = optrace.fuse(t)
+    assert compiled[0] == eager[0] and compiled[3:] == eager[3:]
+    assert compiled[2] == pytest.approx(fused.memory_bytes / dev.memory_bytes_per_s, rel=1e-12)
+    extra = 0.5 * fused.extra_attention_flops / (dev.peak_tflops * 1e12 * dev.attention_fraction)
+    assert compiled[1] == pytest.approx(eager[1] + extra, rel=1e-12)
+    assert optrace.compiles(cfg)
