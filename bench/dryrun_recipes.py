@@ -1,10 +1,12 @@
 """The dry run (``megaformer.tools.dryrun``) of every shipped recipe at its layout, against the planner.
 
-    .venv/bin/python bench/dryrun_recipes.py            # runs the ten dry runs (~10 min on 2 cores)
+    .venv/bin/python bench/dryrun_recipes.py            # runs every dry run (~15 min on 2 cores)
+    .venv/bin/python bench/dryrun_recipes.py --only 1.3b-normformer --only 1.3b-normformer-v100
     .venv/bin/python bench/dryrun_recipes.py --table    # only the table, from the saved reports
 
-Each recipe runs as the rank the dry run picks (the busiest pipeline stage's first rank) with the
-recipe's full micro-batch count, on the GPU its header names, and writes
+Each layout runs as the rank the dry run picks (the busiest pipeline stage's first rank) with the
+recipe's full micro-batch count, on the GPU its header names (the paper recipes: the file on an A100
+80GB, ``<name>-v100`` its ``# V100 overrides:`` line on a V100 32GB), and writes
 ``bench/results/dryrun/<name>.json`` (the dry run's report) and ``.txt`` (its console). The table
 (printed, and written to ``bench/results/dryrun/summary.md`` and ``summary.json``) sets the fake
 allocations' peak by category beside the planner's figure for the same layout, computed now (so a
@@ -31,26 +33,42 @@ OUT = REPO / "bench" / "results" / "dryrun"
 GIB = 1024**3
 CONTEXT_GIB = 2.0  # the planner's buffers term (CUDA context, NCCL, workspaces)
 
-RECIPES = [  # name, config, nodes × 8 GPUs, GPU (the header's)
+PAPER = [
+    (f"{s}-{k}", n)
+    for s, n in (("125m", 1), ("355m", 1), ("1.3b", 2), ("2.7b", 4))
+    for k in ("baseline", "normformer")
+]
+PAPER += [(f"mlm-125m-{k}", 1) for k in ("baseline", "normformer", "normformer-resscale")]
+
+
+def _v100_overrides(name: str) -> list[str]:
+    text = (REPO / "configs" / "paper" / f"{name}.yaml").read_text(encoding="utf-8")
+    return re.search(r"^# V100 overrides: (.*)$", text, re.MULTILINE)[1].split()
+
+
+RECIPES = [  # name, config, nodes × 8 GPUs, GPU (the header's), overrides
+    *[(name, f"configs/paper/{name}.yaml", n, "a100-80gb", []) for name, n in PAPER],
     *[
-        (f"{s}-{k}", f"configs/paper/{s}-{k}.yaml", n, "a100-40gb")
-        for s, n in (("125m", 1), ("355m", 1), ("1.3b", 2), ("2.7b", 4))
-        for k in ("baseline", "normformer")
+        (f"{name}-v100", f"configs/paper/{name}.yaml", n, "v100-32gb", _v100_overrides(name))
+        for name, n in PAPER
     ],
-    ("normformer-1.3b-3d-v100", "configs/normformer-1.3b-3d-v100.yaml", 2, "v100-32gb"),
-    ("normformer-2.7b-3d-a100", "configs/normformer-2.7b-3d-a100.yaml", 4, "a100-40gb"),
-    ("normformer-350m-zero2", "configs/normformer-350m-zero2.yaml", 1, "a100-40gb"),
+    ("normformer-1.3b-3d-v100", "configs/normformer-1.3b-3d-v100.yaml", 32, "v100-32gb", []),
+    ("normformer-2.7b-3d-a100", "configs/normformer-2.7b-3d-a100.yaml", 8, "a100-80gb", []),
+    ("normformer-350m-zero2", "configs/normformer-350m-zero2.yaml", 1, "a100-80gb", []),
 ]
 
 
-def run_all() -> None:
+def run_all(only: list[str] | None = None) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
-    for name, config, nodes, gpu in RECIPES:
+    for name, config, nodes, gpu, overrides in RECIPES:
+        if only and name not in only:
+            continue
         cmd = [
             sys.executable,
             "-m",
             "megaformer.tools.dryrun",
             config,
+            *overrides,
             "--nodes",
             str(nodes),
             "--gpus-per-node",
@@ -73,7 +91,7 @@ def rows() -> list[dict]:
     from megaformer.tools.plan import DEVICES, make_plan
 
     out = []
-    for name, config, _nodes, gpu in RECIPES:
+    for name, config, _nodes, gpu, _overrides in RECIPES:
         path = OUT / f"{name}.json"
         if not path.exists():
             continue
@@ -150,9 +168,17 @@ def table(data: list[dict]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--table", action="store_true", help="only the table, from the saved reports")
+    names = [r[0] for r in RECIPES]
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=names,
+        metavar="NAME",
+        help=f"run only these (one of {', '.join(names)})",
+    )
     args = parser.parse_args()
     if not args.table:
-        run_all()
+        run_all(args.only)
     data = rows()
     md = table(data)
     (OUT / "summary.md").write_text(

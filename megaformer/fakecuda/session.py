@@ -350,13 +350,19 @@ def _label_gradients(engine: Any, audit: Any, report: dict) -> set[str]:
 
     engine.before_optimizer_step(before_step)
 
-    def grad_made(p: Any) -> None:  # every gradient a parameter accumulates, wherever it goes next
-        if p.grad is not None:  # (ZeRO-2 and the fp16 optimizer move it out before the step)
+    def grad_arrives(grad: Any) -> None:  # every gradient autograd hands a parameter, before any
+        # accumulation hook (DeepSpeed's own, registered first, may move it out and free .grad:
+        # ZeRO-2, the fp16 optimizer, bf16.immediate_grad_update)
+        audit.label(grad, "gradients")
+        grad_dtypes.add(str(grad.dtype))
+
+    def grad_made(p: Any) -> None:  # the accumulated gradient, where DeepSpeed leaves it in .grad
+        if p.grad is not None:
             audit.label(p.grad, "gradients")
-            grad_dtypes.add(str(p.grad.dtype))
 
     for p in engine.module.parameters():
         if p.requires_grad:
+            p.register_hook(grad_arrives)
             p.register_post_accumulate_grad_hook(grad_made)
     return grad_dtypes
 

@@ -18,7 +18,7 @@ def _paper_layouts(name: str) -> list[tuple[str, str, list[str], int, str]]:
     overrides = re.search(r"^# V100 overrides: (.*)$", text, re.MULTILINE)[1].split()
     path = f"configs/paper/{name}.yaml"
     return [
-        (f"{name}-a100", path, [], a100, "a100-40gb"),
+        (f"{name}-a100", path, [], a100, "a100-80gb"),
         (f"{name}-v100", path, overrides, v100, "v100-32gb"),
     ]
 
@@ -28,11 +28,11 @@ def recipe_cases() -> list[tuple[str, str, list[str], int, int, str]]:
     stage's last rank where pp > 1."""
     layouts = [case for name in PAPER for case in _paper_layouts(name)]
     layouts += [
-        ("1.3b-3d-v100", "configs/normformer-1.3b-3d-v100.yaml", [], 16, "v100-32gb"),
-        ("2.7b-3d-a100", "configs/normformer-2.7b-3d-a100.yaml", [], 32, "a100-40gb"),
-        ("350m-zero2", "configs/normformer-350m-zero2.yaml", [], 8, "a100-40gb"),
+        ("1.3b-3d-v100", "configs/normformer-1.3b-3d-v100.yaml", [], 256, "v100-32gb"),
+        ("2.7b-3d-a100", "configs/normformer-2.7b-3d-a100.yaml", [], 64, "a100-80gb"),
+        ("350m-zero2", "configs/normformer-350m-zero2.yaml", [], 8, "a100-80gb"),
         # no shipped recipe uses ZeRO-3; its engine is checked on the 350M ZeRO-2 layout
-        ("350m-zero3", "configs/normformer-350m-zero2.yaml", ["train.zero_stage=3"], 8, "a100-40gb"),
+        ("350m-zero3", "configs/normformer-350m-zero2.yaml", ["train.zero_stage=3"], 8, "a100-80gb"),
     ]
     cases = []
     for ident, path, overrides, world, gpu in layouts:

@@ -13,7 +13,7 @@ import torch
 from megaformer.config import load_config
 from megaformer.model import NormFormerLM, count_parameters
 from megaformer.tools import plan as planner
-from tests.unit.test_recipes import RECIPES, _layouts, _path
+from tests.unit.test_recipes import MLM_RECIPES, RECIPES, _layouts, _path
 
 GIB = 1024**3
 
@@ -48,17 +48,34 @@ def test_block_activations_are_the_measured_coefficients(nf, coefficient):
 def test_every_recipe_layout_fits_the_device_its_header_names(name, hw):
     world, overrides, _, _ = _layouts(name)[hw]
     cfg = load_config(_path(name), overrides)
-    device = planner.DEVICES["a100-40gb" if hw == "A100" else "v100-32gb"]
+    device = planner.DEVICES["a100-80gb" if hw == "A100" else "v100-32gb"]
     plan = planner.make_plan(cfg, device, world)
     assert plan.fits, planner.describe(plan)
+
+
+@pytest.mark.parametrize("hw", ["A100", "V100"])
+@pytest.mark.parametrize("name", RECIPES + MLM_RECIPES)
+def test_every_recipe_layout_is_the_planners_choice(name, hw):
+    """Issue 19: data parallelism, no recompute, and the largest micro-batch that fits the header's
+    device: the next micro-batch that divides the batch per rank does not fit."""
+    world, overrides, micro, ckpt = _layouts(name)[hw]
+    cfg = load_config(_path(name), overrides)
+    device = planner.DEVICES["a100-80gb" if hw == "A100" else "v100-32gb"]
+    assert (cfg.parallel.tp_size, cfg.parallel.pp_size, cfg.train.recompute_mode) == (1, 1, "none")
+    assert not ckpt and planner.make_plan(cfg, device, world).fits
+    per_rank = cfg.train.global_batch_size // world
+    bigger = [m for m in range(micro + 1, per_rank + 1) if per_rank % m == 0]
+    if bigger:
+        trial = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=bigger[0]))
+        assert not planner.make_plan(trial, device, world).fits, f"{name} {hw}: micro-batch {bigger[0]} fits"
 
 
 @pytest.mark.parametrize(
     ("path", "gpu", "world"),
     [
-        ("configs/normformer-1.3b-3d-v100.yaml", "v100-32gb", 16),
-        ("configs/normformer-2.7b-3d-a100.yaml", "a100-40gb", 16),
-        ("configs/normformer-350m-zero2.yaml", "v100-32gb", 8),
+        ("configs/normformer-1.3b-3d-v100.yaml", "v100-32gb", 256),
+        ("configs/normformer-2.7b-3d-a100.yaml", "a100-80gb", 64),
+        ("configs/normformer-350m-zero2.yaml", "a100-80gb", 8),
     ],
 )
 def test_3d_layouts_fit(path, gpu, world):
@@ -78,14 +95,14 @@ def test_a_layout_that_does_not_fit_gets_a_suggestion_that_does():
 
 def test_command_prints_memory_flops_time_and_the_recipe_devices(capsys):
     rc = planner.main(
-        [_path("1.3b-normformer"), "--gpu", "a100-40gb", "--nodes", "2", "--gpus-per-node", "8"]
+        [_path("1.3b-normformer"), "--gpu", "a100-80gb", "--nodes", "2", "--gpus-per-node", "8"]
     )
     out = capsys.readouterr().out
     assert rc == 0 and "fits" in out and "device-hours" in out and "model FLOPs per step" in out
     for name in ("V100-SXM2-32GB", "A100-SXM4-40GB", "A100-SXM4-80GB"):
         assert name in out
     # 286,102 steps of 1M tokens at 9.5e15 FLOPs per step, 16 A100s at 40 % MFU
-    plan = planner.make_plan(load_config(_path("1.3b-normformer")), planner.DEVICES["a100-40gb"], 16)
+    plan = planner.make_plan(load_config(_path("1.3b-normformer")), planner.DEVICES["a100-80gb"], 16)
     assert plan.step_time_s == pytest.approx(plan.flops_per_step / (16 * 312e12 * 0.4))
 
 
