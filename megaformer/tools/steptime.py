@@ -31,7 +31,11 @@ layout (tp, pp, dp, ZeRO, precision, recompute, micro-batches) and a :class:`Dev
     al. 2022, Sec. 4.2.2). The loss reads / writes 16 bytes × V/tp per token (logits, fp32 softmax,
     gradient). On a CPU ``exp`` and GeLU are compute-bound: the loss costs at least 2 ``exp`` per
     logit (softmax forward, again in backward) and GeLU 3 evaluations per element (forward;
-    backward ≈ 2), at the measured element rates.
+    backward ≈ 2), at the measured element rates; where ``bench/cpu_device.py`` measured them at the
+    125M shapes, the loss at its forward + backward rate per logit, GeLU at its forward + backward
+    rate and each LayerNorm (LN1, LN2, post-attention LN over d, FFN LN over f, qkv_ln over 3d)
+    at its forward + backward rate per element (a recompute's forward ≈ 1/3 more), each in place
+    of its memory traffic where slower.
 ``optimizer``
     DeepSpeed 0.19's buffers as :mod:`megaformer.tools.plan` describes them, at memory speed:
     AdamW reads gradient, weight, m, v and writes weight, m, v in fp32, 28 bytes per parameter of
@@ -40,7 +44,8 @@ layout (tp, pp, dp, ZeRO, precision, recompute, micro-batches) and a :class:`Dev
     autograd's accumulation into ``.grad`` 3·q Ψ per micro-batch after the first; zeroing the
     gradients (q + 4) Ψ (4 Ψ with ``bf16.immediate_grad_update``, which frees the bf16
     gradients). On a CPU the AdamW step runs at its measured parameter rate where that is slower
-    than its 28 bytes per parameter.
+    than its 28 bytes per parameter: one rate for tensors of 8 Mi elements or more, another for
+    smaller ones (:func:`cpu_device`).
 ``tp_comm``
     Megatron's tensor parallelism: 2 all-reduces of ``b·s·d·q`` bytes per block in the forward and 2
     in the backward (Narayanan et al. 2021, arXiv:2104.04473, Sec. 3.3; Shoeybi et al. 2019 Fig. 4),
@@ -85,7 +90,7 @@ import itertools
 import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from megaformer.config.schema import RunConfig
@@ -113,6 +118,11 @@ class DeviceSpec:
     AdamW, measured). ``thin_gemm``: (smallest GEMM dimension, fraction of the large-GEMM rate)
     points measured on the CPU; a GEMM whose smallest dimension is below the largest point runs at
     the fraction interpolated in log(dimension) (none for GPUs: the roofline only).
+    ``layernorm_per_s`` (input elements per second of a LayerNorm forward + backward),
+    ``loss_per_s`` (logits per second of the softmax cross-entropy forward + backward) and
+    ``adamw_small_per_s`` (the optimizer step's parameters per second on tensors below
+    ``adamw_large_elems`` elements, ``adamw_per_s`` being the rate above): where these are
+    compute-bound (a CPU, measured by ``bench/cpu_device.py``); infinite for GPUs (memory-bound).
     """
 
     name: str
@@ -130,6 +140,10 @@ class DeviceSpec:
     gelu_per_s: float = math.inf
     adamw_per_s: float = math.inf
     thin_gemm: tuple[tuple[int, float], ...] = ()
+    layernorm_per_s: float = math.inf
+    loss_per_s: float = math.inf
+    adamw_small_per_s: float = math.inf
+    adamw_large_elems: float = math.inf
 
     @property
     def matmul_flops(self) -> float:
@@ -188,16 +202,27 @@ def cpu_device(threads: int = 2, processes: int = 1, path: str = CPU_DEVICE_JSON
     ``threads`` threads; matmul and attention rates are those measured at ``threads`` threads, the
     memory bandwidth the one measured at ``threads × processes`` threads shared by the processes.
     Communication between processes (gloo over loopback TCP / shared memory): 2 GB/s, 50 µs per
-    message (assumption, not measured)."""
+    message (assumption, not measured).
+
+    Where the JSON has them (``bench/cpu_device.py`` since 2026-11-25, issue 19; measured on this
+    2-core AMD EPYC VM, torch 2.13 CPU, at the 125M block's shapes): GEMMs run at the block's
+    linear layers' forward + backward rate (``block_gemm_gflops``: ``matmul_fraction`` = it / the
+    peak: 0.96 at 2 threads, 0.99 at 1; the square-GEMM peak stays what MFU is measured against); GeLU at
+    3 evaluations per ``gelu_fwd_bwd_gelems`` element (forward ≈ 1, backward ≈ 2, as the module
+    docstring counts); LayerNorms at ``layernorm_gelems``; the loss at ``cross_entropy_glogits``;
+    AdamW at ``adamw_block_gparams`` on tensors under 8 Mi elements (32 MiB of fp32, glibc malloc's
+    largest mmap threshold, ``DEFAULT_MMAP_THRESHOLD_MAX`` in malloc/malloc.c: larger temporaries
+    are fresh pages, zero-filled on first touch) and ``adamw_gparams`` (16 Mi elements) above."""
     with open(path) as f:
         data = json.load(f)["threads"]
     own = data[str(threads)]
     total = data.get(str(threads * processes), own)
     peak = own["peak_matmul_gflops"] / 1e3
+    gelu_per_s = 3 * own["gelu_fwd_bwd_gelems"] if "gelu_fwd_bwd_gelems" in own else own["gelu_gelems"]
     return DeviceSpec(
         name=f"CPU ({threads} thread(s) × {processes} process(es), measured)",
         peak_tflops=peak,
-        matmul_fraction=1.0,
+        matmul_fraction=min(1.0, own.get("block_gemm_gflops", math.inf) / own["peak_matmul_gflops"]),
         attention_fraction=0.5 * own["attention_gflops"] / own["peak_matmul_gflops"],
         hbm_gbs=total["copy_gbs"] / processes,
         hbm_fraction=1.0,
@@ -207,9 +232,13 @@ def cpu_device(threads: int = 2, processes: int = 1, path: str = CPU_DEVICE_JSON
         internode_latency_us=50.0,
         cpu=True,
         exp_per_s=own["exp_gelems"] * 1e9,
-        gelu_per_s=own["gelu_gelems"] * 1e9,
+        gelu_per_s=gelu_per_s * 1e9,
         adamw_per_s=own.get("adamw_gparams", math.inf) * 1e9,
         thin_gemm=tuple(sorted((int(k), min(1.0, v)) for k, v in own.get("thin_gemm_fraction", {}).items())),
+        layernorm_per_s=own.get("layernorm_gelems", math.inf) * 1e9,
+        loss_per_s=own.get("cross_entropy_glogits", math.inf) * 1e9,
+        adamw_small_per_s=own.get("adamw_block_gparams", math.inf) * 1e9,
+        adamw_large_elems=8 * 2**20 if "adamw_block_gparams" in own else math.inf,
     )
 
 
@@ -374,6 +403,14 @@ def _block_costs(cfg: RunConfig, dev: DeviceSpec, q: int, gpus_per_node: int) ->
     block_memory += max(
         0.0, gelu_elems / dev.gelu_per_s - n * q * 2 * f / tp * (2 + fwd_passes) / dev.memory_bytes_per_s
     )
+    # LayerNorms, forward + backward (a recompute's forward ≈ 1/3 more), at their element rate where slower
+    ln_elems = (2 * d + (d if m.post_attn_ln else 0)) / (tp if sp else 1)
+    ln_elems += ((f if m.ffn_ln else 0) + (3 * d if m.qkv_ln else 0)) / tp
+    block_memory += max(
+        0.0,
+        n * ln_elems * (2 + fwd_passes) / 3 / dev.layernorm_per_s
+        - n * q * 2 * ln_elems * (2 + fwd_passes) / dev.memory_bytes_per_s,
+    )
     # TP collectives per block per micro-batch.
     tp_bw, tp_lat = _link(dev, tp, gpus_per_node)
     act = n * d * q
@@ -407,12 +444,36 @@ def _busiest_stage(
             tpc += collective_time("allreduce", act, tp, tp_bw, tp_lat)
         if last:
             compute += 3 * _gemm(dev, n, d, v / tp, q)
-            # softmax's exp in forward and again in backward, or the 16 bytes per logit
-            memory += max(n * 16.0 * v / tp / dev.memory_bytes_per_s, 2.0 * n * v / tp / dev.exp_per_s)
+            # the loss's measured rate (else softmax's exp in forward and again in backward), or the
+            # 16 bytes per logit
+            loss = (
+                n * v / tp / dev.loss_per_s
+                if math.isfinite(dev.loss_per_s)
+                else 2.0 * n * v / tp / dev.exp_per_s
+            )
+            memory += max(n * 16.0 * v / tp / dev.memory_bytes_per_s, loss)
             tpc += collective_time("allreduce", act, tp, tp_bw, tp_lat)
         row = (compute + attention + memory + tpc, compute, attention, memory, tpc, stage.params)
         best = row if best is None or row[0] > best[0] else best
     return (*best, act)
+
+
+def _cpu_adamw(cfg: RunConfig, dev: DeviceSpec, part: float) -> DeviceSpec:
+    """``dev`` with ``adamw_per_s`` the rate of this rank's optimizer step over its tensors: those of
+    ``adamw_large_elems`` elements or more at ``adamw_per_s``, the rest at ``adamw_small_per_s``
+    (a CPU; unchanged where the latter is not measured). The large tensors: under ZeRO ≥ 1 the
+    flat fp32 partition (DeepSpeed keeps one per parameter group), else the word embedding (and an
+    untied output layer)."""
+    if not math.isfinite(dev.adamw_small_per_s) or part <= 0:
+        return dev
+    m, tp = cfg.model, cfg.parallel.tp_size
+    if cfg.train.zero_stage >= 1:
+        large = part if part >= dev.adamw_large_elems else 0.0
+    else:
+        emb = m.padded_vocab_size(tp) * m.hidden_size / tp
+        large = min(part, emb * (1 if m.tie_embeddings else 2)) if emb >= dev.adamw_large_elems else 0.0
+    seconds = large / dev.adamw_per_s + (part - large) / dev.adamw_small_per_s
+    return replace(dev, adamw_per_s=part / seconds)
 
 
 def _optimizer_time(
@@ -496,6 +557,7 @@ def predict(cfg: RunConfig, dev: DeviceSpec, world: int, gpus_per_node: int = 8)
         p2p = gas * 2 * (act / bw + lat)
 
     part = params / dp if t.zero_stage >= 1 else params
+    dev = _cpu_adamw(cfg, dev, part)
     bf16_low_zero = precision == "bf16" and t.zero_stage <= 1
     optimizer = _optimizer_time(dev, params, part, gas, q, bf16_low_zero, immediate_grad_update(cfg))
     dp_total, dp_exposed = _dp_comm(cfg, dev, params, plan, q, t_mb, world, gpus_per_node)

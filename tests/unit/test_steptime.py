@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -11,6 +12,8 @@ from megaformer.config import load_config
 from megaformer.tools import plan as plan_tool
 from megaformer.tools.steptime import (
     DEVICE_SPECS,
+    DeviceSpec,
+    _cpu_adamw,
     bubble_fraction,
     collective_time,
     cpu_device,
@@ -91,9 +94,13 @@ def test_plan_predict_flag(capsys):
 
 @pytest.mark.parametrize(
     ("case", "tolerance"),
-    # The 125M NormFormer row's committed median (13.1 s) is the slowest of the three committed runs
-    # (BENCHMARKS.md: 12.4 s in another); the model is 25-29 % under it: a looser bound, stated.
-    [("quickstart", 0.25), ("125m_pre_ln", 0.25), ("125m_normformer", 0.35)],
+    # The issue's bound, 25 %, for every case. The 125M figures are the median steps that
+    # bench/steptime_cpu_validation.py --measure-125m timed while other processes used < 5 % of the CPU
+    # (the committed bench/results/norm_overhead.json medians, 11.6 / 13.1 s, were taken on a busier
+    # machine and older code: today's quiet steps are 9.4-9.9 s; the JSON keeps them beside, with their
+    # errors). The model is 3-4 % under the 125M steps and 9 % under the quickstart's (per-op dispatch,
+    # DeepSpeed's bookkeeping and the data loader are not modelled).
+    [("quickstart", 0.25), ("125m_pre_ln", 0.25), ("125m_normformer", 0.25)],
 )
 def test_cpu_prediction_against_committed_measurements(case, tolerance):
     """Predicted from bench/results/cpu_device.json; measured figures as committed (not re-measured)."""
@@ -102,22 +109,133 @@ def test_cpu_prediction_against_committed_measurements(case, tolerance):
     if case == "quickstart":
         cfg, dev, world = _cfg("configs/normformer-quickstart.yaml"), cpu_device(1, 2), 2
     else:
-        nf = case.endswith("normformer")
-        cfg = _cfg(
-            "configs/paper/125m-baseline.yaml",
-            "model.seq_len=2048",
-            "model.hidden_dropout=0.0",
-            "model.attention_dropout=0.0",
-            "model.embedding_dropout=0.0",
-            "model.resid_scale=false",
-            f"model.post_attn_ln={str(nf).lower()}",
-            f"model.head_scale={str(nf).lower()}",
-            f"model.ffn_ln={str(nf).lower()}",
-            "train.precision=fp32",
-            "train.micro_batch_size=1",
-            "train.global_batch_size=1",
-            "train.zero_stage=0",
-        )
+        cfg = _cfg_125m(case.endswith("normformer"))
         dev, world = cpu_device(2, 1), 1
     predicted = predict(cfg, dev, world, world).total
     assert abs(predicted / measured - 1) <= tolerance, (predicted, measured)
+
+
+def test_cpu_normformer_overhead_against_committed_measurement():
+    """NormFormer's predicted step over Pre-LN's at the 125M shape on this CPU (+0.7 %) within 3 points
+    of the measured ratio (1.016 in the committed quiet run, 1.010 in another that day; single rounds
+    0.99-1.05): no longer the +13 % of the busy machine's medians."""
+    with open(VALIDATION) as f:
+        cases = json.load(f)["cases"]
+    measured = cases["125m_normformer"]["measured_step_s"] / cases["125m_pre_ln"]["measured_step_s"]
+    dev = cpu_device(2, 1)
+    predicted = predict(_cfg_125m(True), dev, 1, 1).total / predict(_cfg_125m(False), dev, 1, 1).total
+    assert predicted > 1.0 and abs(predicted - measured) < 0.03, (predicted, measured)
+
+
+def _cpu_spec(**kw) -> DeviceSpec:
+    base = dict(
+        name="cpu",
+        peak_tflops=0.2,
+        matmul_fraction=1.0,
+        attention_fraction=0.5,
+        hbm_gbs=50.0,
+        hbm_fraction=1.0,
+        nvlink_gbs=2.0,
+        nvlink_latency_us=50.0,
+        internode_gbs=2.0,
+        internode_latency_us=50.0,
+        cpu=True,
+    )
+    return DeviceSpec(**{**base, **kw})
+
+
+def _cfg_125m(nf: bool):
+    return _cfg(
+        "configs/paper/125m-baseline.yaml",
+        "model.seq_len=2048",
+        "model.hidden_dropout=0.0",
+        "model.attention_dropout=0.0",
+        "model.embedding_dropout=0.0",
+        "model.resid_scale=false",
+        f"model.post_attn_ln={str(nf).lower()}",
+        f"model.head_scale={str(nf).lower()}",
+        f"model.ffn_ln={str(nf).lower()}",
+        "train.precision=fp32",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=1",
+        "train.zero_stage=0",
+    )
+
+
+def test_cpu_layernorm_term():
+    """Each LayerNorm element costs 1 / layernorm_per_s (forward + backward) less its memory traffic."""
+    ln_rate, bw = 1e9, 50e9
+    for nf in (False, True):
+        cfg = _cfg_125m(nf)
+        m, n = cfg.model, cfg.model.seq_len
+        without = predict(cfg, _cpu_spec(), 1, 1)
+        with_ln = predict(cfg, _cpu_spec(layernorm_per_s=ln_rate), 1, 1)
+        per_token = 2 * m.hidden_size + (m.hidden_size + m.ffn_size if nf else 0)
+        per_block = n * per_token * (1 / ln_rate - 4 * 2 * 3 / bw)
+        assert with_ln.memory - without.memory == pytest.approx(m.num_layers * per_block)
+        assert with_ln.compute == without.compute and with_ln.optimizer == without.optimizer
+
+
+def test_cpu_loss_term():
+    """The loss at its measured logits rate, else two exp per logit; never under 16 bytes per logit."""
+    cfg = _cfg_125m(False)
+    n, v = cfg.model.seq_len, cfg.model.padded_vocab_size(1)
+    by_exp = predict(cfg, _cpu_spec(exp_per_s=1e9), 1, 1)
+    by_rate = predict(cfg, _cpu_spec(exp_per_s=1e9, loss_per_s=1e9), 1, 1)
+    assert by_exp.memory - by_rate.memory == pytest.approx(2 * n * v / 1e9 - n * v / 1e9)
+    fast = predict(cfg, _cpu_spec(loss_per_s=1e15), 1, 1)
+    slow = predict(cfg, _cpu_spec(loss_per_s=1e9), 1, 1)
+    assert slow.memory - fast.memory == pytest.approx(n * v / 1e9 - n * v * 16 / 50e9)
+
+
+def test_cpu_adamw_two_rates():
+    """Tensors of adamw_large_elems or more at adamw_per_s, the rest at adamw_small_per_s: without ZeRO
+    the word embedding, with ZeRO >= 1 the flat partition; GPUs unchanged."""
+    big, small, threshold = 0.3e9, 0.9e9, 8 * 2**20
+    dev = _cpu_spec(adamw_per_s=big, adamw_small_per_s=small, adamw_large_elems=threshold)
+    cfg = _cfg_125m(False)
+    emb = cfg.model.padded_vocab_size(1) * cfg.model.hidden_size
+    part = 124e6
+    rate = _cpu_adamw(cfg, dev, part).adamw_per_s
+    assert part / rate == pytest.approx(emb / big + (part - emb) / small)
+    assert _cpu_adamw(cfg, dev, emb).adamw_per_s == pytest.approx(big)  # the embedding alone
+    zero1 = _cfg("configs/normformer-quickstart.yaml")
+    assert _cpu_adamw(zero1, dev, 3e6).adamw_per_s == pytest.approx(small)  # one flat partition, small
+    assert _cpu_adamw(zero1, dev, 2e7).adamw_per_s == pytest.approx(big)  # one flat partition, large
+    assert predict(cfg, dev, 1, 1).optimizer < predict(cfg, _cpu_spec(adamw_per_s=big), 1, 1).optimizer
+    gpu = DEVICE_SPECS["h100-80gb"]
+    assert _cpu_adamw(cfg, gpu, part) is gpu
+
+
+def test_cpu_device_reads_the_new_keys(tmp_path):
+    """cpu_device maps bench/cpu_device.py's block-shape rates onto the DeviceSpec; without them the
+    old figures stand (and GPUs have none)."""
+    row = {
+        "matmul_gflops": {"a": 200.0},
+        "peak_matmul_gflops": 200.0,
+        "copy_gbs": 50.0,
+        "attention_gflops": 200.0,
+        "exp_gelems": 1.0,
+        "gelu_gelems": 1.5,
+        "adamw_gparams": 0.2,
+    }
+    new = {
+        "block_gemm_gflops": 180.0,
+        "gelu_fwd_bwd_gelems": 1.2,
+        "layernorm_gelems": 1.4,
+        "cross_entropy_glogits": 0.9,
+        "adamw_block_gparams": 0.8,
+    }
+    old_path, new_path = tmp_path / "old.json", tmp_path / "new.json"
+    old_path.write_text(json.dumps({"threads": {"2": row}}))
+    new_path.write_text(json.dumps({"threads": {"2": {**row, **new}}}))
+    old, dev = cpu_device(2, 1, str(old_path)), cpu_device(2, 1, str(new_path))
+    assert old.matmul_fraction == 1.0 and old.gelu_per_s == 1.5e9
+    assert old.layernorm_per_s == old.loss_per_s == old.adamw_small_per_s == math.inf
+    assert dev.matmul_fraction == pytest.approx(0.9)
+    assert dev.gelu_per_s == pytest.approx(3.6e9)
+    assert (dev.layernorm_per_s, dev.loss_per_s) == (pytest.approx(1.4e9), pytest.approx(0.9e9))
+    assert (dev.adamw_per_s, dev.adamw_small_per_s) == (pytest.approx(0.2e9), pytest.approx(0.8e9))
+    assert dev.adamw_large_elems == 8 * 2**20
+    for gpu in DEVICE_SPECS.values():
+        assert gpu.layernorm_per_s == gpu.loss_per_s == gpu.adamw_small_per_s == math.inf
