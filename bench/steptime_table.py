@@ -46,11 +46,13 @@ def recipes() -> list[str]:
     return [os.path.relpath(p, REPO) for p in paper] + list(LAYOUT_RECIPES)
 
 
-def _size_key(path: str) -> tuple[float, str]:
+def _size_key(path: str) -> tuple[bool, float, str]:
+    """The causal recipes by size, then the masked LMs (``mlm-125m-*``)."""
     name = os.path.basename(path)
-    size = name.split("-")[0]
+    mlm = name.startswith("mlm-")
+    size = name.removeprefix("mlm-").split("-")[0]
     value = float(size[:-1]) * (1000 if size.endswith("b") else 1)
-    return value, name
+    return mlm, value, name
 
 
 def v100_overrides(path: str) -> list[str]:
@@ -91,6 +93,40 @@ def cell(path: str, gpu: str, nodes: int) -> dict:
         "fits": fits,
         **st.as_dict(),
     }
+
+
+def zero2_comparison() -> tuple[list[dict], list[str]]:
+    """The bf16 NormFormer recipes at ZeRO-1 (DeepSpeed's BF16 optimizer: fp32 accumulation, one
+    all-reduce after the last backward, not overlapped) against ZeRO-2 with the same JSON (fp32
+    accumulation, a reduce-scatter per micro-batch overlapped with backward), on 1, 2 and 8 nodes."""
+    rows, lines = [], ["", "bf16 ZeRO-1 (BF16 optimizer) against ZeRO-2, NormFormer recipes (step s):", ""]
+    lines += [
+        "| recipe | GPU | nodes | ZeRO-1 step (DP exposed) | ZeRO-2 step (DP exposed) | ZeRO-2 / ZeRO-1 |"
+    ]
+    lines += ["|---|---|---|---|---|---|"]
+    for size in ("355m", "1.3b", "2.7b"):
+        for gpu in ("a100-80gb", "h100-80gb"):
+            for nodes in (1, 2, 8):
+                world, got = nodes * GPUS_PER_NODE, {}
+                for zero in (1, 2):
+                    cfg = load_config(
+                        os.path.join(REPO, f"configs/paper/{size}-normformer.yaml"),
+                        [f"train.zero_stage={zero}"],
+                    )
+                    if cfg.train.global_batch_size % (cfg.train.micro_batch_size * world):
+                        break
+                    got[zero] = predict(cfg, DEVICE_SPECS[gpu], world, GPUS_PER_NODE)
+                if len(got) < 2:
+                    continue
+                one, two = got[1], got[2]
+                rows.append({"size": size, "gpu": gpu, "nodes": nodes, "zero1_step_s": one.total,
+                             "zero1_dp_exposed_s": one.dp_comm, "zero2_step_s": two.total,
+                             "zero2_dp_exposed_s": two.dp_comm})  # fmt: skip
+                lines.append(
+                    f"| {size}-normformer | {gpu} | {nodes} | {one.total:.3f} ({one.dp_comm:.3f}) | "
+                    f"{two.total:.3f} ({two.dp_comm:.3f}) | {two.total / one.total:.3f} |"
+                )
+    return rows, lines
 
 
 def main() -> int:
@@ -145,6 +181,8 @@ def main() -> int:
         if "step_s" in c:
             shares = " | ".join(f"{c[k] / c['step_s']:.1%}" for k in terms)
             lines.append(f"| {os.path.basename(path)[:-5]} | {c['mfu']:.1%} | {shares} |")
+    zero2, zero2_lines = zero2_comparison()
+    lines += zero2_lines
     text = "\n".join(lines)
     print(text)
     atomic_write_json(
@@ -155,6 +193,7 @@ def main() -> int:
             "gpus_per_node": GPUS_PER_NODE,
             "cells": cells,
             "normformer_overhead": overhead,
+            "bf16_zero1_vs_zero2": zero2,
             "markdown": text,
         },
     )

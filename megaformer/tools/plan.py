@@ -328,7 +328,7 @@ def immediate_grad_update(cfg: RunConfig) -> bool:
     bf16 ``.grad`` are no longer held (one parameter's at a time, transiently), and the separate
     accumulation pass after each micro-batch's backward (``update_hp_grads``) becomes a no-op. The
     arithmetic is the same (fp32 += bf16 gradient per micro-batch; shown bitwise equal on CPU by
-    ``tests/distributed/test_immediate_grad_update.py``)."""
+    ``tests/distributed/test_bf16_optimizers.py``)."""
     import json
 
     if cfg.train.precision != "bf16" or not cfg.train.deepspeed_config:
@@ -486,6 +486,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also predict the step time, tokens/s, MFU and device-hours (megaformer.tools.steptime)",
     )
+    parser.add_argument(
+        "--counts",
+        default="auto",
+        choices=("auto", "trace", "formula"),
+        help="--predict: count a block's operations from its fake-CUDA trace (auto: where the shim "
+        "builds, on GPUs) or by formula",
+    )
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -497,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(describe(plan))
     if args.predict:
-        print("\n" + _predict(cfg, args.gpu, world, args.gpus_per_node))
+        print("\n" + _predict(cfg, args.gpu, world, args.gpus_per_node, args.counts))
     if args.gpu != "cpu":
         print("\nthis layout on the recipes' devices:")
         for key in RECIPE_DEVICES:
@@ -515,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if plan.fits else 1
 
 
-def _predict(cfg: RunConfig, gpu: str, world: int, gpus_per_node: int) -> str:
+def _predict(cfg: RunConfig, gpu: str, world: int, gpus_per_node: int, counts: str = "auto") -> str:
     """``--predict``: the step-time model's prediction (fp16 for a bf16 config on a V100)."""
     import os
 
@@ -528,7 +535,7 @@ def _predict(cfg: RunConfig, gpu: str, world: int, gpus_per_node: int) -> str:
         dev = steptime.DEVICE_SPECS[gpu]
         if not DEVICES[gpu].bf16 and cfg.train.precision == "bf16":
             cfg = _with(cfg, precision="fp16")
-    return steptime.describe(steptime.predict(cfg, dev, world, gpus_per_node), dev)
+    return steptime.describe(steptime.predict(cfg, dev, world, gpus_per_node, counts), dev)
 
 
 def layout_overrides(plan: Plan) -> str:

@@ -60,16 +60,18 @@ layout (tp, pp, dp, ZeRO, precision, recompute, micro-batches) and a :class:`Dev
     pipeline engine. DeepSpeed's topology puts the pipeline axis outermost, so stages are on other
     nodes once the world exceeds one node.
 ``dp_comm``
-    data parallelism with ZeRO (DeepSpeed 0.19): bf16 with ZeRO ≤ 1 (the BF16 optimizer) all-reduces
-    the fp32 gradients after the last backward, not overlapped, then all-gathers the updated bf16
-    weights; fp16 / fp32 ZeRO-1 reduces the gradients (reduce-scatter bytes) at the accumulation
-    boundary, overlapped with the last micro-batch's backward when ``overlap_comm`` is on, then
-    all-gathers the weights; ZeRO-2 reduce-scatters every micro-batch's gradients, overlapped with its
-    backward when ``overlap_comm`` is on. Ring collectives (NCCL's ring algorithm, whose bus
-    bandwidth is defined so, nccl-tests doc/PERFORMANCE.md): all-reduce moves ``2(n−1)/n · B``
-    bytes per rank, reduce-scatter and all-gather ``(n−1)/n · B``, plus ``2(n−1)`` (``n − 1``)
-    latencies per bucket; bandwidth: NVLink within a node, the node's network per GPU across nodes.
-    What overlap leaves exposed is ``max(0, communication − backward time)``.
+    data parallelism with ZeRO (DeepSpeed 0.19), the gradients in ``communication_data_type`` (by
+    default the training dtype: bf16 / fp16, also for fp32-accumulated gradients): bf16 with ZeRO ≤ 1
+    (the BF16 optimizer) all-reduces the accumulated gradients after the last backward, not
+    overlapped, then all-gathers the updated bf16 weights; fp16 / fp32 ZeRO-1 all-reduces them at
+    the accumulation boundary (whole buckets, each rank keeping its partition), overlapped with the
+    last micro-batch's backward when ``overlap_comm`` is on, then all-gathers the weights; ZeRO-2
+    all-reduces every micro-batch's gradients the same way, overlapped with its backward when
+    ``overlap_comm`` is on (what the fake-CUDA dry runs record). Ring collectives (NCCL's ring
+    algorithm, whose bus bandwidth is defined so, nccl-tests doc/PERFORMANCE.md): all-reduce moves
+    ``2(n−1)/n · B`` bytes per rank, reduce-scatter and all-gather ``(n−1)/n · B``, plus ``2(n−1)``
+    (``n − 1``) latencies per bucket; bandwidth: NVLink within a node, the node's network per GPU
+    across nodes. What overlap leaves exposed is ``max(0, communication − backward time)``.
 
 Step time = ``m · t_micro + pp_bubble + pp_p2p + dp_comm (exposed) + optimizer``; tokens/s per
 device = ``global batch · s / step / world``; MFU = model FLOPs per token
@@ -80,8 +82,13 @@ device-hours = ``train.steps × step × world / 3600``.
 Not modelled: kernel launch / Python dispatch overhead (small on GPUs for these sizes, a few
 percent on the CPU quickstart), DeepSpeed's per-step bookkeeping, the data loader, evaluation and
 checkpoint time, NCCL's tree algorithm (lower latency at many nodes), network contention between
-data- and tensor-parallel groups, clock throttling. Operations are counted by formula, not from the
-fake-CUDA dry run's trace.
+data- and tensor-parallel groups, clock throttling.
+
+The terms above are the formula (:func:`_block_costs`). On a GPU, where the fake-CUDA shim builds,
+a block's GEMMs, attention kernel, memory-bound bytes and TP collectives are instead counted from
+the block's fake-CUDA trace (:mod:`megaformer.fakecuda.optrace`), and for compiled blocks (the
+default on CUDA) the memory-bound bytes are the trace's estimate of inductor's fused kernels
+(:func:`block_costs`; ``plan --counts formula`` gives the formula's prediction).
 """
 
 from __future__ import annotations
@@ -301,6 +308,7 @@ class StepTime:
     flops_per_step: float
     peak_flops: float
     steps: int
+    counted: str = "formula (eager kernels)"
 
     @property
     def total(self) -> float:
@@ -358,11 +366,26 @@ def _gemm(dev: DeviceSpec, m: float, k: float, n: float, q: int) -> float:
     return max(2 * m * k * n / rate, q * (m * k + k * n + m * n) / dev.memory_bytes_per_s)
 
 
-def _zero_config(cfg: RunConfig) -> dict:
+def _engine_json(cfg: RunConfig) -> dict:
     if not cfg.train.deepspeed_config:
         return {}
     with open(cfg.train.deepspeed_config) as f:
-        return json.load(f).get("zero_optimization", {})
+        return json.load(f)
+
+
+def _communication_bytes(cfg: RunConfig, q: int) -> float:
+    """Bytes per element of the data-parallel gradient reduction: DeepSpeed 0.19 casts the gradients
+    (also the BF16 optimizer's fp32 accumulation and ZeRO's fp32 ``grad_accum``) to
+    ``communication_data_type`` for the collective, by default the training dtype
+    (``DeepSpeedEngine.communication_data_type``: fp16, bf16, else fp32; ``allreduce_bucket``,
+    ``gradient_reduction_w_predivide``)."""
+    name = str(_engine_json(cfg).get("communication_data_type") or "").lower()
+    sizes = {"fp32": 4.0, "float32": 4.0, "fp16": 2.0, "float16": 2.0, "bf16": 2.0, "bfloat16": 2.0}
+    return sizes.get(name, float(q))
+
+
+def _zero_config(cfg: RunConfig) -> dict:
+    return _engine_json(cfg).get("zero_optimization", {})
 
 
 def _block_costs(cfg: RunConfig, dev: DeviceSpec, q: int, gpus_per_node: int) -> tuple[float, ...]:
@@ -422,15 +445,55 @@ def _block_costs(cfg: RunConfig, dev: DeviceSpec, q: int, gpus_per_node: int) ->
     return block_compute, block_attention, block_memory, block_tp, act
 
 
+COUNTS = ("auto", "trace", "formula")
+"""How :func:`predict` counts a block's operations: ``auto`` (a GPU: from the fake-CUDA trace where
+the shim builds, else by formula; a CPU: by formula), ``trace`` (a GPU: the trace, or an error),
+``formula`` (:func:`_block_costs`)."""
+
+
+def block_costs(
+    cfg: RunConfig, dev: DeviceSpec, q: int, gpus_per_node: int, counts: str = "auto"
+) -> tuple[tuple[float, ...], str]:
+    """One block, one micro-batch, one rank: ``(GEMM s, attention s, memory-bound s, TP s, b·s·d·q
+    bytes)`` and how they were counted (for the printout).
+
+    On a GPU the operations are those of the block's fake-CUDA trace
+    (:func:`megaformer.fakecuda.optrace.block_costs`: every GEMM with its shape, the attention
+    kernel, every memory-bound kernel's bytes, every collective), and where the blocks run compiled
+    (``train.compile`` on, the default on CUDA, not under ZeRO-3:
+    :func:`megaformer.fakecuda.optrace.compiles`) their memory-bound traffic is the trace's fusion
+    estimate (:func:`megaformer.fakecuda.optrace.fuse`: what inductor's fused kernels read and
+    write), with the attention operator's forward rerun in backward. On a CPU, with
+    ``counts='formula'``, or where the fake-CUDA shim cannot be built (no C++ compiler), the
+    formula (:func:`_block_costs`; eager kernels).
+
+    Raises:
+        ValueError: ``counts`` not one of :data:`COUNTS`.
+        megaformer.fakecuda.build.ShimUnavailableError: ``counts='trace'`` and no shim here.
+    """
+    if counts not in COUNTS:
+        raise ValueError(f"counts={counts!r}: use one of {', '.join(COUNTS)}")
+    if not dev.cpu and counts != "formula":
+        from megaformer.fakecuda import optrace
+
+        if counts == "trace" or optrace.available():
+            compiled = optrace.compiles(cfg)
+            costs = optrace.block_costs(cfg, dev, q, gpus_per_node, compiled=compiled)
+            how = "compiled block, fusion estimate" if compiled else "eager block"
+            return costs, f"fake-CUDA trace ({how})"
+    return _block_costs(cfg, dev, q, gpus_per_node), "formula (eager kernels)"
+
+
 def _busiest_stage(
-    cfg: RunConfig, dev: DeviceSpec, plan: Any, q: int, gpus_per_node: int
+    cfg: RunConfig, dev: DeviceSpec, plan: Any, q: int, gpus_per_node: int, block: tuple[float, ...]
 ) -> tuple[float, float, float, float, float, int, float]:
     """(micro-batch time, GEMMs, attention, memory-bound, TP communication, parameters) of the
-    pipeline stage whose micro-batch takes longest, and the activation bytes ``b·s·d``."""
+    pipeline stage whose micro-batch takes longest, and the activation bytes ``b·s·d``, from one
+    block's costs ``block`` (:func:`block_costs`)."""
     m, tp = cfg.model, cfg.parallel.tp_size
     n = cfg.train.micro_batch_size * m.seq_len
     d, v = m.hidden_size, m.padded_vocab_size(tp)
-    block_compute, block_attention, block_memory, block_tp, act = _block_costs(cfg, dev, q, gpus_per_node)
+    block_compute, block_attention, block_memory, block_tp, act = block
     tp_bw, tp_lat = _link(dev, tp, gpus_per_node)
     best = None
     for stage in plan.stages:
@@ -507,7 +570,11 @@ def _dp_comm(
     gpus_per_node: int,
 ) -> tuple[float, float]:
     """(total, exposed) seconds of the data-parallel gradient communication of one step, as
-    DeepSpeed 0.19 runs it for the precision and ZeRO stage (module docstring)."""
+    DeepSpeed 0.19 runs it for the precision and ZeRO stage (module docstring). ZeRO-1 and ZeRO-2
+    reduce with all-reduces of whole buckets, each rank keeping its partition
+    (``DeepSpeedZeroOptimizer.average_tensor`` with ``use_multi_rank_bucket_allreduce``, the default),
+    not reduce-scatters: the fake-CUDA dry runs record ``allreduce_`` of the whole gradient per
+    reduction (``bench/results/dryrun/*.txt``, "collectives")."""
     dp, gas = plan.dp, plan.gas
     precision, zero = ("fp32" if dev.cpu else cfg.train.precision), cfg.train.zero_stage
     zcfg = _zero_config(cfg)
@@ -517,27 +584,32 @@ def _dp_comm(
     backward_mb = t_mb * 2 / 3
     if dp <= 1:
         return 0.0, 0.0
+    comm = _communication_bytes(cfg, q)
     if precision == "bf16" and zero <= 1:
-        total = collective_time("allreduce", 4.0 * params, dp, dp_bw, dp_lat, bucket)
+        total = collective_time("allreduce", comm * params, dp, dp_bw, dp_lat, bucket)
         total += collective_time("gather", 2.0 * params, dp, dp_bw, dp_lat, bucket) if zero == 1 else 0.0
         return total, total
     gather = collective_time("gather", q * params, dp, dp_bw, dp_lat, bucket)
     if zero >= 2:
-        per_mb = collective_time("gather", q * params, dp, dp_bw, dp_lat, bucket)
+        per_mb = collective_time("allreduce", comm * params, dp, dp_bw, dp_lat, bucket)
         exposed = gas * (max(0.0, per_mb - backward_mb) if overlap else per_mb) + gather
         return gas * per_mb + gather, exposed
     if zero == 1:
-        reduce = collective_time("gather", q * params, dp, dp_bw, dp_lat, bucket)
+        reduce = collective_time("allreduce", comm * params, dp, dp_bw, dp_lat, bucket)
     else:
         reduce, gather = collective_time("allreduce", q * params, dp, dp_bw, dp_lat, bucket), 0.0
     return reduce + gather, (max(0.0, reduce - backward_mb) if overlap else reduce) + gather
 
 
-def predict(cfg: RunConfig, dev: DeviceSpec, world: int, gpus_per_node: int = 8) -> StepTime:
-    """Predict one optimizer step of ``cfg`` on ``world`` devices ``dev`` (module docstring).
+def predict(
+    cfg: RunConfig, dev: DeviceSpec, world: int, gpus_per_node: int = 8, counts: str = "auto"
+) -> StepTime:
+    """Predict one optimizer step of ``cfg`` on ``world`` devices ``dev`` (module docstring); a
+    block's operations counted as ``counts`` says (:func:`block_costs`).
 
     Raises:
         ConfigError: as :func:`megaformer.tools.plan.make_plan` (layout or batch does not divide).
+        ValueError, ShimUnavailableError: as :func:`block_costs`.
     """
     from megaformer.tools.plan import DEVICES, Device, immediate_grad_update, make_plan
 
@@ -547,7 +619,10 @@ def predict(cfg: RunConfig, dev: DeviceSpec, world: int, gpus_per_node: int = 8)
     dp, gas = plan.dp, plan.gas
     precision = "fp32" if dev.cpu else t.precision
     q = 4 if precision == "fp32" else 2
-    t_mb, compute, attention, memory, tpc, params, act = _busiest_stage(cfg, dev, plan, q, gpus_per_node)
+    block, counted = block_costs(cfg, dev, q, gpus_per_node, counts)
+    t_mb, compute, attention, memory, tpc, params, act = _busiest_stage(
+        cfg, dev, plan, q, gpus_per_node, block
+    )
 
     # Pipeline: the 1F1B bubble and the blocking p2p of each micro-batch.
     bubble = (par.pp_size - 1) * t_mb
@@ -581,6 +656,7 @@ def predict(cfg: RunConfig, dev: DeviceSpec, world: int, gpus_per_node: int = 8)
         flops_per_step=flops,
         peak_flops=dev.peak_tflops * 1e12,
         steps=t.steps,
+        counted=counted,
     )
 
 
@@ -597,7 +673,10 @@ def describe(st: StepTime, dev: DeviceSpec) -> str:
         (f"DP communication (exposed; {st.dp_comm_total:.3g} s before overlap)", st.dp_comm),
         ("optimizer + grad accumulation", st.optimizer),
     ]
-    lines = [f"predicted step on {dev.name} ({st.micro_batches} micro-batches of {st.micro_batch:.4g} s):"]
+    lines = [
+        f"predicted step on {dev.name} ({st.micro_batches} micro-batches of {st.micro_batch:.4g} s; "
+        f"block operations counted from the {st.counted}):"
+    ]
     lines += [f"  {name:62s} {sec:10.4g} s  {sec / total:6.1%}" for name, sec in rows]
     lines.append(f"  {'step':62s} {total:10.4g} s")
     lines.append(
@@ -609,9 +688,11 @@ def describe(st: StepTime, dev: DeviceSpec) -> str:
 
 
 __all__ = [
+    "COUNTS",
     "DEVICE_SPECS",
     "DeviceSpec",
     "StepTime",
+    "block_costs",
     "bubble_fraction",
     "collective_time",
     "cpu_device",

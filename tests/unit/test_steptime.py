@@ -239,3 +239,24 @@ def test_cpu_device_reads_the_new_keys(tmp_path):
     assert dev.adamw_large_elems == 8 * 2**20
     for gpu in DEVICE_SPECS.values():
         assert gpu.layernorm_per_s == gpu.loss_per_s == gpu.adamw_small_per_s == math.inf
+
+
+def test_gpu_predictions_count_the_blocks_operations_from_the_fake_cuda_trace():
+    """On a GPU the block's operations come from its fake-CUDA trace (the same GEMMs as the formula),
+    compiled blocks with the trace's fusion estimate; ``counts='formula'`` keeps the formula."""
+    from megaformer.fakecuda import optrace
+
+    if not optrace.available():
+        pytest.skip("no C++ compiler for the fake-CUDA shim: predictions use the formula")
+    dev = DEVICE_SPECS["h100-80gb"]
+    cfg = _cfg("configs/paper/125m-normformer.yaml")
+    compiled = predict(cfg, dev, 8)
+    eager = predict(_cfg("configs/paper/125m-normformer.yaml", "train.compile=false"), dev, 8)
+    formula = predict(cfg, dev, 8, counts="formula")
+    assert compiled.counted == "fake-CUDA trace (compiled block, fusion estimate)"
+    assert eager.counted == "fake-CUDA trace (eager block)"
+    assert formula.counted.startswith("formula")
+    assert compiled.compute == pytest.approx(formula.compute, rel=1e-12)  # exactly the formula's GEMMs
+    assert compiled.memory < eager.memory  # fusion saves traffic, never adds
+    with pytest.raises(ValueError, match="counts='nope'"):
+        predict(cfg, dev, 8, counts="nope")
