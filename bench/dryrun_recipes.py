@@ -53,7 +53,7 @@ RECIPES = [  # name, config, nodes × 8 GPUs, GPU (the header's), overrides
         for name, n in PAPER
     ],
     ("normformer-1.3b-3d-v100", "configs/normformer-1.3b-3d-v100.yaml", 32, "v100-32gb", []),
-    ("normformer-2.7b-3d-a100", "configs/normformer-2.7b-3d-a100.yaml", 8, "a100-80gb", []),
+    ("normformer-2.7b-3d-a100", "configs/normformer-2.7b-3d-a100.yaml", 32, "a100-80gb", []),
     ("normformer-350m-zero2", "configs/normformer-350m-zero2.yaml", 1, "a100-80gb", []),
 ]
 

@@ -86,7 +86,7 @@ data- and tensor-parallel groups, clock throttling.
 
 The terms above are the formula (:func:`_block_costs`). On a GPU, where the fake-CUDA shim builds,
 a block's GEMMs, attention kernel, memory-bound bytes and TP collectives are instead counted from
-the block's fake-CUDA trace (:mod:`megaformer.fakecuda.optrace`), and for compiled blocks (the
+the block's fake-CUDA trace (:mod:`megaformer.tools.optrace`), and for compiled blocks (the
 default on CUDA) the memory-bound bytes are the trace's estimate of inductor's fused kernels
 (:func:`block_costs`; ``plan --counts formula`` gives the formula's prediction).
 """
@@ -458,11 +458,11 @@ def block_costs(
     bytes)`` and how they were counted (for the printout).
 
     On a GPU the operations are those of the block's fake-CUDA trace
-    (:func:`megaformer.fakecuda.optrace.block_costs`: every GEMM with its shape, the attention
+    (:func:`megaformer.tools.optrace.block_costs`: every GEMM with its shape, the attention
     kernel, every memory-bound kernel's bytes, every collective), and where the blocks run compiled
     (``train.compile`` on, the default on CUDA, not under ZeRO-3:
-    :func:`megaformer.fakecuda.optrace.compiles`) their memory-bound traffic is the trace's fusion
-    estimate (:func:`megaformer.fakecuda.optrace.fuse`: what inductor's fused kernels read and
+    :func:`megaformer.tools.optrace.compiles`) their memory-bound traffic is the trace's fusion
+    estimate (:func:`megaformer.tools.optrace.fuse`: what inductor's fused kernels read and
     write), with the attention operator's forward rerun in backward. On a CPU, with
     ``counts='formula'``, or where the fake-CUDA shim cannot be built (no C++ compiler), the
     formula (:func:`_block_costs`; eager kernels).
@@ -474,7 +474,7 @@ def block_costs(
     if counts not in COUNTS:
         raise ValueError(f"counts={counts!r}: use one of {', '.join(COUNTS)}")
     if not dev.cpu and counts != "formula":
-        from megaformer.fakecuda import optrace
+        from megaformer.tools import optrace
 
         if counts == "trace" or optrace.available():
             compiled = optrace.compiles(cfg)

@@ -93,8 +93,8 @@ def test_immediate_grad_update_gives_the_same_run(layout, gutenberg_prefix, tmp_
 
 
 def test_bf16_zero2_with_fp32_accumulation_follows_the_bf16_optimizer(gutenberg_prefix, tmp_path):
-    """The multi-node bf16 recipes' ZeRO-2 (DeepSpeed's ZeRO optimizer with the same JSON: fp32
-    ``grad_accum``, each micro-batch's gradients reduced during backward) against ZeRO-1 (the BF16
+    """The multi-node bf16 recipes' ZeRO-2 (DeepSpeed's ZeRO optimizer with the same JSON: each
+    micro-batch's gradients reduced during backward and added into an fp32 partition) against ZeRO-1 (the BF16
     optimizer: one reduction after the last backward), dp 2 with 2 micro-batches per step: the same
     run up to where the bf16 communication rounds (each micro-batch's reduction against the step's;
     seen: losses within 2e-5, gradient norms within 4e-4, relative)."""

@@ -29,7 +29,7 @@ def recipe_cases() -> list[tuple[str, str, list[str], int, int, str]]:
     layouts = [case for name in PAPER for case in _paper_layouts(name)]
     layouts += [
         ("1.3b-3d-v100", "configs/normformer-1.3b-3d-v100.yaml", [], 256, "v100-32gb"),
-        ("2.7b-3d-a100", "configs/normformer-2.7b-3d-a100.yaml", [], 64, "a100-80gb"),
+        ("2.7b-3d-a100", "configs/normformer-2.7b-3d-a100.yaml", [], 256, "a100-80gb"),
         ("350m-zero2", "configs/normformer-350m-zero2.yaml", [], 8, "a100-80gb"),
         # no shipped recipe uses ZeRO-3; its engine is checked on the 350M ZeRO-2 layout
         ("350m-zero3", "configs/normformer-350m-zero2.yaml", ["train.zero_stage=3"], 8, "a100-80gb"),

@@ -1,4 +1,4 @@
-"""The fake-CUDA op trace of one block (megaformer.fakecuda.optrace) against the block's known
+"""The fake-CUDA op trace of one block (megaformer.tools.optrace) against the block's known
 operations and the step-time formula (megaformer.tools.steptime._block_costs).
 
 Small blocks (d = 64, 4 heads, ffn 256, 2 × 32 tokens, bf16), traced in two child processes (tp 1,
@@ -13,8 +13,8 @@ from collections import Counter
 import pytest
 
 from megaformer.config import load_config
-from megaformer.fakecuda import optrace
 from megaformer.fakecuda.build import ShimUnavailableError, build_shim, compiler
+from megaformer.tools import optrace
 
 B, S, D, F, H = 2, 32, 64, 256, 4
 N = B * S

@@ -6,6 +6,7 @@ layout that fits where a config does not."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch
 from megaformer.config import load_config
 from megaformer.model import NormFormerLM, count_parameters
 from megaformer.tools import plan as planner
-from tests.unit.test_recipes import MLM_RECIPES, RECIPES, _layouts, _path
+from tests.unit.test_recipes import MLM_RECIPES, RECIPES, ZERO2_A100, _header, _layouts, _path
 
 GIB = 1024**3
 
@@ -70,11 +71,48 @@ def test_every_recipe_layout_is_the_planners_choice(name, hw):
         assert not planner.make_plan(trial, device, world).fits, f"{name} {hw}: micro-batch {bigger[0]} fits"
 
 
+@pytest.mark.parametrize("name", ZERO2_A100)
+def test_a_zero2_recipe_layout_is_the_faster_stage_as_its_header_says(name):
+    """The A100 layouts that are ZeRO-2 (the planner's memory search prefers ZeRO-1 at equal size):
+    the step-time model predicts a shorter step than ZeRO-1 at ZeRO-1's own largest fitting
+    micro-batch, at the recipe's world, and the header quotes both steps (python -m
+    megaformer.tools.plan FILE --gpu a100-80gb --nodes N --predict, with train.zero_stage=1)."""
+    from megaformer.tools import steptime
+
+    world, _, micro, _ = _layouts(name)["A100"]
+    cfg = load_config(_path(name))
+    device, spec = planner.DEVICES["a100-80gb"], steptime.DEVICE_SPECS["a100-80gb"]
+    assert cfg.train.zero_stage == 2 and planner.make_plan(cfg, device, world).fits
+    zero1 = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, zero_stage=1))
+    per_rank = cfg.train.global_batch_size // world
+    fitting = [
+        m
+        for m in range(1, per_rank + 1)
+        if per_rank % m == 0
+        and planner.make_plan(
+            dataclasses.replace(zero1, train=dataclasses.replace(zero1.train, micro_batch_size=m)),
+            device,
+            world,
+        ).fits
+    ]
+    zero1 = dataclasses.replace(zero1, train=dataclasses.replace(zero1.train, micro_batch_size=max(fitting)))
+    assert max(fitting) <= micro
+    t2 = steptime.predict(cfg, spec, world, 8).total
+    t1 = steptime.predict(zero1, spec, world, 8).total
+    assert t2 < 0.95 * t1, (name, t2, t1)
+    stated = re.search(r"([\d.]+) s with ZeRO-2 against ([\d.]+) s\s+(?:# )?\s*with ZeRO-1", _header(name))
+    assert stated, f"{name}: no predicted steps in the header"
+    assert (float(stated[1]), float(stated[2])) == (
+        pytest.approx(t2, abs=0.005),
+        pytest.approx(t1, abs=0.005),
+    )
+
+
 @pytest.mark.parametrize(
     ("path", "gpu", "world"),
     [
         ("configs/normformer-1.3b-3d-v100.yaml", "v100-32gb", 256),
-        ("configs/normformer-2.7b-3d-a100.yaml", "a100-80gb", 64),
+        ("configs/normformer-2.7b-3d-a100.yaml", "a100-80gb", 256),
         ("configs/normformer-350m-zero2.yaml", "a100-80gb", 8),
     ],
 )

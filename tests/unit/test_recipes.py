@@ -13,6 +13,7 @@ checks; their |θ| is checked against transformers' RobertaForMaskedLM at robert
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -67,6 +68,16 @@ MLM = {
 }
 MLM_RECIPES = sorted(MLM)
 ALL = {**PAPER, **MLM}
+# The recipes whose A100 layout (the file) is bf16 ZeRO-2: they span several nodes, where ZeRO-2's
+# gradient reduction overlapped with backward beats ZeRO-1's all-reduce after it (their headers give
+# the predicted steps); every other layout, and every V100 layout, is ZeRO-1.
+ZERO2_A100 = ("1.3b-baseline", "1.3b-normformer", "2.7b-baseline", "2.7b-normformer")
+
+
+def _zero_stage(name: str, hw: str) -> int:
+    """The ZeRO stage of a recipe's layout on ``hw``."""
+    return 2 if hw == "A100" and name in ZERO2_A100 else 1
+
 
 # The 3D / ZeRO-2 layouts of the paper's NormFormer models: (file, paper recipe, world, layout); the
 # world is the one each header names (the 3D layouts are for more GPUs than the model needs).
@@ -80,7 +91,7 @@ LAYOUT_RECIPES = [
     (
         "configs/normformer-2.7b-3d-a100.yaml",
         "2.7b-normformer",
-        64,
+        256,
         {"pp": 4, "tp": 2, "zero": 1, "bf16": True},
     ),
     ("configs/normformer-350m-zero2.yaml", "355m-normformer", 8, {"pp": 1, "tp": 1, "zero": 2, "bf16": True}),
@@ -197,17 +208,26 @@ def test_both_layouts_load_and_build_their_deepspeed_config(name, hw):
     cfg = load_config(_path(name), overrides)
     t = cfg.train
     assert (t.micro_batch_size, t.activation_checkpointing) == (micro, ckpt)
-    assert (cfg.parallel.tp_size, cfg.parallel.pp_size, t.zero_stage) == (1, 1, 1)
+    zero = _zero_stage(name, hw)
+    assert (cfg.parallel.tp_size, cfg.parallel.pp_size, t.zero_stage) == (1, 1, zero)
+    # the header's layout line states the same stage
+    layout = "A100 layout \\(this file\\)" if hw == "A100" else "V100 layout"
+    assert re.search(rf"# {layout}: world \d+ = .*; tp 1, pp 1, ZeRO-{zero}, ", _header(name)), name
     dp = validate_layout(cfg, world)
     assert world % 8 == 0 and dp == world
     ds = build_deepspeed_config(cfg, dp)
     assert ds["gradient_accumulation_steps"] * micro * dp == t.global_batch_size
-    assert ds["gradient_clipping"] == 0.0 and ds["zero_optimization"]["stage"] == 1
+    assert ds["gradient_clipping"] == 0.0 and ds["zero_optimization"]["stage"] == zero
     if hw == "A100":
         assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
-        # ZeRO-1 + bf16 + fp32 accumulation: DeepSpeed's BF16 optimizer, the states the estimate counts
+        # bf16 + fp32 accumulation: with ZeRO-1 DeepSpeed's BF16 optimizer, with ZeRO-2 the fp32
+        # gradient partition of DeepSpeedZeroOptimizer; the states the estimate counts
         assert ds["data_types"]["grad_accum_dtype"] == "fp32"
-        assert ds["bf16"]["immediate_grad_update"]  # no bf16 gradients held: the estimate's 6Ψ
+        if zero == 1:
+            assert ds["bf16"]["immediate_grad_update"]  # no bf16 gradients held: the estimate's 6Ψ
+        else:  # the estimate's two reduction buckets (overlap_comm's double buffer), contiguous
+            assert ds["zero_optimization"]["overlap_comm"] and ds["zero_optimization"]["contiguous_gradients"]
+            assert ds["zero_optimization"]["reduce_bucket_size"] == 2e8
     else:
         assert ds["fp16"]["enabled"] and not ds["bf16"]["enabled"]
         assert ds["fp16"]["loss_scale"] == 0  # dynamic loss scaling
@@ -222,9 +242,18 @@ def _estimate_gib(name: str, hw: str) -> float:
     with torch.device("meta"):
         n = count_parameters(NormFormerLM(cfg.model))
     d, layers, seq = cfg.model.hidden_size, cfg.model.num_layers, cfg.model.seq_len
-    # A100: DeepSpeed 0.19's BF16 optimizer with bf16.immediate_grad_update (the recipes' JSON): bf16
-    # weights 2Ψ and the fp32 accumulation 4Ψ; each bf16 gradient is freed once added to it
-    states = 6 * n + 12 * n / world if hw == "A100" else 4 * n + 16 * n / world
+    if hw == "V100":  # fp16 ZeRO-1: fp16 weights and gradients; fp32 master, m, v, gradient per rank
+        states = 4 * n + 16 * n / world
+    elif _zero_stage(name, hw) == 1:
+        # DeepSpeed 0.19's BF16 optimizer with bf16.immediate_grad_update (the recipes' JSON): bf16
+        # weights 2Ψ and the fp32 accumulation 4Ψ; each bf16 gradient is freed once added to it
+        states = 6 * n + 12 * n / world
+    else:
+        # ZeRO-2 (DeepSpeedZeroOptimizer): bf16 weights 2Ψ, the fp32 gradient partition 4Ψ/dp, fp32
+        # master, m, v 12Ψ/dp, and two bf16 reduction buckets of reduce_bucket_size (overlap_comm)
+        zero = json.loads((REPO / cfg.train.deepspeed_config).read_text())["zero_optimization"]
+        buckets = (2 if zero["overlap_comm"] else 1) * zero["reduce_bucket_size"] * 2
+        states = 2 * n + 16 * n / world + buckets
     block = (48 if ALL[name]["nf"] else 36) * seq * d
     acts = 2 * seq * d * layers + block if ckpt else block * layers
     logits = 8 * seq * cfg.model.padded_vocab_size(cfg.parallel.tp_size)  # 50,265 for the MLM

@@ -244,7 +244,7 @@ def test_cpu_device_reads_the_new_keys(tmp_path):
 def test_gpu_predictions_count_the_blocks_operations_from_the_fake_cuda_trace():
     """On a GPU the block's operations come from its fake-CUDA trace (the same GEMMs as the formula),
     compiled blocks with the trace's fusion estimate; ``counts='formula'`` keeps the formula."""
-    from megaformer.fakecuda import optrace
+    from megaformer.tools import optrace
 
     if not optrace.available():
         pytest.skip("no C++ compiler for the fake-CUDA shim: predictions use the formula")

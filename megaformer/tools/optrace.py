@@ -280,7 +280,7 @@ def _run_child(keys: list[TraceKey]) -> list[BlockTrace]:
         request, out = os.path.join(tmp, "request.json"), os.path.join(tmp, "traces.json")
         with open(request, "w") as f:
             json.dump([k.as_json() for k in keys], f)
-        cmd = [sys.executable, "-m", "megaformer.fakecuda.optrace", request, out]
+        cmd = [sys.executable, "-m", "megaformer.tools.optrace", request, out]
         proc = subprocess.run(cmd, env=fake_cuda_env(), capture_output=True, text=True, cwd=ROOT, timeout=900)
         if proc.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(
@@ -601,7 +601,7 @@ def _child(keys: list[TraceKey]) -> list[BlockTrace]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m megaformer.fakecuda.optrace REQUEST.json OUT.json`` (shim preloaded): trace the
+    """``python -m megaformer.tools.optrace REQUEST.json OUT.json`` (shim preloaded): trace the
     :class:`TraceKey` s of the request (one TP size) and write the traces."""
     argv = sys.argv[1:] if argv is None else argv
     with open(argv[0]) as f:
