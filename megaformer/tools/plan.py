@@ -318,6 +318,17 @@ def make_plan(cfg: RunConfig, device: Device, world: int, mfu: float = 0.4) -> P
     return Plan(cfg, device, world, dp, gas, stages, flops, mfu)
 
 
+def engine_json(cfg: RunConfig) -> dict:
+    """``train.deepspeed_config`` read and checked once by
+    :func:`megaformer.training.deepspeed_config.read_engine_json` ({} without one).
+
+    Raises:
+        ConfigError: unreadable JSON or a key the YAML owns (named)."""
+    from megaformer.training.deepspeed_config import read_engine_json
+
+    return read_engine_json(cfg.train.deepspeed_config) if cfg.train.deepspeed_config else {}
+
+
 def immediate_grad_update(cfg: RunConfig) -> bool:
     """Whether ``train.deepspeed_config`` sets ``bf16.immediate_grad_update`` for a bf16 run.
 
@@ -329,26 +340,17 @@ def immediate_grad_update(cfg: RunConfig) -> bool:
     accumulation pass after each micro-batch's backward (``update_hp_grads``) becomes a no-op. The
     arithmetic is the same (fp32 += bf16 gradient per micro-batch; shown bitwise equal on CPU by
     ``tests/distributed/test_bf16_optimizers.py``)."""
-    import json
-
-    if cfg.train.precision != "bf16" or not cfg.train.deepspeed_config:
+    if cfg.train.precision != "bf16":
         return False
-    with open(cfg.train.deepspeed_config) as f:
-        return bool(json.load(f).get("bf16", {}).get("immediate_grad_update", False))
+    return bool(engine_json(cfg).get("bf16", {}).get("immediate_grad_update", False))
 
 
 def _bucket_bytes(cfg: RunConfig) -> float:
     """DeepSpeed's ZeRO gradient-reduction bucket (fp32 on CPU): ``reduce_bucket_size`` elements
     from ``train.deepspeed_config`` (DeepSpeed's default 5e8 without one); 0 without ZeRO."""
-    import json
-
     if cfg.train.zero_stage == 0:
         return 0.0
-    size = 5e8
-    if cfg.train.deepspeed_config:
-        with open(cfg.train.deepspeed_config) as f:
-            size = json.load(f).get("zero_optimization", {}).get("reduce_bucket_size", size)
-    return 4.0 * size
+    return 4.0 * engine_json(cfg).get("zero_optimization", {}).get("reduce_bucket_size", 5e8)
 
 
 def _ipg_bytes(cfg: RunConfig, params: int = 0) -> float:
@@ -360,17 +362,12 @@ def _ipg_bytes(cfg: RunConfig, params: int = 0) -> float:
     bf16 under the pipeline engine is DeepSpeed's BF16 optimizer, whose data-parallel all-reduce
     (``DeepSpeedEngine.allreduce_bucket``, engine.py) flattens up to 5e8 of the stage's ``params``
     gradients into a bf16 buffer and an fp32 copy for the reduction (6 bytes each) at the step."""
-    import json
-
     stage, pipelined = cfg.train.zero_stage, cfg.parallel.pp_size > 1
     if pipelined and cfg.train.precision == "bf16" and stage <= 1:
         return min(float(params), 5e8) * 6.0
     if stage == 0 or (stage == 1 and not pipelined):
         return 0.0
-    zero: dict = {}
-    if cfg.train.deepspeed_config:
-        with open(cfg.train.deepspeed_config) as f:
-            zero = json.load(f).get("zero_optimization", {})
+    zero = engine_json(cfg).get("zero_optimization", {})
     size = float(zero.get("reduce_bucket_size", 5e8))
     per = 4.0 if cfg.train.precision == "fp32" else 2.0
     if stage == 1:
@@ -558,6 +555,7 @@ __all__ = [
     "Plan",
     "StagePlan",
     "block_activation_bytes",
+    "engine_json",
     "immediate_grad_update",
     "layer_param_counts",
     "make_plan",

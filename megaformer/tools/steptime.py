@@ -101,6 +101,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from megaformer.config.schema import RunConfig
+from megaformer.tools.plan import engine_json
 from megaformer.training.flops import PEAK_TFLOPS, model_flops_per_token
 
 CPU_DEVICE_JSON = os.path.join(
@@ -366,26 +367,19 @@ def _gemm(dev: DeviceSpec, m: float, k: float, n: float, q: int) -> float:
     return max(2 * m * k * n / rate, q * (m * k + k * n + m * n) / dev.memory_bytes_per_s)
 
 
-def _engine_json(cfg: RunConfig) -> dict:
-    if not cfg.train.deepspeed_config:
-        return {}
-    with open(cfg.train.deepspeed_config) as f:
-        return json.load(f)
-
-
 def _communication_bytes(cfg: RunConfig, q: int) -> float:
     """Bytes per element of the data-parallel gradient reduction: DeepSpeed 0.19 casts the gradients
     (also the BF16 optimizer's fp32 accumulation and ZeRO's fp32 ``grad_accum``) to
     ``communication_data_type`` for the collective, by default the training dtype
     (``DeepSpeedEngine.communication_data_type``: fp16, bf16, else fp32; ``allreduce_bucket``,
     ``gradient_reduction_w_predivide``)."""
-    name = str(_engine_json(cfg).get("communication_data_type") or "").lower()
+    name = str(engine_json(cfg).get("communication_data_type") or "").lower()
     sizes = {"fp32": 4.0, "float32": 4.0, "fp16": 2.0, "float16": 2.0, "bf16": 2.0, "bfloat16": 2.0}
     return sizes.get(name, float(q))
 
 
 def _zero_config(cfg: RunConfig) -> dict:
-    return _engine_json(cfg).get("zero_optimization", {})
+    return engine_json(cfg).get("zero_optimization", {})
 
 
 def _block_costs(cfg: RunConfig, dev: DeviceSpec, q: int, gpus_per_node: int) -> tuple[float, ...]:
