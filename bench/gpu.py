@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -102,19 +103,51 @@ def case_rows(sizes: list[str], gpu: str) -> list[dict]:
     return rows
 
 
-def _cases(sizes: list[str], smoke: bool) -> list[tuple[str, int, str]]:
+def parse_cases(text: str | None) -> list[tuple[int, str]]:
+    """``--cases`` ("1/none,0/full": ZeRO stage / recompute) as (zero, recompute) pairs; None: all.
+
+    Raises:
+        ValueError: a pair that is not one of :data:`CASES`, naming it and the choices.
+    """
+    if not text:
+        return list(CASES)
+    pairs = []
+    for item in text.split(","):
+        zero, _, recompute = item.strip().partition("/")
+        if not zero.isdigit() or (int(zero), recompute) not in CASES:
+            choices = ", ".join(f"{z}/{r}" for z, r in CASES)
+            raise ValueError(f"--cases: {item!r} is not a ZeRO/recompute case; choose from {choices}")
+        pairs.append((int(zero), recompute))
+    return pairs
+
+
+def _cases(
+    sizes: list[str], smoke: bool, only: list[tuple[int, str]] | None = None
+) -> list[tuple[str, int, str]]:
+    chosen = only if only is not None else list(CASES)
     cases = [
         (f"configs/paper/{size}-normformer.yaml", zero, recompute)
         for size in sizes
-        for zero, recompute in (CASES if not smoke else CASES[:2])
+        for zero, recompute in (chosen if not smoke else chosen[:2])
     ]
     if "125m" in sizes:  # NormFormer's step-time overhead over Pre-LN at the 125M shape, ZeRO 1, no recompute
         cases.append(("configs/paper/125m-baseline.yaml", 1, "none"))
     return cases
 
 
-def run_case(recipe: str, zero: int, recompute: str, steps: int, smoke: bool) -> dict:
-    """Train ``steps`` timed steps of one case in this process; returns its figures."""
+def run_case(
+    recipe: str,
+    zero: int,
+    recompute: str,
+    steps: int,
+    smoke: bool,
+    extra: list[str] | None = None,
+    profile: str | None = None,
+) -> dict:
+    """Train ``steps`` timed steps of one case in this process; returns its figures. ``extra``:
+    overrides after the case's own (e.g. ``train.compile=false``); ``profile``: a folder where two
+    more steps, run under ``torch.profiler``, leave their kernel table (the 40 largest by device
+    time, as text)."""
     import torch
 
     from megaformer.config import load_config
@@ -124,7 +157,7 @@ def run_case(recipe: str, zero: int, recompute: str, steps: int, smoke: bool) ->
     from megaformer.training.ds_adapter import initialize
     from megaformer.training.flops import PEAK_TFLOPS, model_flops_per_token
 
-    overrides = case_overrides(recipe, zero, recompute, smoke)
+    overrides = case_overrides(recipe, zero, recompute, smoke) + list(extra or [])
     cfg = load_config(recipe, overrides)
     micro = cfg.train.micro_batch_size
     layout = build_layout(cfg, 1)
@@ -153,6 +186,9 @@ def run_case(recipe: str, zero: int, recompute: str, steps: int, smoke: bool) ->
         loss = engine.train_step(it)
     sync()
     step_s = (time.perf_counter() - t0) / steps
+    if profile:
+        name = re.sub(r"[^A-Za-z0-9._-]", "-", "_".join([Path(recipe).stem, *(extra or [])]))
+        _profile(engine, it, sync, Path(profile) / f"profile_{name}.txt")
     tokens_per_s = cfg.train.global_batch_size * m.seq_len / step_s
     tflops = model_flops_per_token(m, m.padded_vocab_size(1)) * tokens_per_s / 1e12
     name = torch.cuda.get_device_name(0) if layout.device.type == "cuda" else "cpu"
@@ -172,16 +208,38 @@ def run_case(recipe: str, zero: int, recompute: str, steps: int, smoke: bool) ->
         else None,
         "loss": float(loss),
         "device": name,
+        # a block whose compiled call failed runs eager from then on (model/compile.py)
+        "compiled_blocks": sum(
+            getattr(b, "_compiled_call_impl", None) is not None
+            for b in model.modules()
+            if type(b).__name__ == "NormFormerBlock"
+        ),
     }
 
 
-def _spawn(recipe: str, zero: int, recompute: str, steps: int, smoke: bool) -> dict:
+def _profile(engine, batches, sync, path: Path) -> None:
+    """Two training steps under ``torch.profiler``; their operators' table (by device time) to ``path``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for _ in range(2):
+            engine.train_step(batches)
+        sync()
+    key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70))
+
+
+def _spawn(recipe: str, zero: int, recompute: str, steps: int, smoke: bool, extra=(), profile=None) -> dict:
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     env.setdefault("MASTER_PORT", "29533")
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, __file__, "--case", recipe, str(zero), recompute, str(steps)] + (
         ["--smoke"] if smoke else []
     )
+    cmd += [f"--set={item}" for item in extra] + ([f"--profile={profile}"] if profile else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -195,18 +253,35 @@ def _spawn(recipe: str, zero: int, recompute: str, steps: int, smoke: bool) -> d
     }
 
 
+def _brief(row: dict) -> str:
+    if "error" in row:
+        return "error " + row["error"][-300:]
+    return f"{row['step_s']:.3f} s/step, {row['tokens_per_s']:,.0f} tokens/s, MFU {row['mfu']}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="125m,355m,1.3b")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "gpu.json"))
+    parser.add_argument(
+        "--cases", default=None, help="ZeRO/recompute cases, e.g. 1/none,0/full (default: all six)"
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script only")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="an override for every case"
+    )
+    parser.add_argument("--profile", default=None, help="a folder for each case's profiler table")
     parser.add_argument("--case", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
         recipe, zero, recompute, steps = args.case
         print(
-            "RESULT " + json.dumps(run_case(recipe, int(zero), recompute, int(steps), args.smoke)), flush=True
+            "RESULT "
+            + json.dumps(
+                run_case(recipe, int(zero), recompute, int(steps), args.smoke, args.set, args.profile)
+            ),
+            flush=True,
         )
         os._exit(0)  # skip gloo/NCCL teardown races at exit
     import torch
@@ -214,7 +289,18 @@ def main() -> int:
     if not torch.cuda.is_available() and not args.smoke:
         print("no CUDA device: nothing to measure (use --smoke to check the script on CPU)")
         return 1
-    rows = [_spawn(r, z, c, args.steps, args.smoke) for r, z, c in _cases(args.sizes.split(","), args.smoke)]
+    try:
+        only = parse_cases(args.cases)
+    except ValueError as e:
+        parser.error(str(e))
+    cases = _cases(args.sizes.split(","), args.smoke, only)
+    rows = []
+    for n, (r, z, c) in enumerate(cases, 1):
+        rows.append(_spawn(r, z, c, args.steps, args.smoke, args.set, args.profile))
+        # written after every case, so a run stopped part-way keeps what it measured
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+        print(f"[gpu.py] {n}/{len(cases)} {Path(r).stem} ZeRO {z} {c}: {_brief(rows[-1])}", flush=True)
     print(f"{'recipe':18s} ZeRO recompute  micro  step s  tokens/s  TFLOP/s   MFU  peak GiB")
     for r in rows:
         if "error" in r:

@@ -45,6 +45,10 @@ def predict(row: dict, gpu: str, smoke: bool) -> dict:
     device = cpu_device(1) if smoke else DEVICES[gpu]
     plan = make_plan(cfg, device, 1)
     out: dict = {"planner_peak_gib": plan.peak / GIB, "planner_step_s_at_40pct_mfu": plan.step_time_s}
+    if not smoke:  # the step-time model (plan --predict) for the same config on one such GPU
+        from megaformer.tools import steptime
+
+        out["steptime"] = steptime.predict(cfg, steptime.DEVICE_SPECS[gpu], 1, 1).as_dict()
     try:
         from megaformer.fakecuda.build import build_shim
         from megaformer.fakecuda.launch import run_session
@@ -67,8 +71,9 @@ def predict(row: dict, gpu: str, smoke: bool) -> dict:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| recipe | ZeRO | recompute | micro | tokens/s | MFU | peak GiB measured | dry run | planner |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| recipe | ZeRO | recompute | micro | step s | predicted step s | tokens/s | MFU | predicted MFU "
+        "| peak GiB measured | dry run | planner |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         p = r.get("prediction", {})
@@ -76,14 +81,18 @@ def table(rows: list[dict]) -> str:
         dry_s = f"{dry['peak_gib']:.2f}" if "peak_gib" in dry else (dry.get("error") or "not predicted")[:40]
         if "error" in r:
             measured = f"error: {r['error'][:40]}"
-            lines.append(f"| {r['recipe']} | {r['zero']} | {r['recompute']} | | | | {measured} | {dry_s} | |")
+            lines.append(
+                f"| {r['recipe']} | {r['zero']} | {r['recompute']} | | | | | | | {measured} | {dry_s} | |"
+            )
             continue
         mem = "-" if r.get("peak_memory_gib") is None else f"{r['peak_memory_gib']:.2f}"
         mfu = "-" if r.get("mfu") is None else f"{r['mfu']:.1%}"
         planned = p.get("planner_peak_gib", float("nan"))
+        st = p.get("steptime")
+        st_step, st_mfu = (f"{st['step_s']:.3f}", f"{st['mfu']:.1%}") if st else ("-", "-")
         lines.append(
-            f"| {r['recipe']} | {r['zero']} | {r['recompute']} | {r['micro_batch']} | "
-            f"{r['tokens_per_s']:,.0f} | {mfu} | {mem} | {dry_s} | {planned:.2f} |"
+            f"| {r['recipe']} | {r['zero']} | {r['recompute']} | {r['micro_batch']} | {r['step_s']:.3f} | "
+            f"{st_step} | {r['tokens_per_s']:,.0f} | {mfu} | {st_mfu} | {mem} | {dry_s} | {planned:.2f} |"
         )
     return "\n".join(lines)
 
@@ -92,14 +101,26 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="125m,355m,1.3b")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--cases", default=None, help="ZeRO/recompute cases for bench/gpu.py (default: all)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="for bench/gpu.py")
+    parser.add_argument("--profile", default=None, help="for bench/gpu.py: a folder for profiler tables")
     parser.add_argument(
         "--gpu", default=None, help="the GPU kind (default: detected; --predict-only: required)"
     )
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--predict-only", action="store_true", help="write dry-run predictions (CPU machine)")
+    parser.add_argument(
+        "--repredict",
+        metavar="JSON",
+        help="a gpu_check JSON measured elsewhere: predict its rows again here (planner, step-time "
+        "model, dry run) and write --out with its table",
+    )
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "gpu_check.json"))
     args = parser.parse_args()
     bench_out = Path(args.out).with_name(Path(args.out).stem + "_bench.json")
+    if args.repredict:
+        measured = json.loads(Path(args.repredict).read_text())
+        return _write(measured["rows"], args.gpu or measured["gpu"], False, args.out)
     if args.predict_only:
         if not args.gpu:
             parser.error("--predict-only needs --gpu (e.g. h100-80gb)")
@@ -113,28 +134,37 @@ def main() -> int:
             print(f"{row['recipe']} {' '.join(row['overrides'])}: {p['dryrun']}", flush=True)
         PREDICTIONS.write_text(json.dumps(saved, indent=1))
         return 0
-    cmd = [
-        sys.executable,
-        str(REPO / "bench" / "gpu.py"),
-        "--sizes",
-        args.sizes,
-        "--steps",
-        str(args.steps),
-        "--out",
-        str(bench_out),
-    ] + (["--smoke"] if args.smoke else [])
+    cmd = (
+        [
+            sys.executable,
+            str(REPO / "bench" / "gpu.py"),
+            "--sizes",
+            args.sizes,
+            "--steps",
+            str(args.steps),
+            "--out",
+            str(bench_out),
+        ]
+        + (["--smoke"] if args.smoke else [])
+        + (["--cases", args.cases] if args.cases else [])
+    )
+    cmd += [f"--set={item}" for item in args.set] + ([f"--profile={args.profile}"] if args.profile else [])
     if subprocess.run(cmd, cwd=REPO).returncode != 0:
         return 1
     rows = json.loads(bench_out.read_text())
-    gpu = args.gpu or ("a100-80gb" if args.smoke else _detect_gpu(rows))
+    return _write(rows, args.gpu or ("a100-80gb" if args.smoke else _detect_gpu(rows)), args.smoke, args.out)
+
+
+def _write(rows: list[dict], gpu: str, smoke: bool, out: str) -> int:
+    """Each measured row's predictions beside it; ``out`` (JSON) and its Markdown table."""
     for row in rows:
         if "overrides" in row:
-            row["prediction"] = predict(row, gpu, args.smoke)
-    Path(args.out).write_text(json.dumps({"gpu": gpu, "smoke": args.smoke, "rows": rows}, indent=1))
+            row["prediction"] = predict(row, gpu, smoke)
+    Path(out).write_text(json.dumps({"gpu": gpu, "smoke": smoke, "rows": rows}, indent=1))
     md = table(rows)
-    Path(args.out).with_suffix(".md").write_text(md + "\n")
+    Path(out).with_suffix(".md").write_text(md + "\n")
     print(md)
-    print(f"\nwritten: {args.out} and {Path(args.out).with_suffix('.md')}")
+    print(f"\nwritten: {out} and {Path(out).with_suffix('.md')}")
     return 0
 
 
