@@ -373,7 +373,9 @@ class TrainConfig:
     default): on when the model runs on CUDA, off on CPU (compiling costs tens of seconds per
     process on a small CPU, more than a short run gains). Not with ZeRO-3 (DeepSpeed's parameter
     hooks inside the blocks break the graph) nor where inductor has no compiler: those run eager,
-    with the reason in the log. Same losses as eager within fp32 rounding (a test)."""
+    with the reason in the log. Same losses as eager within fp32 rounding (a test). Where inductor
+    works (ZeRO-3 included) the loss's cross-entropy is compiled too: two kernels over the logits
+    in their own dtype instead of passes over an fp32 copy (vocab_parallel_cross_entropy fused)."""
     diagnostics_interval: int = 0
     """Every this many steps: per-layer gradient norms (grads/fc2_l1/layer_NN, grads/l2/<op>/layer_NN)
     and learned scales (scales/<op>_mean/layer_NN, histograms) to TensorBoard; 0: off."""

@@ -26,10 +26,11 @@ from megaformer.model.normformer import (
     sinusoidal_positions,
     tied_output_logits,
 )
-from megaformer.model.params import count_parameters, param_groups
+from megaformer.model.params import PARAM_ORDERS, aligned_order, count_parameters, param_groups
 
 __all__ = [
     "NORM_SCHEMES",
+    "PARAM_ORDERS",
     "FinalNorm",
     "LMLoss",
     "LayerDef",
@@ -41,6 +42,7 @@ __all__ = [
     "OutputProjection",
     "QKVLayerNorm",
     "ReplicatedLayerNorm",
+    "aligned_order",
     "compile_blocks",
     "compile_wanted",
     "count_parameters",

@@ -872,6 +872,7 @@ class LMLoss:
     def __init__(self, config: ModelConfig, tp_group: ProcessGroup | None) -> None:
         self.vocab_size = config.vocab_size
         self.tp_group = tp_group
+        self.fused = False  # compiled cross-entropy kernels (set where the blocks are compiled)
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if labels.shape != logits.shape[:-1]:
@@ -879,7 +880,7 @@ class LMLoss:
                 f"labels {tuple(labels.shape)} must have the shape of tokens {tuple(logits.shape[:-1])}"
             )
         return vocab_parallel_cross_entropy(
-            logits, labels, self.tp_group, self.vocab_size, inplace=True
+            logits, labels, self.tp_group, self.vocab_size, inplace=True, fused=self.fused
         ).mean()
 
 
@@ -910,6 +911,7 @@ class MaskedLMLoss:
     def __init__(self, config: ModelConfig, tp_group: ProcessGroup | None) -> None:
         self.vocab_size = config.vocab_size
         self.tp_group = tp_group
+        self.fused = False  # compiled cross-entropy kernels (set where the blocks are compiled)
 
     def __call__(
         self, logits: torch.Tensor, labels: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -926,7 +928,7 @@ class MaskedLMLoss:
         # zeroed: selecting the masked rows (logits[chosen]) gives a data-dependent shape, a host
         # sync per micro-batch on a GPU (and a shape the fake-CUDA dry run cannot build).
         nll = vocab_parallel_cross_entropy(
-            logits, labels.where(chosen, 0), self.tp_group, self.vocab_size, inplace=True
+            logits, labels.where(chosen, 0), self.tp_group, self.vocab_size, inplace=True, fused=self.fused
         )  # (B, T)
         loss = (nll * chosen).sum() / chosen.sum().clamp(min=1)
         return loss if weight is None else loss * weight.to(loss.dtype)

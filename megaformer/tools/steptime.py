@@ -24,18 +24,21 @@ layout (tp, pp, dp, ZeRO, precision, recompute, micro-batches) and a :class:`Dev
     memory-bound operations at HBM speed: per token and block, the elements read + written in the
     forward by LN1, LN2 (2d each), two residual adds (3d each), two hidden dropouts (2d + a 1-byte
     mask), GeLU on the fc1 output (2f), the head reshapes of q, k, v and the attention output (8d),
-    and NormFormer's post-attention LN (2d), HeadScale (2d), FFN LN (2f), ResScale (2d), qkv_ln
-    (6d); the backward of an elementwise op reads its saved input and the output gradient and writes
-    the input gradient: 2× the forward's traffic, so 3× in all (4× under full recompute). The
-    d-wide operations run on every TP rank unless sequence parallelism splits them (Korthikanti et
-    al. 2022, Sec. 4.2.2). The loss reads / writes 16 bytes × V/tp per token (logits, fp32 softmax,
-    gradient). On a CPU ``exp`` and GeLU are compute-bound: the loss costs at least 2 ``exp`` per
-    logit (softmax forward, again in backward) and GeLU 3 evaluations per element (forward;
-    backward ≈ 2), at the measured element rates; where ``bench/cpu_device.py`` measured them at the
-    125M shapes, the loss at its forward + backward rate per logit, GeLU at its forward + backward
-    rate and each LayerNorm (LN1, LN2, post-attention LN over d, FFN LN over f, qkv_ln over 3d)
-    at its forward + backward rate per element (a recompute's forward ≈ 1/3 more), each in place
-    of its memory traffic where slower.
+    and NormFormer's post-attention LN (2d), HeadScale (2d), FFN LN (2f), ResScale (2d), qkv_ln (6d); the
+    backward of an elementwise op reads its saved input and the output gradient and writes the input
+    gradient: 2× the forward's traffic, so 3× in all (4× under full recompute). The d-wide operations run
+    on every TP rank unless sequence parallelism splits them (Korthikanti et al. 2022, Sec. 4.2.2). The
+    loss on a GPU (:func:`loss_bytes_per_logit`): compiled (``train.compile``, the fused cross-entropy)
+    two reads of the logits in forward, one read and one write in backward, in their own dtype; eager,
+    every pass of :func:`megaformer.parallel.vocab_parallel_cross_entropy` over its fp32 copy (72 bytes
+    per logit from bf16 logits: on an H200 the 125M loss took 0.22 s of a 0.97 s Pre-LN step,
+    bench/results/gpu/2026-11-26-h200). On a CPU ``exp`` and GeLU are compute-bound: the loss costs at
+    least 2 ``exp`` per logit (softmax forward, again in backward) and GeLU 3 evaluations per element
+    (forward; backward ≈ 2), at the measured element rates; where ``bench/cpu_device.py`` measured them at
+    the 125M shapes, the loss at its forward + backward rate per logit, GeLU at its forward + backward
+    rate and each LayerNorm (LN1, LN2, post-attention LN over d, FFN LN over f, qkv_ln over 3d) at its
+    forward + backward rate per element (a recompute's forward ≈ 1/3 more), each in place of its memory
+    traffic where slower.
 ``optimizer``
     DeepSpeed 0.19's buffers as :mod:`megaformer.tools.plan` describes them, at memory speed:
     AdamW reads gradient, weight, m, v and writes weight, m, v in fp32, 28 bytes per parameter of
@@ -478,6 +481,23 @@ def block_costs(
     return _block_costs(cfg, dev, q, gpus_per_node), "formula (eager kernels)"
 
 
+def loss_bytes_per_logit(cfg: RunConfig, q: int) -> float:
+    """HBM bytes the loss reads and writes per logit on a GPU, forward + backward, in ``q``-byte
+    logits (:func:`megaformer.parallel.vocab_parallel_cross_entropy`).
+
+    Fused (where the blocks are compiled, :func:`megaformer.tools.optrace.compiles`, or under
+    ZeRO-3 with ``train.compile`` on): the max (read), the sum of exponentials with the target
+    (read), the gradient (read, write): ``4q``. Eager, 16-bit logits: forward max (2), fp32 copy
+    (2 + 4), shift (8), exp (8), sum (4); backward copy (6), shift (8), exp (8), divide (8), scale
+    (8), cast back (4 + 2): 72. Eager fp32 logits, in place: max, shift, exp, sum, divide (36),
+    scale (8): 44.
+    """
+    setting = cfg.train.compile
+    if setting if isinstance(setting, bool) else True:  # 'auto': on for CUDA
+        return 4.0 * q
+    return 72.0 if q == 2 else 44.0
+
+
 def _busiest_stage(
     cfg: RunConfig, dev: DeviceSpec, plan: Any, q: int, gpus_per_node: int, block: tuple[float, ...]
 ) -> tuple[float, float, float, float, float, int, float]:
@@ -501,14 +521,17 @@ def _busiest_stage(
             tpc += collective_time("allreduce", act, tp, tp_bw, tp_lat)
         if last:
             compute += 3 * _gemm(dev, n, d, v / tp, q)
-            # the loss's measured rate (else softmax's exp in forward and again in backward), or the
-            # 16 bytes per logit
-            loss = (
-                n * v / tp / dev.loss_per_s
-                if math.isfinite(dev.loss_per_s)
-                else 2.0 * n * v / tp / dev.exp_per_s
-            )
-            memory += max(n * 16.0 * v / tp / dev.memory_bytes_per_s, loss)
+            if dev.cpu:
+                # the loss's measured rate (else softmax's exp in forward and again in backward), or
+                # 16 bytes per logit
+                loss = (
+                    n * v / tp / dev.loss_per_s
+                    if math.isfinite(dev.loss_per_s)
+                    else 2.0 * n * v / tp / dev.exp_per_s
+                )
+                memory += max(n * 16.0 * v / tp / dev.memory_bytes_per_s, loss)
+            else:
+                memory += n * loss_bytes_per_logit(cfg, q) * v / tp / dev.memory_bytes_per_s
             tpc += collective_time("allreduce", act, tp, tp_bw, tp_lat)
         row = (compute + attention + memory + tpc, compute, attention, memory, tpc, stage.params)
         best = row if best is None or row[0] > best[0] else best

@@ -134,12 +134,20 @@ def compile_model(model: torch.nn.Module, cfg: RunConfig, layout: Layout) -> int
     """``train.compile``: compile each decoder block in place (regional compilation,
     :func:`megaformer.model.compile_blocks`; ``auto`` = on for CUDA). Where it cannot work here
     (ZeRO-3, no compiler) or a block fails to compile, the blocks run eager and the log says why.
-    Returns the number of blocks compiled (0: eager)."""
+    The loss's cross-entropy is fused wherever inductor works, ZeRO-3 included
+    (:func:`megaformer.parallel.vocab_parallel_cross_entropy` ``fused``). Returns the number of
+    blocks compiled (0: eager)."""
     from megaformer.model import compile_blocks, compile_wanted, why_not_compiled
 
     t = cfg.train
     if not compile_wanted(t.compile, layout.device):
         return 0
+    if why_not_compiled(layout.device) is None:  # the loss has no ZeRO-3 hooks inside: fused at any stage
+        losses = [m.loss_fn for m in model.modules() if hasattr(getattr(m, "loss_fn", None), "fused")]
+        for loss_fn in losses:
+            loss_fn.fused = True
+        if losses:
+            log(layout, f"train.compile={t.compile}: the cross-entropy runs as two fused kernels")
     reason = why_not_compiled(layout.device, zero_stage=t.zero_stage)
     if reason is not None:
         log(layout, f"train.compile={t.compile}: the blocks run eager: {reason}")
@@ -187,18 +195,27 @@ def configure_tf32(enabled: bool) -> None:
 
 
 def build_optimizer(
-    model: torch.nn.Module, cfg: RunConfig, start_step: int, schedule: Any = None
+    model: torch.nn.Module,
+    cfg: RunConfig,
+    start_step: int,
+    schedule: Any = None,
+    param_order: str = "aligned",
 ) -> tuple[Any, Any]:
     """AdamW (weight decay on the parameters ``train.weight_decay_params`` names: by default none on
     biases, norms and scales) and a LambdaLR following ``schedule``
     (:class:`~megaformer.training.schedule.Schedule`, default over ``train.steps``), advanced to
-    ``start_step`` (for ``train.init_from``; a resume restores DeepSpeed's state)."""
+    ``start_step`` (for ``train.init_from``; a resume restores DeepSpeed's state).
+
+    ``param_order``: the order of each group's parameters (:func:`megaformer.model.param_groups`):
+    ``"aligned"`` for a new run; a resumed run takes the order its checkpoint was saved in
+    (:func:`~megaformer.training.checkpointer.saved_param_order`), since DeepSpeed's flat optimizer
+    state follows it."""
     from megaformer.model import param_groups
     from megaformer.training.schedule import build_scheduler
 
     t = cfg.train
     optimizer = torch.optim.AdamW(
-        param_groups(model, t.weight_decay, t.weight_decay_params),
+        param_groups(model, t.weight_decay, t.weight_decay_params, param_order),
         lr=t.lr,
         betas=(t.adam_beta1, t.adam_beta2),
         eps=t.adam_eps,

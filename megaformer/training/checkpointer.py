@@ -186,8 +186,16 @@ class Checkpointer:
         dropout_rng: the dropout generator states saved and restored with the checkpoint.
     """
 
-    def __init__(self, engine: Any, cfg: RunConfig, layout: Layout, dropout_rng: DropoutRNG) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        cfg: RunConfig,
+        layout: Layout,
+        dropout_rng: DropoutRNG,
+        param_order: str = "aligned",
+    ) -> None:
         self.engine = engine
+        self.param_order = param_order  # the optimizer's (build_optimizer), named in each manifest
         self.cfg = cfg
         self.layout = layout
         self.dropout_rng = dropout_rng
@@ -249,7 +257,8 @@ class Checkpointer:
         dist.all_gather_object(gathered, mine)
         if lay.is_main:
             files = {k: v for part in gathered for k, v in part.items()}
-            integrity.write_manifest(tag_dir, files, step, config)
+            order = {"optimizer_param_order": self.param_order}
+            integrity.write_manifest(tag_dir, files, step, config, extra=order)
             integrity.write_latest(self.ckpt_dir, tag)
             self._prune(tag)
         return len(rels)
@@ -375,6 +384,29 @@ def verify_before_load(cfg: RunConfig, load_dir: str | None, layout: Layout) -> 
         _check_config(cfg, tag_dir, layout)
     elif cfg.train.init_from:
         verify_collectively(resolve_tag_dir(cfg.train.init_from), layout, integrity.NEEDS_WEIGHTS)
+
+
+def saved_param_order(tag_dir: str) -> str:
+    """The order of the optimizer's parameters that ``tag_dir`` was saved with (its manifest's
+    ``optimizer_param_order``; ``"declared"`` for a checkpoint written before the key existed).
+
+    A resume must build its optimizer in this order: DeepSpeed saves its fp32 master weights and
+    Adam moments as flat partitions in the order of the groups' parameters and loads them back by
+    position, so another order would hand each parameter another one's state without an error.
+
+    Raises:
+        CheckpointError: an unreadable manifest, or an order this version does not know.
+    """
+    from megaformer.model import PARAM_ORDERS
+
+    body = integrity.read_manifest(tag_dir) or {}
+    order = body.get("optimizer_param_order", "declared")
+    if order not in PARAM_ORDERS:
+        raise integrity.CheckpointError(
+            f"{tag_dir}/{integrity.MANIFEST}: optimizer_param_order {order!r} is not one of "
+            f"{', '.join(PARAM_ORDERS)}; it was written by a newer megaformer: resume with that version"
+        )
+    return order
 
 
 def _check_config(cfg: RunConfig, tag_dir: str, layout: Layout) -> None:

@@ -22,6 +22,7 @@ import json
 import os
 import re
 import sys
+from typing import Any
 
 from megaformer.config import ConfigError
 
@@ -88,13 +89,21 @@ def describe_files(tag_dir: str, rel_paths: list[str]) -> dict[str, dict]:
     }
 
 
-def write_manifest(tag_dir: str, files: dict[str, dict], step: int, config: dict | None = None) -> str:
+def write_manifest(
+    tag_dir: str,
+    files: dict[str, dict],
+    step: int,
+    config: dict | None = None,
+    extra: dict[str, Any] | None = None,
+) -> str:
     """Write ``tag_dir/manifest.json`` durably (see :func:`durable_write_text`); return its path.
-    ``config``: the run config, which a resume compares with its own before building anything."""
+    ``config``: the run config, which a resume compares with its own before building anything;
+    ``extra``: further top-level keys (e.g. ``optimizer_param_order``)."""
     path = os.path.join(tag_dir, MANIFEST)
     body = {"format": MANIFEST_FORMAT, "step": step, "files": dict(sorted(files.items()))}
     if config is not None:
         body["config"] = config
+    body.update(extra or {})
     durable_write_text(path, json.dumps(body, indent=1) + "\n")
     return path
 

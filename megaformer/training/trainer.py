@@ -447,8 +447,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     _log_data(cfg, layout, data)
 
     built = _build_engine(cfg, layout, preflight.dp_size, load_dir)
-    engine, dropout_rng, n_params, init_step, schedule = built
-    checkpointer = Checkpointer(engine, cfg, layout, dropout_rng)
+    engine, dropout_rng, n_params, init_step, schedule, param_order = built
+    checkpointer = Checkpointer(engine, cfg, layout, dropout_rng, param_order)
     start_step, client_state = checkpointer.resume(load_dir) if load_dir is not None else (init_step, {})
     compute = _compute_meter(cfg, layout, start_step, client_state)
     loop = TrainLoop(engine, cfg, layout, data, checkpointer, start_step, compute, schedule, client_state)
@@ -458,10 +458,13 @@ def train(cfg: RunConfig) -> dict[str, Any]:
 
 def _build_engine(cfg: RunConfig, layout: Any, dp_size: int, load_dir: str | None) -> tuple:
     """The model (weights from ``train.init_from`` on a fresh start), optimizer, schedule and
-    DeepSpeed engine of this rank; returns ``(engine, dropout_rng, n_params, init_step, schedule)``."""
+    DeepSpeed engine of this rank; returns ``(engine, dropout_rng, n_params, init_step, schedule,
+    param_order)``: the optimizer's parameter order, aligned for a new run, the checkpoint's for a
+    resume (:func:`~megaformer.training.checkpointer.saved_param_order`)."""
     from megaformer.parallel.rng import DropoutRNG
+    from megaformer.training import ckpt_integrity
     from megaformer.training.builders import build_model, build_optimizer, count_parameters_global
-    from megaformer.training.checkpointer import init_weights_from
+    from megaformer.training.checkpointer import init_weights_from, saved_param_order
     from megaformer.training.deepspeed_config import build_deepspeed_config
     from megaformer.training.ds_adapter import initialize
     from megaformer.training.schedule import Schedule
@@ -475,7 +478,18 @@ def _build_engine(cfg: RunConfig, layout: Any, dp_size: int, load_dir: str | Non
     n_params = count_parameters_global(model, layout)
     init_step = init_weights_from(model, cfg, layout) if load_dir is None and t.init_from else 0
     schedule = Schedule(t)
-    optimizer, scheduler = build_optimizer(model, cfg, init_step, schedule)
+    param_order = "aligned"
+    if load_dir is not None:
+        tag_dir = ckpt_integrity.resolve_latest(load_dir)
+        param_order = saved_param_order(tag_dir)
+        if param_order != "aligned":
+            log(
+                layout,
+                f"{tag_dir}: saved before the optimizer's parameters were ordered for alignment; "
+                "resumed in its order (its optimizer state follows it). On a GPU, parameters after "
+                "an odd-sized one (HeadScale) are then misaligned and their GEMMs slower",
+            )
+    optimizer, scheduler = build_optimizer(model, cfg, init_step, schedule, param_order)
     ds_config = build_deepspeed_config(cfg, dp_size)
     engine = initialize(
         model,
@@ -487,7 +501,7 @@ def _build_engine(cfg: RunConfig, layout: Any, dp_size: int, load_dir: str | Non
         masked_lm=cfg.model.objective == "mlm",
     )
     _log_layout(cfg, layout, n_params, engine.gas, engine.optimizer_summary())
-    return engine, dropout_rng, n_params, init_step, schedule
+    return engine, dropout_rng, n_params, init_step, schedule, param_order
 
 
 def _config_record(cfg: RunConfig) -> dict[str, Any]:

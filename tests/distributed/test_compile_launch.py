@@ -1,8 +1,8 @@
 """train.compile through the launcher and the DeepSpeed engine (issue 19): a run whose blocks are
 compiled (inductor's C++ backend, 2 processes on gloo) repeats the eager run step for step, with
 dropout on, at TP = 2 with sequence parallelism, ZeRO-1 and full recomputation (DeepSpeed's
-checkpoint around each compiled block, the dropout states replayed), evaluation included; under
-ZeRO-3 the run says why its blocks stay eager."""
+checkpoint around each compiled block, the dropout states replayed), evaluation included, the
+cross-entropy fused; under ZeRO-3 the run says why its blocks stay eager (its loss is fused)."""
 
 from __future__ import annotations
 
@@ -53,6 +53,8 @@ def test_compiled_run_repeats_the_eager_run(tmp_path, gutenberg_prefix):
     assert "train.compile=True: 2 blocks compiled with inductor" in log and "run eager" not in log, log[
         -3000:
     ]
+    # the loss too: vocab_parallel_cross_entropy(fused=True) between the TP all-reduces
+    assert "train.compile=True: the cross-entropy runs as two fused kernels" in log
     for tag in ("train/loss", "train/grad_norm", "valid/loss"):
         assert compiled[tag].keys() == eager[tag].keys()
         for step, want in eager[tag].items():
@@ -68,3 +70,4 @@ def test_zero3_runs_eager_and_says_why(tmp_path, gutenberg_prefix):
     ]
     _, log = _run(tmp_path, gutenberg_prefix, "zero3", [*extra, "train.recompute=none", "train.steps=2"])
     assert "train.compile=True: the blocks run eager: ZeRO-3 gathers each parameter" in log, log[-3000:]
+    assert "the cross-entropy runs as two fused kernels" in log  # no ZeRO-3 hooks inside the loss

@@ -201,16 +201,17 @@ def _check_cross_entropy(group) -> None:
     labels[0, :2] = torch.tensor([0, 12])
     weights = torch.rand(6, 5, generator=_gen(12))
 
-    local = _rank_slice(full, -1, group).clone().requires_grad_()
-    ours = vocab_parallel_cross_entropy(local, labels, group, vocab)
-    ref_in = full[..., :vocab].clone().requires_grad_()
-    ref = F.cross_entropy(ref_in.reshape(-1, vocab), labels.reshape(-1), reduction="none").view(6, 5)
-    torch.testing.assert_close(ours, ref, **TOL)
-    (ours * weights).sum().backward()
-    (ref * weights).sum().backward()
-    grad = _gather(local.grad, -1, group)
-    torch.testing.assert_close(grad[..., :vocab], ref_in.grad, **TOL)
-    assert torch.all(grad[..., vocab:] == 0)
+    for fused in (False, True):  # fused: the compiled kernels between the same two all-reduces
+        local = _rank_slice(full, -1, group).clone().requires_grad_()
+        ours = vocab_parallel_cross_entropy(local, labels, group, vocab, fused=fused)
+        ref_in = full[..., :vocab].clone().requires_grad_()
+        ref = F.cross_entropy(ref_in.reshape(-1, vocab), labels.reshape(-1), reduction="none").view(6, 5)
+        torch.testing.assert_close(ours, ref, **TOL)
+        (ours * weights).sum().backward()
+        (ref * weights).sum().backward()
+        grad = _gather(local.grad, -1, group)
+        torch.testing.assert_close(grad[..., :vocab], ref_in.grad, **TOL)
+        assert torch.all(grad[..., vocab:] == 0)
 
 
 TINY = TINY_MODEL

@@ -113,6 +113,9 @@ def test_resume_auto_continues_exactly(run30, gutenberg_prefix, tmp_path):
     _check(proc)
     assert "resumed from" in proc.stdout and "at step 15" in proc.stdout
     assert "restored generator states on 2/2 ranks" in proc.stdout
+    manifest = json.loads((resumed / "checkpoints" / "global_step15" / "manifest.json").read_text())
+    assert manifest["optimizer_param_order"] == "aligned"  # what this resume built its optimizer in
+    assert "saved before the optimizer's parameters were ordered" not in proc.stdout
     full = read_scalars(str(out / "tensorboard"))["train/loss"]
     again = read_scalars(str(resumed / "tensorboard"))["train/loss"]
     assert sorted(again) == list(range(16, 31))

@@ -56,3 +56,39 @@ def test_a_full_disk_is_named_although_torch_hides_the_errno(tmp_path, monkeypat
     msg = str(err.value)
     assert "global_step4 failed: no space left on device (4,096 bytes written under" in msg
     assert "No checkpoint was completed ('latest' absent)" in msg
+
+
+def test_the_saved_parameter_order_is_read_from_the_manifest(tmp_path):
+    """A resume builds its optimizer in the order its checkpoint's optimizer state follows: the
+    manifest's ``optimizer_param_order``, ``declared`` for a checkpoint written before the key."""
+    from megaformer.training.ckpt_integrity import write_manifest
+
+    tag = tmp_path / "global_step4"
+    tag.mkdir()
+    write_manifest(str(tag), {}, 4, {"model": {}})
+    assert ck.saved_param_order(str(tag)) == "declared"  # an older checkpoint: its own order kept
+    write_manifest(str(tag), {}, 4, {"model": {}}, extra={"optimizer_param_order": "aligned"})
+    assert ck.saved_param_order(str(tag)) == "aligned"
+    write_manifest(str(tag), {}, 4, extra={"optimizer_param_order": "by-size"})
+    with pytest.raises(CheckpointError, match=r"optimizer_param_order 'by-size'.*newer megaformer"):
+        ck.saved_param_order(str(tag))
+    assert ck.saved_param_order(str(tmp_path)) == "declared"  # no manifest at all
+
+
+def test_aligned_order_moves_odd_sized_parameters_last_and_keeps_each_part_in_order():
+    import dataclasses
+
+    from megaformer.config.schema import ModelConfig
+    from megaformer.model import NormFormerLM, aligned_order, param_groups
+
+    config = ModelConfig(vocab_size=512, hidden_size=64, num_layers=2, num_attention_heads=4, seq_len=32)
+    model = NormFormerLM(dataclasses.replace(config, head_scale=True))
+    declared = list(model.parameters())
+    ordered = aligned_order(declared)
+    odd = [p for p in declared if p.numel() % 16]
+    assert len(odd) == 2 and all(p.numel() == 4 for p in odd)  # HeadScale γ of each layer
+    assert ordered == [p for p in declared if p.numel() % 16 == 0] + odd
+    (group,) = param_groups(model, 0.1, "all", order="aligned")
+    assert [id(p) for p in group["params"]] == [id(p) for p in ordered]
+    with pytest.raises(ValueError, match="parameter order 'sorted'"):
+        param_groups(model, 0.1, order="sorted")
