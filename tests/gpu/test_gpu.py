@@ -132,3 +132,59 @@ def test_dropout_states_are_cuda_philox_states_and_follow_the_model():
     with again.fork("sharded", x.device):
         b = F.dropout(x, 0.5)
     assert torch.equal(a, b)
+
+
+def test_fused_cross_entropy_on_cuda_follows_the_unfused_one():
+    """The loss as two Triton kernels (``fused=True``, what compiled runs use) against the unfused
+    passes over an fp32 copy, at the 125M recipe's vocabulary (50,304 padded, 50,257 real)."""
+    from megaformer.parallel import layers, vocab_parallel_cross_entropy
+
+    vocab, padded = 50257, 50304
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = (3 * torch.randn(4, 512, padded, device="cuda", generator=gen)).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (4, 512), device="cuda", generator=gen)
+    out = {}
+    for fused in (False, True):
+        x = logits.clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(x, labels, None, vocab, fused=fused)
+        loss.mean().backward()
+        out[fused] = (loss, x.grad)
+    assert layers._FUSED.failed is None
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[True][1].float(), out[False][1].float(), rtol=1e-2, atol=1e-7)
+    assert torch.all(out[True][1][..., vocab:] == 0)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_deepspeed_keeps_the_parameters_aligned_on_cuda(zero):
+    """The 125M NormFormer's parameters stay 16-byte aligned in DeepSpeed's flat bf16 buffers on
+    CUDA (the H200 run of 2026-11-26 found half of them 8 bytes off: sm80 CUTLASS GEMMs)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.distributed.conftest import free_port
+
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    env["MASTER_PORT"] = str(free_port())
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(repo / "tests/support/param_alignment.py"),
+            str(zero),
+            "aligned",
+            "model.num_layers=4",
+        ],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    params = json.loads(lines[0][len("RESULT ") :])["params"]
+    off = [p["name"] for p in params if p["numel"] % 16 == 0 and p["offset_mod_16"]]
+    assert not off, off
