@@ -260,3 +260,21 @@ def test_gpu_predictions_count_the_blocks_operations_from_the_fake_cuda_trace():
     assert compiled.memory < eager.memory  # fusion saves traffic, never adds
     with pytest.raises(ValueError, match="counts='nope'"):
         predict(cfg, dev, 8, counts="nope")
+
+
+def test_gpu_loss_term_counts_the_fused_or_the_eager_passes():
+    """The loss on a GPU: the fused kernels (where train.compile compiles) read the 16-bit logits
+    three times and write the gradient once; eager, the passes over the fp32 copy make 72 bytes per
+    logit (the H200 profile's loss, bench/results/gpu/2026-11-26-h200)."""
+    from megaformer.tools import steptime
+
+    cfg = load_config("configs/paper/125m-baseline.yaml", ["train.zero_stage=1"])
+    eager = load_config("configs/paper/125m-baseline.yaml", ["train.zero_stage=1", "train.compile=false"])
+    assert steptime.loss_bytes_per_logit(cfg, 2) == 8.0 and steptime.loss_bytes_per_logit(eager, 2) == 72.0
+    assert steptime.loss_bytes_per_logit(eager, 4) == 44.0
+    spec = steptime.DEVICE_SPECS["h200-141gb"]
+    fused_mem = steptime.predict(cfg, spec, 1, 1, counts="formula").memory
+    eager_mem = steptime.predict(eager, spec, 1, 1, counts="formula").memory
+    m, t = cfg.model, cfg.train
+    logits = t.global_batch_size * m.seq_len * m.padded_vocab_size(1)  # per step, all micro-batches
+    assert eager_mem - fused_mem == pytest.approx(64.0 * logits / spec.memory_bytes_per_s, rel=1e-9)
