@@ -28,19 +28,16 @@ REPO = Path(__file__).resolve().parents[2]
 SMALL = ["model.num_layers=3", "model.hidden_size=256", "model.num_attention_heads=4", "model.seq_len=64"]
 
 
-def _alignment(zero: int, order: str) -> dict:
-    env = dict(
-        os.environ,
-        RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_RANK="0",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        DS_ACCELERATOR="cpu",
-    )
+def run_alignment(zero: int, order: str, overrides: list[str] = SMALL, cpu: bool = True) -> dict:
+    """``tests/support/param_alignment.py`` in a fresh process (world 1; DeepSpeed's CPU
+    accelerator unless ``cpu`` is False): the optimizer's name and each parameter's alignment."""
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    env["MASTER_PORT"] = str(free_port())
+    if cpu:
+        env["DS_ACCELERATOR"] = "cpu"
     script = str(REPO / "tests" / "support" / "param_alignment.py")
     proc = subprocess.run(
-        [sys.executable, script, str(zero), order, *SMALL],
+        [sys.executable, script, str(zero), order, *overrides],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -54,7 +51,7 @@ def _alignment(zero: int, order: str) -> dict:
 
 @pytest.mark.parametrize(("zero", "optimizer"), [(1, "BF16_Optimizer"), (2, "DeepSpeedZeroOptimizer")])
 def test_deepspeed_flat_buffers_keep_every_parameter_aligned(zero, optimizer):
-    aligned = _alignment(zero, "aligned")
+    aligned = run_alignment(zero, "aligned")
     assert aligned["optimizer"].startswith(optimizer), aligned["optimizer"]
     params = aligned["params"]
     whole = [p for p in params if p["numel"] % 16 == 0]
@@ -64,6 +61,6 @@ def test_deepspeed_flat_buffers_keep_every_parameter_aligned(zero, optimizer):
     odd = [p["name"] for p in params if p["numel"] % 16]
     assert odd and all(name.endswith("head_scale") for name in odd), odd  # γ: 4 heads, 8 bytes
 
-    declared = _alignment(zero, "declared")["params"]
+    declared = run_alignment(zero, "declared")["params"]
     off = [p["name"] for p in declared if p["numel"] % 16 == 0 and p["offset_mod_16"]]
     assert len(off) >= 5, off  # what the aligned order removes: weights and biases after a γ

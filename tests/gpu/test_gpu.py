@@ -159,32 +159,8 @@ def test_fused_cross_entropy_on_cuda_follows_the_unfused_one():
 def test_deepspeed_keeps_the_parameters_aligned_on_cuda(zero):
     """The 125M NormFormer's parameters stay 16-byte aligned in DeepSpeed's flat bf16 buffers on
     CUDA (the H200 run of 2026-11-26 found half of them 8 bytes off: sm80 CUTLASS GEMMs)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.distributed.test_param_alignment import run_alignment
 
-    from tests.distributed.conftest import free_port
-
-    repo = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-    env["MASTER_PORT"] = str(free_port())
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(repo / "tests/support/param_alignment.py"),
-            str(zero),
-            "aligned",
-            "model.num_layers=4",
-        ],
-        cwd=repo,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    params = json.loads(lines[0][len("RESULT ") :])["params"]
+    params = run_alignment(zero, "aligned", ["model.num_layers=4"], cpu=False)["params"]
     off = [p["name"] for p in params if p["numel"] % 16 == 0 and p["offset_mod_16"]]
     assert not off, off
