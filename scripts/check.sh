@@ -14,6 +14,19 @@ if [[ "${1:-}" == "--fast" ]]; then
 fi
 bash scripts/install.sh --dev
 PY="${VENV:-$ROOT/.venv}/bin/python"
+# A full disk turns the launcher tests into hundreds of setup errors and hung collectives (a CI run
+# that timed out at 90 min): refuse up front instead. The full suite's peak is measured in README.
+NEED_GIB="${MEGAFORMER_CHECK_FREE_GIB:-8}"
+TMP="$("$PY" -c 'import tempfile; print(tempfile.gettempdir())')"
+for dir in "$TMP" "$ROOT"; do
+  free_gib=$(df -Pk "$dir" | awk 'NR == 2 {print int($4 / 1048576)}')
+  if ((free_gib < NEED_GIB)); then
+    echo "[check] error: $dir has ${free_gib} GiB free; the tests need ${NEED_GIB} GiB." >&2
+    echo "[check] fix: free space there (old ${TMP}/pytest-of-$(id -un), runs/), or point TMPDIR at a" >&2
+    echo "[check]      larger disk; MEGAFORMER_CHECK_FREE_GIB=N changes the threshold." >&2
+    exit 2
+  fi
+done
 echo "[check] ruff check" >&2
 "$PY" -m ruff check .
 echo "[check] ruff format --check" >&2
