@@ -17,6 +17,10 @@ PY="${VENV:-$ROOT/.venv}/bin/python"
 # A full disk turns the launcher tests into hundreds of setup errors and hung collectives (a CI run
 # that timed out at 90 min): refuse up front instead. The full suite's peak is measured in README.
 NEED_GIB="${MEGAFORMER_CHECK_FREE_GIB:-8}"
+if [[ ! "$NEED_GIB" =~ ^[0-9]+$ ]]; then
+  echo "[check] error: MEGAFORMER_CHECK_FREE_GIB='$NEED_GIB' is not a whole number of GiB; use e.g. 8" >&2
+  exit 2
+fi
 TMP="$("$PY" -c 'import tempfile; print(tempfile.gettempdir())')"
 for dir in "$TMP" "$ROOT"; do
   free_gib=$(df -Pk "$dir" | awk 'NR == 2 {print int($4 / 1048576)}')
