@@ -48,7 +48,11 @@ def predict(row: dict, gpu: str, smoke: bool) -> dict:
     if not smoke:  # the step-time model (plan --predict) for the same config on one such GPU
         from megaformer.tools import steptime
 
-        out["steptime"] = steptime.predict(cfg, steptime.DEVICE_SPECS[gpu], 1, 1).as_dict()
+        try:
+            out["steptime"] = steptime.predict(cfg, steptime.DEVICE_SPECS[gpu], 1, 1).as_dict()
+        except RuntimeError as e:  # its block trace needs a CPU torch (fake CUDA): a CUDA image has none
+            hint = "bench/gpu_check.py --repredict THIS.json on a CPU machine"
+            out["steptime"] = {"error": f"{str(e).splitlines()[0]}; run {hint}"}
     try:
         from megaformer.fakecuda.build import build_shim
         from megaformer.fakecuda.launch import run_session
@@ -89,7 +93,7 @@ def table(rows: list[dict]) -> str:
         mfu = "-" if r.get("mfu") is None else f"{r['mfu']:.1%}"
         planned = p.get("planner_peak_gib", float("nan"))
         st = p.get("steptime")
-        st_step, st_mfu = (f"{st['step_s']:.3f}", f"{st['mfu']:.1%}") if st else ("-", "-")
+        st_step, st_mfu = (f"{st['step_s']:.3f}", f"{st['mfu']:.1%}") if st and "step_s" in st else ("-", "-")
         lines.append(
             f"| {r['recipe']} | {r['zero']} | {r['recompute']} | {r['micro_batch']} | {r['step_s']:.3f} | "
             f"{st_step} | {r['tokens_per_s']:,.0f} | {mfu} | {st_mfu} | {mem} | {dry_s} | {planned:.2f} |"
