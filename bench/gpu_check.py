@@ -123,7 +123,10 @@ def main() -> int:
     args = parser.parse_args()
     bench_out = Path(args.out).with_name(Path(args.out).stem + "_bench.json")
     if args.repredict:
-        measured = json.loads(Path(args.repredict).read_text())
+        try:
+            measured = json.loads(Path(args.repredict).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            parser.error(f"--repredict {args.repredict}: {e} (a JSON that bench/gpu_check.py wrote, whole)")
         return _write(measured["rows"], args.gpu or measured["gpu"], False, args.out)
     if args.predict_only:
         if not args.gpu:
