@@ -466,6 +466,11 @@ def check_train(cfg: RunConfig) -> None:
         f"budget_fixed_seconds={t.budget_fixed_seconds}, budget_overrun={t.budget_overrun}: must be >= 0.",
     )
     _require(
+        t.budget_machine_factor > 0 and (calibrated or t.budget_machine_factor == 1.0),
+        f"train.budget_machine_factor={t.budget_machine_factor}: must be > 0, and other than 1 only with "
+        "calibrated times (train.budget_step_seconds > 0), which it relates to this machine.",
+    )
+    _require(
         not calibrated or t.budget_device_hours > 0,
         f"train.budget_step_seconds={t.budget_step_seconds} needs train.budget_device_hours > 0 (the "
         "budget it divides); set both, or neither.",

@@ -348,6 +348,13 @@ class TrainConfig:
     """A budget run whose device-hours so far exceed train.budget_device_hours by more than this
     fraction (the machine ran slower than measured) ends at that step, evaluated and saved, and
     its summary says so (budget_stopped_at). The run is complete (exit 0), not preempted."""
+    budget_machine_factor: float = 1.0
+    """This machine's step time divided by the calibrated one (train.budget_step_seconds ...), when
+    those were measured on another machine or another day: megaformer.experiments.compare and sweep
+    re-measure it when they resume from a saved calibration. The run keeps the step count fixed from
+    the calibrated times (the same work as the runs trained before; the budget is in the calibration
+    machine's device-hours) and its spend is enforced at budget_device_hours × budget_machine_factor
+    × (1 + budget_overrun). 1: the machine of the calibration. Needs train.budget_step_seconds > 0."""
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in the backward pass instead of storing them
     (never the embedding); under tensor parallelism without sequence parallelism the saved block

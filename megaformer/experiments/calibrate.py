@@ -37,9 +37,12 @@ The run is then given these times (``train.budget_step_seconds`` / ``budget_eval
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import platform
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -62,6 +65,8 @@ class Timing:
             well the calibration knows this config's cost on this machine.
         measured_as: the run whose launches measured these times (a run with the same work, see
             :func:`compute_key`), or the run itself.
+        machine_factor: this machine's step time over the saved calibration's, when the
+            calibration is reused and :func:`recheck` found a different speed (1: the same).
     """
 
     step_seconds: float
@@ -70,14 +75,22 @@ class Timing:
     rounds: list[dict[str, Any]]
     step_seconds_sem: float = 0.0
     measured_as: str = ""
+    machine_factor: float = 1.0
 
     def overrides(self) -> list[str]:
-        """The trainer overrides that hand these times to a budget run."""
+        """The trainer overrides that hand these times to a budget run (part of its request)."""
         return [
             f"train.budget_step_seconds={self.step_seconds:.6g}",
             f"train.budget_eval_seconds={self.eval_seconds:.6g}",
             f"train.budget_fixed_seconds={self.fixed_seconds:.6g}",
         ]
+
+    def machine_overrides(self) -> list[str]:
+        """What the launch adds for this machine (:func:`recheck`): not part of the run's request,
+        since it describes where the run trains, not what it trains."""
+        return (
+            [] if self.machine_factor == 1.0 else [f"train.budget_machine_factor={self.machine_factor:.6g}"]
+        )
 
 
 COMPUTE_NEUTRAL = frozenset(
@@ -107,6 +120,7 @@ COMPUTE_NEUTRAL = frozenset(
         "train.budget_eval_seconds",
         "train.budget_fixed_seconds",
         "train.budget_overrun",
+        "train.budget_machine_factor",
         "model.init",
         "model.init_std",
         "model.embedding_init_std",
@@ -264,12 +278,14 @@ def load_or_calibrate(
     measure: int,
     tag: str,
     share: bool = True,
+    recheck_rounds: int = 2,
 ) -> dict[str, Timing]:
     """:func:`calibrate`, or the calibration saved in ``out_dir/calibration.json`` when it was made
     for the same runs (each run's :func:`~.provenance.run_request` without the budget) and the
     same settings; the reuse or the reason to measure again is printed. ``share``: runs with the
     same work (:func:`same_work_groups`) share one measurement; off, every run is timed itself
-    (to measure the calibration's own noise)."""
+    (to measure the calibration's own noise). A reused calibration is re-checked on this machine
+    first (:func:`recheck`, ``recheck_rounds`` rounds; 0: not re-checked)."""
     from data_tools.files import atomic_write_json
     from megaformer.experiments.provenance import differences
 
@@ -287,7 +303,25 @@ def load_or_calibrate(
         changed = differences(saved.get("request", {}), asked)
         if not changed:
             print(f"[{tag}] calibration: reused {path}", flush=True)
-            return {n: Timing(**t) for n, t in saved["timings"].items()}
+            timings = {n: Timing(**t) for n, t in saved["timings"].items()}
+            if recheck_rounds <= 0:
+                return timings
+            groups = same_work_groups(requests) if share else None
+            now = calibrate(
+                runs,
+                overrides,
+                out_dir / "recheck",
+                nproc,
+                recheck_rounds,
+                warmup,
+                measure,
+                f"{tag} re-check",
+                groups,
+            )
+            factor, record = recheck(timings, now, tag)
+            saved["rechecks"] = [*saved.get("rechecks", []), record]
+            atomic_write_json(path, saved)
+            return {n: dataclasses.replace(t, machine_factor=factor) for n, t in timings.items()}
         print(
             f"[{tag}] calibration: {path} was made for other runs ({'; '.join(changed[:3])}): measuring again"
         )
@@ -298,6 +332,65 @@ def load_or_calibrate(
     timings = calibrate(runs, overrides, out_dir / "calibration", nproc, rounds, warmup, measure, tag, groups)
     atomic_write_json(path, {"request": asked, "timings": {n: asdict(t) for n, t in timings.items()}})
     return timings
+
+
+RECHECK_TOLERANCE = 0.02
+"""A re-check within this fraction of the saved step times is the same machine (the calibration's
+own noise on the 2-core project machine is about ±1.5 % after 4 rounds): nothing changes."""
+RELATIVE_TOLERANCE = 0.05
+"""Re-checked configs whose speed changed by ratios further apart than this: their relative costs
+moved, which a common factor cannot represent (warned)."""
+
+
+def recheck(saved: dict[str, Timing], now: dict[str, Timing], tag: str = "calibrate") -> tuple[float, dict]:
+    """This machine's speed against a saved calibration's, from a new interleaved measurement.
+
+    A comparison or sweep resumed later, perhaps on another machine, keeps the step counts its
+    finished runs got (equal work); but the saved step times no longer describe this machine, and a
+    run on a slower one would reach the enforced spend limit before its decided length and end
+    early (observed: 1,327 of 1,500 steps on a VM about 12 % slower than the calibration's). The
+    factor is the median over the measured configs of ``now / saved`` step time; the runs get it as
+    ``train.budget_machine_factor`` (the limit is scaled; the length is not).
+
+    Args:
+        saved: the calibration's timings, by run.
+        now: the re-check's (:func:`calibrate` on this machine, the same runs and settings).
+
+    Returns:
+        ``(factor, record)``: ``factor`` is 1.0 within :data:`RECHECK_TOLERANCE`; ``record`` (for
+        ``calibration.json``'s ``rechecks``) holds the time, the measured median, the per-run ratios
+        and the factor applied.
+    """
+    leaders = sorted({t.measured_as or n for n, t in now.items()})
+    ratios = {n: now[n].step_seconds / saved[n].step_seconds for n in leaders}
+    measured = statistics.median(ratios.values())
+    factor = measured if abs(measured - 1.0) > RECHECK_TOLERANCE else 1.0
+    per_run = ", ".join(f"{n} {r:.3f}" for n, r in ratios.items())
+    if factor == 1.0:
+        said = f"within {RECHECK_TOLERANCE:.0%} of it: the same speed, nothing changes"
+    else:
+        said = (
+            f"the runs keep the step counts fixed from the saved times and their spend limit is scaled by "
+            f"{factor:.3f} (train.budget_machine_factor)"
+        )
+    print(f"[{tag}] calibration re-check: this machine's step time is {measured:.3f}× the saved one "
+          f"({per_run}); {said}", flush=True)  # fmt: skip
+    if max(ratios.values()) - min(ratios.values()) > RELATIVE_TOLERANCE:
+        print(
+            f"[{tag}] calibration re-check: WARNING the configs' speeds changed by different factors "
+            f"({per_run}): their relative costs on this machine differ from the calibration's, which "
+            "a resumed comparison cannot correct; a new output directory calibrates afresh",
+            flush=True,
+        )
+    record = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": platform.node(),
+        "measured": measured,
+        "ratios": ratios,
+        "factor": factor,
+        "timings": {n: asdict(now[n]) for n in leaders},
+    }
+    return factor, record
 
 
 def calibrate_runs(
@@ -313,18 +406,27 @@ def calibrate_runs(
     version; :mod:`.provenance`), then :func:`load_or_calibrate` under ``root``.
 
     Args:
-        calibration: ``{"rounds", "warmup", "measure"}`` (default 4, 10, 20).
+        calibration: ``{"rounds", "warmup", "measure", "recheck_rounds"}`` (default 4, 10, 20, 2).
 
     Returns:
         ``(timings by run, the calibration settings used, the code version)``.
+
+    Raises:
+        ValueError: ``recheck_rounds`` is 1 or negative (before anything is launched).
     """
     from megaformer.experiments.provenance import code_version, run_request
 
     root.mkdir(parents=True, exist_ok=True)
-    cal = {"rounds": 4, "warmup": 10, "measure": 20, **(calibration or {})}
+    cal = {"rounds": 4, "warmup": 10, "measure": 20, "recheck_rounds": 2, **(calibration or {})}
+    if cal["recheck_rounds"] == 1 or cal["recheck_rounds"] < 0:
+        raise ValueError(
+            f"--recheck-rounds {cal['recheck_rounds']}: use 0 (trust a saved calibration) or >= 2 (the order "
+            "alternates, as in the calibration)"
+        )
     code = code_version()
     requests = {n: run_request(c, list(overrides), {}, code) for n, c in runs.items()}
+    settings = (cal["rounds"], cal["warmup"], cal["measure"])
     timings = load_or_calibrate(
-        runs, requests, list(overrides), root, nproc, cal["rounds"], cal["warmup"], cal["measure"], tag, share
+        runs, requests, list(overrides), root, nproc, *settings, tag, share, cal["recheck_rounds"]
     )
     return timings, cal, code

@@ -108,7 +108,9 @@ def comparison_rows(runs: dict[str, dict], budget: float, timings: dict[str, Tim
                 "budget_steps": s.get("budget_steps"),
                 "budget_stopped_at": s.get("budget_stopped_at"),
                 "device_hours": s["device_hours"],
-                "spend_deviation": s["device_hours"] / budget - 1.0,
+                "budget_machine_factor": s.get("budget_machine_factor", 1.0),
+                # in the calibration machine's device-hours (see train.budget_machine_factor)
+                "spend_deviation": s["device_hours"] / (budget * s.get("budget_machine_factor", 1.0)) - 1.0,
                 "hours_to_baseline_best_ppl": reach,
                 "share_of_baseline_compute": None if reach is None else reach / baseline_hours,
             }
@@ -216,7 +218,8 @@ def train_one(
         print(f"[compare] {out.name}: an earlier run without request.json: training again", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     request_path.unlink(missing_ok=True)  # written back only once the run has finished
-    summary = launch_run(config, out, [*args, f"output.dir={out}"], nproc, "compare")
+    launch = [*args, *timing.machine_overrides(), f"output.dir={out}"]
+    summary = launch_run(config, out, launch, nproc, "compare")
     atomic_write_json(request_path, request)
     print(
         f"[compare] {out.name}: {summary['steps']} steps, "
@@ -310,6 +313,13 @@ def add_calibration_args(parser: argparse.ArgumentParser) -> None:
                         help="training order of the runs (recorded in the JSON)")  # fmt: skip
     parser.add_argument("--order-seed", type=int, default=0, help="seed of the random order")
     parser.add_argument(
+        "--recheck-rounds",
+        type=int,
+        default=2,
+        help="when a saved calibration is reused (a resumed comparison), re-time the configs this many "
+        "interleaved rounds on this machine and scale the runs' spend limit by its speed (0: trust it)",
+    )
+    parser.add_argument(
         "--separate-calibration",
         action="store_true",
         help="time every run itself, even runs with the same work per step (the calibration's own noise)",
@@ -322,6 +332,7 @@ def calibration_settings(args: argparse.Namespace) -> dict[str, int]:
         "rounds": args.calibration_rounds,
         "warmup": args.calibration_warmup,
         "measure": args.calibration_steps,
+        "recheck_rounds": args.recheck_rounds,
     }
 
 

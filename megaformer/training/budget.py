@@ -26,7 +26,10 @@ own figure: the run fixes its length before its first step from it (``done`` = t
 nothing spent), with the same rule 3, and does no timing of its own. The run's real spend is
 still measured (device-hours of the loop) and enforced: past ``budget · (1 + train.budget_overrun)``
 the run ends at that step (:data:`~megaformer.training.stopping.BUDGET_SPENT`), evaluated and
-saved, and its summary records ``budget_stopped_at``.
+saved, and its summary records ``budget_stopped_at``. A comparison resumed on a slower or faster
+machine than its calibration's passes ``train.budget_machine_factor`` (that machine's step time over
+the calibrated one, re-measured by the experiment): the decided length stays, and the enforced
+limit is scaled by it, so the budget stays in the calibration machine's device-hours.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ def overspent(cfg: RunConfig, device_seconds: float, world_size: int, ahead_seco
     evaluation's wall-clock). False without a budget. This rank's clock:
     :class:`~megaformer.training.stopping.StopCheck` takes the maximum over ranks."""
     t = cfg.train
-    limit = t.budget_device_hours * 3600.0 * (1.0 + t.budget_overrun)
+    # budget_machine_factor: the budget is in the calibration machine's device-hours (see its doc).
+    limit = t.budget_device_hours * 3600.0 * t.budget_machine_factor * (1.0 + t.budget_overrun)
     return t.budget_device_hours > 0 and device_seconds + world_size * ahead_seconds > limit
 
 

@@ -345,8 +345,9 @@ class TrainLoop:
         log(
             self.layout,
             f"budget spent at step {done} of {planned} planned: {hours:.4g} device-hours, and one more step "
-            f"with the final evaluation would pass {t.budget_device_hours:g} × (1 + train.budget_overrun="
-            f"{t.budget_overrun:g}); the machine ran slower than the step time the length was fixed from. "
+            f"with the final evaluation would pass {t.budget_device_hours:g} × train.budget_machine_factor="
+            f"{t.budget_machine_factor:g} × (1 + train.budget_overrun={t.budget_overrun:g}); the machine ran "
+            "slower than the step time the length was fixed from. "
             "Ending the run here (summary: budget_stopped_at)",
         )
         if done % t.eval_interval != 0:
@@ -662,6 +663,7 @@ def _summary(
         if loop.budget is not None:
             summary["budget_step_seconds"] = loop.budget.step_seconds  # the decision's input
             summary["budget_calibrated"] = loop.budget.calibrated
+        summary["budget_machine_factor"] = t.budget_machine_factor
     summary.update(_health_summary(loop))
     # Strict JSON: a figure not measured (NaN, inf) is null, with why under "missing".
     raw, summary = summary, null_non_finite(summary, _missing_reasons(loop, summary))

@@ -48,6 +48,12 @@ def test_compare_writes_its_table_and_plot(gutenberg_prefix, tmp_path):
     png = (out / "valid_ppl_vs_device_hours.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     # a second call reuses the finished runs instead of training again
-    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    # (after re-checking the reused calibration on this machine: 2 more rounds of short launches)
+    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "done before with the same request" in again.stdout
-    assert "calibration: reused" in again.stdout
+    assert (
+        "calibration: reused" in again.stdout
+        and "calibration re-check: this machine's step time" in again.stdout
+    )
+    recheck = json.loads((out / "calibration.json").read_text())["rechecks"][-1]
+    assert set(recheck["ratios"]) == {"pre_ln", "normformer"} and recheck["factor"] > 0

@@ -43,3 +43,4 @@ def test_sweep_picks_a_rate_per_scheme_and_resumes(gutenberg_prefix, tmp_path):
     again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-2000:]
     assert again.stdout.count("done before with the same request") == 4
+    assert "calibration re-check: this machine's step time" in again.stdout

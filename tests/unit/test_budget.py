@@ -45,3 +45,24 @@ def test_budget_must_be_decided_during_warmup():
     with pytest.raises(ConfigError, match=r"raise train.warmup_steps to >= 25"):
         load_config(None, ["train.budget_device_hours=1", "train.warmup_steps=5"])
     load_config(None, ["train.budget_device_hours=1", "train.warmup_steps=25"])
+
+
+def test_machine_factor_scales_the_spend_limit_not_the_length():
+    """A run resumed on a slower machine than its calibration's (factor 1.12) may spend 1.12× the
+    budget in this machine's seconds; without the factor the same spend ends it."""
+    from megaformer.config import ConfigError
+    from megaformer.training.budget import overspent
+
+    calibrated = ["train.budget_device_hours=1", "train.budget_step_seconds=0.5", "train.budget_overrun=0.02"]
+    same = load_config(None, calibrated)
+    slower = load_config(None, [*calibrated, "train.budget_machine_factor=1.12"])
+    spent = 3600.0 * 1.10  # device-seconds: 10 % over the budget in this machine's time
+    assert overspent(same, spent, world_size=2)
+    assert not overspent(slower, spent, world_size=2)
+    assert overspent(slower, 3600.0 * 1.12 * 1.02 + 1.0, world_size=2)
+    with pytest.raises(ConfigError, match=r"budget_machine_factor=1.1: .*train.budget_step_seconds > 0"):
+        load_config(
+            None, ["train.budget_device_hours=1", "train.warmup_steps=25", "train.budget_machine_factor=1.1"]
+        )
+    with pytest.raises(ConfigError, match=r"budget_machine_factor=0.0: must be > 0"):
+        load_config(None, [*calibrated, "train.budget_machine_factor=0"])

@@ -187,3 +187,78 @@ def test_ratio_standard_error_is_zero_for_a_shared_measurement():
     assert cmp._ratio_sem(a, a) == 0.0
     expected = 1.1 * ((0.0011 / 0.11) ** 2 + (0.002 / 0.10) ** 2) ** 0.5
     assert cmp._ratio_sem(b, a) == pytest.approx(expected)
+
+
+def _machine(step: dict[str, float], launched: list[str]):
+    """Stand-ins for a calibration launch on a machine whose step times are ``step`` (by run)."""
+
+    def launch(config, out, args, nproc, tag):
+        launched.append(out.name)
+        return {"name": out.name}
+
+    def measure(summary, warmup):
+        t = step[summary["name"]]
+        return [t] * 20, 0.5, 30 * t + 2.0
+
+    return launch, measure
+
+
+def test_a_reused_calibration_is_rechecked_on_this_machine(monkeypatch, tmp_path, dataset, capsys):
+    """A comparison resumed on a machine 12 % slower than its calibration's keeps the step times it
+    was calibrated with (the same step counts as its finished runs) and scales the spend limit by
+    the re-measured factor; the factor is not part of a run's request, so finished runs stay reused.
+    Within 2 % nothing changes; --recheck-rounds 0 trusts the saved calibration; 1 is refused."""
+    runs = {"pre": CONFIG, "nf": "configs/cpu-compare/normformer.yaml"}
+    base = [f"data.prefix={dataset}"]
+    launched: list[str] = []
+    settings = {"rounds": 2, "warmup": 10, "measure": 20}
+
+    def calibrate_on(step: dict[str, float], recheck_rounds: int = 2):
+        launch, measure = _machine(step, launched)
+        monkeypatch.setattr(cal, "launch_run", launch)
+        monkeypatch.setattr(cal, "measure_launch", measure)
+        launched.clear()
+        return cal.calibrate_runs(
+            runs, base, tmp_path, 2, {**settings, "recheck_rounds": recheck_rounds}, "t"
+        )[0]
+
+    first = calibrate_on({"pre": 0.10, "nf": 0.11})
+    assert len(launched) == 4 and first["pre"].machine_factor == 1.0
+    later = calibrate_on({"pre": 0.112, "nf": 0.1232})  # another day, a slower machine
+    assert len(launched) == 4, "the re-check times every config, interleaved"
+    assert later["pre"].step_seconds == pytest.approx(0.10) and later["nf"].step_seconds == pytest.approx(
+        0.11
+    )
+    assert later["pre"].machine_factor == pytest.approx(1.12) and later["nf"].machine_factor == pytest.approx(
+        1.12
+    )
+    assert "1.120× the saved one" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "calibration.json").read_text())
+    assert saved["rechecks"][-1]["factor"] == pytest.approx(1.12)
+    assert saved["rechecks"][-1]["ratios"] == {"nf": pytest.approx(1.12), "pre": pytest.approx(1.12)}
+
+    calls: list[list[str]] = []
+    monkeypatch.setattr(cmp, "launch_run", _fake_run(calls))
+    out, code = tmp_path / "run", code_version()
+    cmp.train_one(CONFIG, out, 0.04, base, 2, later["pre"], code)
+    assert "train.budget_machine_factor=1.12" in calls[0] and "train.budget_step_seconds=0.1" in calls[0]
+    request = json.loads((out / "request.json").read_text())
+    assert request["config"]["train"]["budget_machine_factor"] == 1.0  # the default: not what is asked
+    cmp.train_one(CONFIG, out, 0.04, base, 2, first["pre"], code)  # back on the calibration's machine
+    assert len(calls) == 1, "a run trained on a slower machine is the same run: reused"
+
+    same = calibrate_on({"pre": 0.1015, "nf": 0.1095})  # within the calibration's noise
+    assert same["pre"].machine_factor == 1.0 and same["pre"].machine_overrides() == []
+    assert "the same speed, nothing changes" in capsys.readouterr().out
+    calibrate_on({"pre": 0.2, "nf": 0.2}, recheck_rounds=0)
+    assert launched == [], "--recheck-rounds 0: the saved calibration is trusted"
+    with pytest.raises(ValueError, match="--recheck-rounds 1: use 0"):
+        calibrate_on({"pre": 0.1, "nf": 0.11}, recheck_rounds=1)
+
+
+def test_a_recheck_warns_when_relative_costs_moved(capsys):
+    saved = {"a": Timing(0.10, 0.5, 1.0, [], 0.0, "a"), "b": Timing(0.11, 0.5, 1.0, [], 0.0, "b")}
+    now = {"a": Timing(0.10, 0.5, 1.0, [], 0.0, "a"), "b": Timing(0.121, 0.5, 1.0, [], 0.0, "b")}
+    factor, record = cal.recheck(saved, now, "t")
+    assert factor == pytest.approx(1.05) and record["ratios"]["b"] == pytest.approx(1.1)
+    assert "WARNING the configs' speeds changed by different factors" in capsys.readouterr().out
