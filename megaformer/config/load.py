@@ -458,6 +458,14 @@ def check_train(cfg: RunConfig) -> None:
         f"{t.micro_batch_size}.",
     )
     _require(t.resume != "", "train.resume='': use none, auto or a checkpoint directory.")
+    _check_budget(t)
+    # Whether train.init_from / train.resume / train.deepspeed_config name readable files is checked
+    # by the trainer's preflight (megaformer.training.preflight), before any process group starts:
+    # loading a config reads the YAML and nothing else.
+
+
+def _check_budget(t: TrainConfig) -> None:
+    """The ``train.budget_*`` keys (see :class:`~megaformer.config.schema.TrainConfig`)."""
     _require(t.budget_device_hours >= 0, f"train.budget_device_hours={t.budget_device_hours}: must be >= 0.")
     calibrated = t.budget_step_seconds > 0
     _require(
@@ -484,9 +492,6 @@ def check_train(cfg: RunConfig) -> None:
             f"({BUDGET_SKIP_STEPS} + train.budget_measure_steps), but the decay starts at train.warmup_steps="
             f"{t.warmup_steps}; raise train.warmup_steps to >= {first} or lower train.budget_measure_steps.",
         )
-    # Whether train.init_from / train.resume / train.deepspeed_config name readable files is checked
-    # by the trainer's preflight (megaformer.training.preflight), before any process group starts:
-    # loading a config reads the YAML and nothing else.
 
 
 def check_data(cfg: RunConfig) -> None:

@@ -68,6 +68,15 @@ def valid_curve(tb_dir: str) -> list[tuple[int, float, float]]:
     return [(e.step, hours[e.step], e.value) for e in acc.Scalars("valid/loss") if e.step in hours]
 
 
+def calibrated_curve(summary: dict) -> list[tuple[int, float, float]]:
+    """:func:`valid_curve` of a run, its device-hours in the calibration machine's units: divided by
+    the run's ``budget_machine_factor`` (1 unless it trained on a slower machine than the
+    calibration's, :func:`~.calibrate.recheck`), so that runs of one comparison trained on
+    different machines are measured alike."""
+    factor = summary.get("budget_machine_factor", 1.0)
+    return [(step, hours / factor, loss) for step, hours, loss in valid_curve(summary["tensorboard_dir"])]
+
+
 def hours_to_reach(curve: list[tuple[int, float, float]], target_loss: float) -> float | None:
     """Device-hours of the first evaluation whose loss is at most ``target_loss`` (None: never)."""
     for _, hours, loss in curve:
@@ -92,6 +101,7 @@ def comparison_rows(runs: dict[str, dict], budget: float, timings: dict[str, Tim
     rows = []
     for name in names:
         s, curve = runs[name]["summary"], runs[name]["curve"]
+        factor = s.get("budget_machine_factor", 1.0)
         reach = hours_to_reach(curve, baseline_best)
         rows.append(
             {
@@ -107,10 +117,11 @@ def comparison_rows(runs: dict[str, dict], budget: float, timings: dict[str, Tim
                 "step_time_ratio_sem": _ratio_sem(timings[name], timings[names[0]]),
                 "budget_steps": s.get("budget_steps"),
                 "budget_stopped_at": s.get("budget_stopped_at"),
-                "device_hours": s["device_hours"],
-                "budget_machine_factor": s.get("budget_machine_factor", 1.0),
-                # in the calibration machine's device-hours (see train.budget_machine_factor)
-                "spend_deviation": s["device_hours"] / (budget * s.get("budget_machine_factor", 1.0)) - 1.0,
+                # device-hours in the calibration machine's units, as the curves (calibrated_curve)
+                "device_hours": s["device_hours"] / factor,
+                "device_hours_measured": s["device_hours"],
+                "budget_machine_factor": factor,
+                "spend_deviation": s["device_hours"] / factor / budget - 1.0,
                 "hours_to_baseline_best_ppl": reach,
                 "share_of_baseline_compute": None if reach is None else reach / baseline_hours,
             }
@@ -257,8 +268,9 @@ def compare(
     ``budget`` device-hours from it, in ``order``, then write the table and the plot.
 
     Args:
-        calibration: ``{"rounds", "warmup", "measure"}`` of :func:`~.calibrate.calibrate`
-            (default 4 rounds, 10 warm-up steps, 20 measured steps).
+        calibration: ``{"rounds", "warmup", "measure", "recheck_rounds"}`` of
+            :func:`~.calibrate.calibrate_runs` (default 4 rounds, 10 warm-up steps, 20 measured
+            steps; a reused calibration re-checked in 2 rounds).
         share_calibration: configs with the same work per step share one measurement
             (:func:`~.calibrate.same_work_groups`); False times each itself.
 
@@ -277,9 +289,7 @@ def compare(
     summaries = {
         n: train_one(by_name[n], root / n, budget, overrides, nproc, timings[n], code) for n in sequence
     }
-    runs = {
-        n: {"summary": summaries[n], "curve": valid_curve(summaries[n]["tensorboard_dir"])} for n in names
-    }
+    runs = {n: {"summary": summaries[n], "curve": calibrated_curve(summaries[n])} for n in names}
     rows = comparison_rows(runs, budget, timings)
     best_ppl = math.exp(min(loss for _, _, loss in runs[names[0]]["curve"]))
     (root / "comparison.md").write_text(markdown_table(rows, best_ppl, budget), encoding="utf-8")
@@ -327,7 +337,7 @@ def add_calibration_args(parser: argparse.ArgumentParser) -> None:
 
 
 def calibration_settings(args: argparse.Namespace) -> dict[str, int]:
-    """``{"rounds", "warmup", "measure"}`` from :func:`add_calibration_args`' options."""
+    """``{"rounds", "warmup", "measure", "recheck_rounds"}`` from :func:`add_calibration_args`' options."""
     return {
         "rounds": args.calibration_rounds,
         "warmup": args.calibration_warmup,

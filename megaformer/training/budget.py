@@ -173,6 +173,12 @@ class BudgetKeeper:
                 f"(train.budget_step_seconds / budget_eval_seconds) | run length fixed at {self.decided} "
                 f"steps{capped}; the learning rate decays to step {self.decided}; the run ends early if its "
                 f"device-hours pass the budget by more than {t.budget_overrun:.0%}"
+                + (
+                    ""
+                    if t.budget_machine_factor == 1.0
+                    else f" (× train.budget_machine_factor={t.budget_machine_factor:g}: slower than "
+                    "the calibration's)"
+                )
             )
         return (
             f"budget: {t.budget_device_hours:g} device-hours = {self.budget_seconds:,.1f} s on {world_size} "

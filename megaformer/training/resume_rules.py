@@ -33,6 +33,7 @@ MAY_CHANGE = frozenset(
         "train.resume",
         "train.init_from",
         "train.trust_checkpoint_code",
+        "train.budget_machine_factor",
         "train.diagnostics_interval",
         "train.recompute",
         "train.activation_checkpointing",

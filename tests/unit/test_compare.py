@@ -59,3 +59,25 @@ def test_compute_share_uses_the_baseline_measured_like_the_others():
     assert rows["better"]["share_of_baseline_compute"] == 0.8
     assert math.isclose(rows["better"]["step_time_ratio"], 1.06)
     assert math.isclose(rows["better"]["spend_deviation"], 0.1)
+
+
+def test_a_run_on_a_slower_machine_is_counted_in_the_calibration_machines_hours(monkeypatch):
+    """A resumed comparison's run trained on a machine 1.2× slower (budget_machine_factor 1.2):
+    its curve, device-hours, spend and compute share are divided by the factor, like the baseline's
+    that trained on the calibration's machine, so the share is not inflated by the slower VM."""
+    from megaformer.experiments import compare as cmp
+
+    raw = [(1, 0.6, 5.2), (2, 0.96, 4.9), (3, 1.2, 4.8)]  # this machine's hours
+    monkeypatch.setattr(cmp, "valid_curve", lambda tb: raw)
+    slow = {**_summary(4.8, 1.2), "budget_machine_factor": 1.2, "tensorboard_dir": "tb"}
+    curve = cmp.calibrated_curve(slow)
+    assert [round(h, 9) for _, h, _ in curve] == [0.5, 0.8, 1.0]
+    runs = {
+        "baseline": {"summary": _summary(5.0, 1.0), "curve": [(1, 0.5, 5.5), (2, 1.0, 5.0)]},
+        "slow": {"summary": slow, "curve": curve},
+    }
+    rows = {r["run"]: r for r in comparison_rows(runs, BUDGET, _timings(*runs))}
+    assert math.isclose(rows["slow"]["share_of_baseline_compute"], 0.8)
+    assert math.isclose(rows["slow"]["device_hours"], 1.0) and rows["slow"]["device_hours_measured"] == 1.2
+    assert math.isclose(rows["slow"]["spend_deviation"], 0.0, abs_tol=1e-12)
+    assert rows["baseline"]["budget_machine_factor"] == 1.0

@@ -144,3 +144,14 @@ def test_a_key_newer_than_the_checkpoint_counts_as_its_default():
     assert check_resume_config(saved_without, cfg, 5, "ckpt") == []
     with pytest.raises(ConfigError, match=r"model\.qkv_ln: saved False, now True"):
         check_resume_config(saved_without, changed, 5, "ckpt")
+
+
+def test_a_budget_run_resumes_on_a_machine_of_another_speed():
+    """train.budget_machine_factor describes where a run trains (compare's re-check), not what it
+    trains: a calibrated budget run preempted on one machine resumes on a slower one."""
+    budget = ["train.budget_device_hours=1", "train.budget_step_seconds=0.5"]
+    saved = to_dict(load_config(CONFIG, [*BASE, *budget]))
+    slower = load_config(CONFIG, [*BASE, *budget, "train.budget_machine_factor=1.15"])
+    assert check_resume_config(saved, slower, 10, "ckpt") == [
+        "resume: changed since the checkpoint (allowed): train.budget_machine_factor"
+    ]
