@@ -66,3 +66,15 @@ def test_machine_factor_scales_the_spend_limit_not_the_length():
         )
     with pytest.raises(ConfigError, match=r"budget_machine_factor=0.0: must be > 0"):
         load_config(None, [*calibrated, "train.budget_machine_factor=0"])
+
+
+def test_the_log_names_the_machine_factor_of_a_slower_machine():
+    from megaformer.training.budget import BudgetKeeper
+
+    calibrated = ["train.budget_device_hours=1", "train.budget_step_seconds=0.5"]
+    for extra, said in (([], False), (["train.budget_machine_factor=1.15"], True)):
+        keeper = BudgetKeeper(load_config(None, [*calibrated, *extra]), world_size=2, start_step=0)
+        keeper.decided = 3000
+        line = keeper.describe(0, 2)
+        assert "run length fixed at 3000 steps" in line
+        assert ("train.budget_machine_factor=1.15" in line) is said
