@@ -298,6 +298,7 @@ def load_or_calibrate(
         "nproc": nproc,
         "share": share,
     }
+    groups = same_work_groups(requests) if share else None
     if path.is_file():
         saved = json.loads(path.read_text())
         changed = differences(saved.get("request", {}), asked)
@@ -306,7 +307,6 @@ def load_or_calibrate(
             timings = {n: Timing(**t) for n, t in saved["timings"].items()}
             if recheck_rounds <= 0:
                 return timings
-            groups = same_work_groups(requests) if share else None
             now = calibrate(
                 runs,
                 overrides,
@@ -325,7 +325,6 @@ def load_or_calibrate(
         print(
             f"[{tag}] calibration: {path} was made for other runs ({'; '.join(changed[:3])}): measuring again"
         )
-    groups = same_work_groups(requests) if share else None
     for name, leader in (groups or {}).items():
         if leader != name:
             print(f"[{tag}] calibration: {name} does the same work per step as {leader}: timed once, shared")
