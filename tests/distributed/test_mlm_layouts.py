@@ -86,7 +86,18 @@ def test_pipeline_checkpoint_holds_the_trained_head(runs):
     head = [name for name in ref if ".lm_head." in name]
     assert len(head) == 5, head
     for name in ref:
-        assert torch.allclose(got[name].float(), ref[name].float(), rtol=1e-3, atol=1e-5), name
+        a, b = got[name].float(), ref[name].float()
+        if name.endswith(".qkv.bias"):
+            # The key bias gets no gradient in exact arithmetic (it adds q·b_k to every score of a
+            # query, which softmax ignores): what it receives is rounding noise, which Adam scales
+            # up to steps of ~lr. The layouts' kernels round differently (on a CPU with AMX the
+            # copies end ~1.3e-5 apart), so the key slice (layout: heads, [q, k, v], head_dim) only
+            # has to stay near the other copy; the query and value biases are held as tightly as
+            # the rest.
+            a, b = a.view(2, 3, -1), b.view(2, 3, -1)  # TINY's model.num_attention_heads=2
+            assert torch.allclose(a[:, 1], b[:, 1], rtol=0, atol=1e-4), name
+            a, b = a[:, 0::2], b[:, 0::2]
+        assert torch.allclose(a, b, rtol=1e-3, atol=1e-5), name
     # and it trained: the head's LayerNorm gain left its init of ones
     gain = ref["tied_modules.embed.lm_head.layer_norm.weight"].float()
     assert (gain - 1).abs().max() > 1e-3
