@@ -39,6 +39,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--output-dir", required=True, help="cache directory (created if missing)")
     p.add_argument("--valid-fraction", type=float, default=None, help="the run's data.valid_fraction")
     p.add_argument("--split", choices=["train", "valid"], default="train", help="with --valid-fraction")
+    p.add_argument(
+        "--split-seed", type=int, default=None, help="the run's data.split_seed when set (default: --seed)"
+    )
     args = p.parse_args(argv)
     start = time.perf_counter()
     try:
@@ -46,7 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         lengths = dataset.document_lengths(np.int64 if args.valid_fraction is not None else np.int32)
         doc_ids = None
         if args.valid_fraction is not None:
-            train_ids, valid_ids = split_documents(lengths.size, args.valid_fraction, args.seed)
+            train_ids, valid_ids = split_documents(
+                lengths.size, args.valid_fraction, args.seed if args.split_seed is None else args.split_seed
+            )
             doc_ids = train_ids if args.split == "train" else valid_ids
         if args.num_samples is not None:
             num_samples = args.num_samples

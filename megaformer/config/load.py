@@ -509,6 +509,10 @@ def check_data(cfg: RunConfig) -> None:
             "documents held out for validation (or give data.valid_prefix or data.split instead).",
         )
     _require(
+        d.split_seed >= -1,
+        f"data.split_seed={d.split_seed}: must be >= 0, or -1 to take train.seed.",
+    )
+    _require(
         0 <= d.eod_token < cfg.model.vocab_size, f"data.eod_token={d.eod_token}: outside the vocabulary."
     )
     _require(d.num_workers >= 0, f"data.num_workers={d.num_workers}: must be >= 0.")

@@ -194,7 +194,12 @@ class DataConfig:
     prefix: str = "data/processed/gutenberg_text_document"
     """Path prefix of a Megatron .bin/.idx pair (without the extension)."""
     valid_fraction: float = 0.02
-    """Fraction of documents held out for validation (whole documents, chosen by seed)."""
+    """Fraction of documents held out for validation (whole documents, chosen by split_seed)."""
+    split_seed: int = -1
+    """Seed of the choice of held-out documents (with valid_fraction); -1: train.seed. Set it when
+    runs of several train.seed values must be evaluated on the same documents (seeds of one
+    comparison: otherwise each seed holds out other documents, and its validation loss moves with
+    them, as Megatron's --split and fairseq's separate valid file do not)."""
     eod_token: int = 50256
     """End-of-document token id (GPT-2: <|endoftext|> = 50256). The preflight refuses a dataset
     whose statistics sidecar says its documents end in another token (or in none)."""
@@ -426,3 +431,9 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+
+    @property
+    def split_seed(self) -> int:
+        """The seed that chooses the held-out documents: ``data.split_seed``, or ``train.seed`` when
+        it is -1."""
+        return self.data.split_seed if self.data.split_seed >= 0 else self.train.seed

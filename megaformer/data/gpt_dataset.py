@@ -155,20 +155,21 @@ def _split_one(
     n_train: int,
     n_valid: int,
     seq_len: int,
-    valid_fraction: float,
+    split: tuple[float, int | None],
     seed: int,
     cache_dir: str | None,
     info: dict,
 ) -> tuple[GPTSamples, GPTSamples]:
     """One dataset's training and validation samples (``n_train`` / ``n_valid`` of them), its counts
-    added to ``info`` (see :func:`build_train_valid`).
+    added to ``info`` (see :func:`build_train_valid`); ``split``: ``(valid_fraction, split_seed)``.
 
     Raises:
         DataFormatError: its held-out documents hold fewer than ``n_valid`` samples.
     """
     dataset = IndexedDataset(path)
     lengths = dataset.document_lengths(np.int64)
-    train_ids, valid_ids = split_documents(len(lengths), valid_fraction, seed)
+    valid_fraction, split_seed = split
+    train_ids, valid_ids = split_documents(len(lengths), valid_fraction, seed if split_seed is None else split_seed)
     valid_tokens = int(lengths[valid_ids].sum())
     max_valid = (valid_tokens - 1) // seq_len
     if max_valid < n_valid:
@@ -214,6 +215,7 @@ def build_train_valid(
     valid_fraction: float,
     seed: int,
     *,
+    split_seed: int | None = None,
     blend: str = "",
     cache_dir: str | None = None,
 ) -> tuple[GPTSamples | BlendedSamples, GPTSamples | BlendedSamples, dict]:
@@ -224,6 +226,9 @@ def build_train_valid(
     ignored and each dataset gets its weight's share of the train and of the validation samples.
 
     Args:
+        seed: seeds the training samples' order.
+        split_seed: seeds the choice of held-out documents (``None``: ``seed``), so that runs of
+            several seeds can be evaluated on the same documents.
         cache_dir: where the sample indices are cached (``None``: built every time, not saved).
 
     Returns:
@@ -243,7 +248,9 @@ def build_train_valid(
     info |= {"index_cache_hits": 0, "index_cache_builds": 0}  # sample indices loaded / built (cached)
     trains, valids = [], []
     for (weight, path), n_train, n_valid in zip(pairs, train_counts.tolist(), valid_counts.tolist()):
-        tr, va = _split_one(path, weight, n_train, n_valid, seq_len, valid_fraction, seed, cache_dir, info)
+        tr, va = _split_one(
+            path, weight, n_train, n_valid, seq_len, (valid_fraction, split_seed), seed, cache_dir, info
+        )
         trains.append(tr)
         valids.append(va)
     if len(pairs) == 1:

@@ -28,8 +28,12 @@ Written to ``OUTPUT_DIR``:
   compute measured the same way (the first config is the baseline; Shleifer et al. 2021, Fig. 2's
   stars: "compute needed to match the baseline's final perplexity"); the JSON also holds the
   calibration, the run order and the code version;
+* the same files, for runs that differ only in ``train.seed`` (:mod:`.seeds`): per group the final
+  validation loss as mean ± sample std over seeds, min – max, and the paired difference against
+  the baseline's run of the same seed;
 * ``valid_ppl_vs_device_hours.png``: validation perplexity against device-hours, one curve per run
-  (the paper's Fig. 2, on this run's scale).
+  (the paper's Fig. 2, on this run's scale), a seed group in one colour; beside it the last 60 %
+  of the budget on a range that shows where the curves end.
 """
 
 from __future__ import annotations
@@ -42,10 +46,11 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from megaformer.config import ConfigError
+from megaformer.config import ConfigError, load_config, to_dict
 from megaformer.experiments.calibrate import Timing
 from megaformer.experiments.launcher import launch_run
 from megaformer.experiments.provenance import differences, run_request
+from megaformer.experiments.seeds import seed_groups, seed_summary, seed_table
 
 
 def valid_curve(tb_dir: str) -> list[tuple[int, float, float]]:
@@ -169,33 +174,84 @@ def markdown_table(rows: list[dict], baseline_best_ppl: float, budget: float) ->
     return "\n".join(lines) + "\n"
 
 
-def plot(runs: dict[str, dict], path: str, budget: float) -> None:
-    """Validation perplexity against device-hours, one line per run, the baseline-best crossings
-    starred (the paper's Fig. 2)."""
+def plot(runs: dict[str, dict], path: str, budget: float, groups: dict[str, list[str]] | None = None) -> None:
+    """Validation perplexity against device-hours (the paper's Fig. 2), one line per run; the runs of
+    a seed group (:func:`~.seeds.seed_groups`) share a colour, one line style per seed. Stars: where
+    a run first reaches the baseline's best perplexity (the grey dashed line). Left, the whole run
+    (log scale); right, the last 60 % of the budget on a range that shows where the curves end (a run
+    ending above 1.5× the best final perplexity, e.g. one on the unigram plateau, is left above it,
+    and its legend entry says so)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     names = list(runs)
-    best = min(loss for _, _, loss in runs[names[0]]["curve"])
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name in names:
-        curve = runs[name]["curve"]
-        ax.plot([h for _, h, _ in curve], [math.exp(v) for _, _, v in curve], marker=".", label=name)
-        reach = hours_to_reach(curve, best)
-        if reach is not None:
-            ax.plot([reach], [math.exp(best)], marker="*", markersize=14, color=ax.lines[-1].get_color())
-    ax.axhline(math.exp(best), color="grey", linewidth=0.8, linestyle="--")
-    ax.set_xlabel("device-hours")
-    ax.set_ylabel("validation perplexity")
-    ax.set_yscale("log")
-    ax.set_title(f"validation perplexity at equal compute (budget {budget:g} device-hours)")
-    ax.legend()
-    ax.grid(True, which="both", alpha=0.3)
+    groups = groups or {n: [n] for n in names}
+    look = {
+        n: (f"C{k % 10}", ["-", "--", ":", "-."][j % 4])
+        for k, m in enumerate(groups.values())
+        for j, n in enumerate(m)
+    }
+    best_loss = min(loss for _, _, loss in runs[names[0]]["curve"])
+    best = math.exp(best_loss)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for ax in axes:
+        for name in names:
+            curve, (colour, style) = runs[name]["curve"], look[name]
+            hours, ppl = [h for _, h, _ in curve], [math.exp(v) for _, _, v in curve]
+            marker = "." if ax is axes[0] else None
+            ax.plot(hours, ppl, color=colour, linestyle=style, marker=marker, label=name)
+            reach = hours_to_reach(curve, best_loss)
+            if reach is not None:
+                ax.plot([reach], [best], marker="*", markersize=13, color=colour, linestyle="none")
+        ax.axhline(best, color="grey", linewidth=0.9, linestyle="--")
+        ax.set_xlabel("device-hours (calibration machine's)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("validation perplexity")
+    axes[0].set_title(f"whole runs (budget {budget:g} device-hours each)")
+    off = _zoom(axes[1], runs, budget, best)
+    axes[1].set_title("the end: the last 60 % of the budget")
+    handles = [h for h in axes[0].get_lines() if h.get_label() in names]
+    for h in handles:
+        if h.get_label() in off:
+            h.set_label(f"{h.get_label()} (above the right panel)")
+    handles += [
+        Line2D(
+            [],
+            [],
+            marker="*",
+            markersize=11,
+            color="black",
+            linestyle="none",
+            label="first reaches the baseline's best",
+        ),
+        Line2D([], [], color="grey", linestyle="--", label=f"baseline's best ({names[0]}): {best:.1f}"),
+    ]
+    axes[1].legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
+
+
+def _zoom(ax, runs: dict[str, dict], budget: float, best: float) -> list[str]:
+    """Limit ``ax`` to the last 60 % of the budget and the perplexities the runs reach there; return
+    the runs left out of the range (final perplexity above 1.5× the lowest final one)."""
+    finals = {n: math.exp(r["curve"][-1][2]) for n, r in runs.items() if r["curve"]}
+    finals = {n: v for n, v in finals.items() if math.isfinite(v)}
+    if not finals:
+        return []
+    shown = [n for n, v in finals.items() if v <= 1.5 * min(finals.values())]
+    start = 0.4 * budget
+    values = [math.exp(v) for n in shown for _, h, v in runs[n]["curve"] if h >= start and math.isfinite(v)]
+    values = values or [finals[n] for n in shown]
+    low, high = min([*values, best]), max(values)
+    pad = 0.04 * (high - low) or 0.02 * high
+    ax.set_xlim(start, max(h for r in runs.values() for _, h, _ in r["curve"]) * 1.01)
+    ax.set_ylim(low - pad, high + pad)
+    return [n for n in finals if n not in shown]
 
 
 def train_one(
@@ -292,7 +348,17 @@ def compare(
     runs = {n: {"summary": summaries[n], "curve": calibrated_curve(summaries[n])} for n in names}
     rows = comparison_rows(runs, budget, timings)
     best_ppl = math.exp(min(loss for _, _, loss in runs[names[0]]["curve"]))
-    (root / "comparison.md").write_text(markdown_table(rows, best_ppl, budget), encoding="utf-8")
+    loaded = {n: load_config(by_name[n], list(overrides)) for n in names}
+    groups = seed_groups({n: to_dict(c) for n, c in loaded.items()})
+    over_seeds = seed_summary(
+        rows,
+        groups,
+        {n: c.train.seed for n, c in loaded.items()},
+        {n: c.split_seed for n, c in loaded.items()},
+    )
+    seeds_md = seed_table(over_seeds)
+    table = markdown_table(rows, best_ppl, budget) + (f"\n{seeds_md}" if seeds_md else "")
+    (root / "comparison.md").write_text(table, encoding="utf-8")
     record = {
         "budget_device_hours": budget,
         "order": sequence,
@@ -301,9 +367,10 @@ def compare(
         "calibration": {**cal, "timings": {n: asdict(t) for n, t in timings.items()}},
         "code_version": code,
         "rows": rows,
+        "seed_groups": over_seeds,
     }
     (root / "comparison.json").write_text(json.dumps(record, indent=2))
-    plot(runs, str(root / "valid_ppl_vs_device_hours.png"), budget)
+    plot(runs, str(root / "valid_ppl_vs_device_hours.png"), budget, groups)
     return rows
 
 

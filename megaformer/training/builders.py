@@ -340,6 +340,7 @@ def _train_valid(cfg: RunConfig, seq_len: int, eval_samples: int, cache_dir: str
         valid_samples=eval_samples,
         valid_fraction=cfg.data.valid_fraction,
         seed=t.seed,
+        split_seed=cfg.split_seed,
         blend=cfg.data.blend,
         cache_dir=cache_dir,
     )

@@ -106,7 +106,7 @@ def check_heldout(cfg: RunConfig, datasets: list[tuple[float, str]]) -> None:
     gets its share (``data_tools.blend.apportion``) of ``train.eval_batches ×
     train.global_batch_size`` validation samples of ``seq_len + 1`` tokens, packed from the held-out
     documents (``data_tools.sample_index.split_documents`` by ``data.valid_fraction`` and
-    ``train.seed``), which hold ``(tokens - 1) // seq_len`` samples.
+    ``data.split_seed``, by default ``train.seed``), which hold ``(tokens - 1) // seq_len`` samples.
 
     Raises:
         DataFormatError: naming the dataset, its held-out documents and tokens, the samples they
@@ -124,7 +124,7 @@ def check_heldout(cfg: RunConfig, datasets: list[tuple[float, str]]) -> None:
     shares = apportion([w for w, _ in datasets], needed).tolist()
     for (_, prefix), n_valid in zip(datasets, shares):
         lengths = IndexedDataset(prefix).document_lengths(np.int64)
-        _, valid_ids = split_documents(len(lengths), cfg.data.valid_fraction, t.seed)
+        _, valid_ids = split_documents(len(lengths), cfg.data.valid_fraction, cfg.split_seed)
         tokens = int(lengths[valid_ids].sum())
         have = max(tokens - 1, 0) // seq_len
         if have < n_valid:

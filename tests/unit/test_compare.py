@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from megaformer.experiments.calibrate import Timing
 from megaformer.experiments.compare import comparison_rows, hours_to_reach, markdown_table
@@ -81,3 +82,130 @@ def test_a_run_on_a_slower_machine_is_counted_in_the_calibration_machines_hours(
     assert math.isclose(rows["slow"]["device_hours"], 1.0) and rows["slow"]["device_hours_measured"] == 1.2
     assert math.isclose(rows["slow"]["spend_deviation"], 0.0, abs_tol=1e-12)
     assert rows["baseline"]["budget_machine_factor"] == 1.0
+
+
+def _row(run: str, loss: float | None, share: float | None = 1.0, steps: int = 100) -> dict:
+    return {"run": run, "final_valid_loss": loss, "steps": steps, "share_of_baseline_compute": share}
+
+
+def _cfg(scheme: str, seed: int, out: str) -> dict:
+    return {"model": {"norm_scheme": scheme}, "train": {"seed": seed, "lr": 1e-3}, "output": {"dir": out}}
+
+
+def test_runs_that_differ_only_in_their_seed_form_one_group():
+    from megaformer.experiments.seeds import group_label, seed_groups
+
+    resolved = {
+        "pre_ln_s1234": _cfg("pre_ln", 1234, "a"),
+        "pre_ln_s5678": _cfg("pre_ln", 5678, "b"),
+        "normformer_s1234": _cfg("normformer", 1234, "c"),
+        "normformer_s5678": _cfg("normformer", 5678, "d"),
+        "post_ln_s1234": _cfg("post_ln", 1234, "e"),
+        "pre_ln_lr": {**_cfg("pre_ln", 1234, "f"), "train": {"seed": 1234, "lr": 3e-3}},
+    }
+    assert seed_groups(resolved) == {
+        "pre_ln": ["pre_ln_s1234", "pre_ln_s5678"],
+        "normformer": ["normformer_s1234", "normformer_s5678"],
+        "post_ln_s1234": ["post_ln_s1234"],
+        "pre_ln_lr": ["pre_ln_lr"],
+    }
+    assert group_label(["a-seed1", "a-seed2"]) == "a" and group_label(["x1", "y1"]) == "x1"
+
+
+def test_over_seeds_mean_std_and_paired_differences_against_the_baseline():
+    from megaformer.experiments.seeds import seed_summary, seed_table
+
+    rows = [
+        _row("pre_s1", 5.0),
+        _row("pre_s2", 5.2),
+        _row("pre_s3", 5.1),
+        _row("nf_s1", 4.9, share=0.8),
+        _row("nf_s2", 5.15, share=0.9),
+        _row("nf_s3", 5.05, share=None),
+        _row("post_s1", 5.5, share=None),
+    ]
+    groups = {"pre": ["pre_s1", "pre_s2", "pre_s3"], "nf": ["nf_s1", "nf_s2", "nf_s3"], "post": ["post_s1"]}
+    seeds = {r["run"]: int(r["run"][-1]) for r in rows}
+    summary = {g["group"]: g for g in seed_summary(rows, groups, seeds, {n: 7 for n in seeds})}
+    assert math.isclose(summary["pre"]["final_valid_loss_mean"], 5.1)
+    assert math.isclose(summary["pre"]["final_valid_loss_std"], 0.1)  # sample std (n - 1)
+    assert summary["pre"]["paired"] is None and summary["nf"]["share_mean"] is None
+    paired = summary["nf"]["paired"]  # -0.1, -0.05, -0.05
+    assert paired["n"] == 3 and math.isclose(paired["mean"], -0.2 / 3)
+    assert math.isclose(paired["std"], 0.0288675, rel_tol=1e-5)
+    assert summary["post"]["final_valid_loss_std"] is None and summary["post"]["paired"]["std"] is None
+    table = seed_table(list(summary.values()))
+    assert "| nf | 1, 2, 3 | 5.0333 ± 0.1258 | 4.9000 – 5.1500 | -0.0667 ± 0.0289 (n = 3) |" in table
+    assert "held out other documents" not in table
+    # each seed its own held-out documents: said under the table; no pair across held-out sets
+    own = seed_summary(rows, groups, seeds, seeds)
+    assert "held out other documents" in seed_table(own)
+    # one run per group: no table
+    assert seed_table(seed_summary(rows[:1], {"pre": ["pre_s1"]}, seeds, seeds)) == ""
+
+
+def test_plot_zooms_on_the_end_and_names_runs_off_the_scale(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from megaformer.experiments import compare as cmp
+
+    hours = [0.1 * k for k in range(1, 11)]
+    runs = {
+        "base": {"curve": [(k, h, 8.0 - 0.3 * k) for k, h in enumerate(hours, 1)]},  # ends at 5.0
+        "better": {"curve": [(k, h, 7.9 - 0.31 * k) for k, h in enumerate(hours, 1)]},
+        "stuck": {"curve": [(k, h, 7.5) for k, h in enumerate(hours, 1)]},
+    }
+    _, ax = plt.subplots()
+    off = cmp._zoom(ax, runs, 1.0, math.exp(5.0))
+    assert off == ["stuck"]
+    low, high = ax.get_ylim()
+    # from the lowest end to the highest shown value from 40 % of the budget on (base: 6.8 at 0.4)
+    assert low < math.exp(4.8) < low + 0.05 * (high - low)  # the lowest end just above the bottom
+    assert math.exp(6.8) < high < math.exp(7.5)  # the stuck run is not what sets the range
+    assert ax.get_xlim()[0] == 0.4
+    path = tmp_path / "plot.png"
+    cmp.plot(runs, str(path), 1.0, {"base": ["base"], "better": ["better"], "stuck": ["stuck"]})
+    assert path.stat().st_size > 10_000
+
+
+def test_compare_groups_seeds_and_writes_the_table_json_and_plot(monkeypatch, tmp_path):
+    """compare() from the calibration on, with the calibration and the runs stood in for: three
+    configs that differ only in their seed form one group (same held-out documents through
+    data.split_seed), reported as mean ± std and paired against the baseline's seeds."""
+    import json
+
+    import yaml
+
+    from megaformer.config import load_config, to_dict
+    from megaformer.experiments import calibrate as cal
+    from megaformer.experiments import compare as cmp
+
+    paths, final = [], {}
+    for scheme, losses in (("pre_ln", (5.0, 5.2, 5.1)), ("normformer", (4.9, 5.15, 5.05))):
+        for seed, loss in zip((1, 2, 3), losses):
+            cfg = to_dict(load_config(f"configs/cpu-compare/{scheme}.yaml", [f"train.seed={seed}"]))
+            path = tmp_path / f"{scheme}_s{seed}.yaml"
+            path.write_text(yaml.safe_dump(cfg))
+            paths.append(str(path))
+            final[path.stem] = loss
+    names = [Path(p).stem for p in paths]
+    timings = {n: Timing(0.1, 0.5, 1.0, []) for n in names}
+    monkeypatch.setattr(cal, "calibrate_runs", lambda *a, **k: (timings, {"rounds": []}, "c" * 16))
+    monkeypatch.setattr(
+        cmp,
+        "train_one",
+        lambda config, out, *a: {**_summary(final[out.name], 1.0), "tensorboard_dir": out.name},
+    )
+    monkeypatch.setattr(cmp, "valid_curve", lambda tb: [(1, 0.5, final[tb] + 0.5), (2, 1.0, final[tb])])
+    (tmp_path / "out").mkdir()  # calibrate_runs makes it
+    cmp.compare(paths, names, BUDGET, str(tmp_path / "out"), ["data.split_seed=1"], nproc=2)
+    record = json.loads((tmp_path / "out" / "comparison.json").read_text())
+    groups = {g["group"]: g for g in record["seed_groups"]}
+    assert list(groups) == ["pre_ln", "normformer"] and groups["pre_ln"]["seeds"] == [1, 2, 3]
+    assert groups["normformer"]["same_heldout"] and groups["normformer"]["paired"]["n"] == 3
+    table = (tmp_path / "out" / "comparison.md").read_text()
+    assert "| normformer | 1, 2, 3 | 5.0333 ± 0.1258 |" in table and "held out other documents" not in table
+    assert (tmp_path / "out" / "valid_ppl_vs_device_hours.png").stat().st_size > 10_000

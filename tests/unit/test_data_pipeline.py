@@ -274,6 +274,22 @@ def test_index_cache_hit_miss_and_build_index_cli(single_run, tmp_path):
     n = (ds.num_tokens - 1) // 64
     hit = load_or_build(ds, seq_len=64, num_samples=n, seed=9, cache_dir=tmp_path / "ahead")
     assert hit.cache_hit
+    # held-out documents chosen by another seed (data.split_seed): the CLI builds what the run reads
+    r = _cli(
+        "data_tools.build_index", "--data-prefix", single_run, "--seq-len", 64, "--seed", 9,
+        "--valid-fraction", 0.1, "--split-seed", 3, "--num-samples", 300, "--output-dir", tmp_path / "split",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    from megaformer.data.gpt_dataset import build_train_valid
+
+    _, _, info = build_train_valid(
+        single_run, 64, 300, 1, 0.1, 9, split_seed=3, cache_dir=str(tmp_path / "split")
+    )
+    assert (info["index_cache_hits"], info["index_cache_builds"]) == (1, 1)  # training hit, held-out built
+    _, _, info = build_train_valid(
+        single_run, 64, 300, 1, 0.1, 9, split_seed=4, cache_dir=str(tmp_path / "split")
+    )
+    assert info["index_cache_hits"] == 0  # other held-out documents: another training index
 
 
 def test_concurrent_builders_agree(single_run, tmp_path):

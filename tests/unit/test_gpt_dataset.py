@@ -121,6 +121,24 @@ def test_train_and_valid_never_share_a_document(synthetic):
     assert not set(train.doc_idx.tolist()) & set(valid.doc_idx.tolist())
 
 
+def test_split_seed_holds_out_the_same_documents_for_every_training_seed(synthetic):
+    """data.split_seed: runs of different train.seed evaluate on the same documents (and train on
+    the same others, in another order); without it each seed holds out its own."""
+    prefix, _ = synthetic
+    runs = {s: build_train_valid(prefix, 8, 40, 4, valid_fraction=0.2, seed=s, split_seed=7) for s in (1, 2)}
+    (train1, valid1, _), (train2, valid2, _) = runs[1], runs[2]
+    assert set(valid1.doc_idx.tolist()) == set(valid2.doc_idx.tolist())
+    assert [valid1[i].tolist() for i in range(4)] == [valid2[i].tolist() for i in range(4)]
+    assert set(train1.doc_idx.tolist()) == set(train2.doc_idx.tolist())
+    assert [train1[i].tolist() for i in range(8)] != [train2[i].tolist() for i in range(8)]
+    # the held-out documents are split_seed's, as split_documents chooses them
+    assert set(valid1.doc_idx.tolist()) == set(split_documents(30, 0.2, seed=7)[1].tolist())
+    # default (None): the training seed chooses, so the two seeds hold out other documents
+    own = [build_train_valid(prefix, 8, 40, 4, valid_fraction=0.2, seed=s)[1] for s in (1, 2)]
+    assert set(own[0].doc_idx.tolist()) == set(split_documents(30, 0.2, seed=1)[1].tolist())
+    assert set(own[0].doc_idx.tolist()) != set(own[1].doc_idx.tolist())
+
+
 def test_too_little_validation_data_is_a_clear_error(synthetic):
     prefix, _ = synthetic
     with pytest.raises(DataFormatError) as info:

@@ -75,6 +75,15 @@ def test_pretrain_sh_says_a_config_error_once_before_any_worker_starts(tmp_path)
     assert not list(tmp_path.iterdir())
 
 
+def test_split_seed_defaults_to_the_training_seed_and_refuses_below_minus_one():
+    cfg = load_config("configs/normformer-quickstart.yaml", ["train.seed=4321"])
+    assert cfg.data.split_seed == -1 and cfg.split_seed == 4321
+    cfg = load_config("configs/normformer-quickstart.yaml", ["train.seed=4321", "data.split_seed=1234"])
+    assert cfg.split_seed == 1234
+    with pytest.raises(ConfigError, match=r"data.split_seed=-2: must be >= 0, or -1 to take train.seed"):
+        load_config("configs/normformer-quickstart.yaml", ["data.split_seed=-2"])
+
+
 def test_valid_fraction_zero_is_allowed_where_it_is_not_used_and_explained_where_it_is():
     cfg = load_config(
         "configs/normformer-quickstart.yaml",
