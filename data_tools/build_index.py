@@ -6,8 +6,9 @@
 writes ``{name}_{key}_{doc,sample,shuffle}_idx.npy`` (see :mod:`data_tools.sample_index`). A training
 run whose ``data.index_cache_dir`` points there with the same dataset, seed, ``seq_len`` and sample
 count loads them by memory map instead of building them. To match the trainer's split, pass its
-``data.valid_fraction`` with ``--valid-fraction`` (``--split train``: ``train.steps ×
-global_batch_size`` samples; ``--split valid``: the evaluation's samples, unshuffled). Without
+``data.valid_fraction`` with ``--valid-fraction`` (and its ``data.split_seed`` with ``--split-seed``
+when set; ``--split train``: ``train.steps × global_batch_size`` samples; ``--split valid``: the
+evaluation's samples, unshuffled). Without
 ``--valid-fraction`` the index covers every document. Already cached: nothing is rebuilt.
 """
 
@@ -40,7 +41,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--valid-fraction", type=float, default=None, help="the run's data.valid_fraction")
     p.add_argument("--split", choices=["train", "valid"], default="train", help="with --valid-fraction")
     p.add_argument(
-        "--split-seed", type=int, default=None, help="the run's data.split_seed when set (default: --seed)"
+        "--split-seed",
+        type=int,
+        default=None,
+        help="the run's data.split_seed (default, or negative as the config's -1: --seed)",
     )
     args = p.parse_args(argv)
     start = time.perf_counter()
@@ -49,9 +53,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         lengths = dataset.document_lengths(np.int64 if args.valid_fraction is not None else np.int32)
         doc_ids = None
         if args.valid_fraction is not None:
-            train_ids, valid_ids = split_documents(
-                lengths.size, args.valid_fraction, args.seed if args.split_seed is None else args.split_seed
-            )
+            by = args.seed if args.split_seed is None or args.split_seed < 0 else args.split_seed
+            train_ids, valid_ids = split_documents(lengths.size, args.valid_fraction, by)
             doc_ids = train_ids if args.split == "train" else valid_ids
         if args.num_samples is not None:
             num_samples = args.num_samples

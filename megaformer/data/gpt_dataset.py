@@ -169,7 +169,8 @@ def _split_one(
     dataset = IndexedDataset(path)
     lengths = dataset.document_lengths(np.int64)
     valid_fraction, split_seed = split
-    train_ids, valid_ids = split_documents(len(lengths), valid_fraction, seed if split_seed is None else split_seed)
+    split_by = seed if split_seed is None else split_seed
+    train_ids, valid_ids = split_documents(len(lengths), valid_fraction, split_by)
     valid_tokens = int(lengths[valid_ids].sum())
     max_valid = (valid_tokens - 1) // seq_len
     if max_valid < n_valid:

@@ -19,7 +19,10 @@ calibration, interleaved:
 * the first ``warmup`` steps of each launch are discarded (allocator, kernel selection, autotuning,
   compilation, the loader's start); each launch's step time is the median of its measured steps
   (robust to the stragglers of a shared machine), and a config's step time is the mean of its
-  launches' (with the alternating order, a linear drift adds as much to every config's mean); its
+  launches' (with the alternating order, a linear drift adds as much to every config's mean); a
+  round in which some launch ran :data:`ANOMALY_FACTOR` × off its config's median (a disturbed
+  machine: seen, a whole launch at 3.5× on a shared VM) is left out for every config, and a
+  warning names it; another warns when a step time's standard error is above 1 %; its
   evaluation time the mean of its launches' evaluations, and its one-time cost (the warm-up steps
   beyond the step time, the loop's start, the final checkpoint) the mean of each launch's loop
   wall-clock minus its steps and evaluation at those times.
@@ -56,7 +59,9 @@ class Timing:
     """A config's calibrated times (seconds of the job's wall-clock).
 
     Attributes:
-        step_seconds: mean over the launches of each launch's median step after the warm-up.
+        step_seconds: mean over the launches of each launch's median step after the warm-up (rounds
+            left out as anomalous, :func:`anomalous_rounds`, excluded; ``rounds`` keeps them,
+            marked ``anomalous_round``).
         eval_seconds: mean evaluation (``train.eval_batches`` batches) over the launches.
         fixed_seconds: mean one-time cost of a run (see the module docstring); >= 0.
         rounds: per launch: round, position in the round's order, its median step, evaluation
@@ -96,6 +101,7 @@ class Timing:
 COMPUTE_NEUTRAL = frozenset(
     {
         "train.seed",
+        "data.split_seed",
         "train.lr",
         "train.min_lr",
         "train.warmup_steps",
@@ -256,15 +262,73 @@ def calibrate(
                     "steps": warmup + measure,
                 }
             )
+    dropped = anomalous_rounds(per_launch, tag)
     timings = {}
     for name in names:
-        launches = per_launch[name]
+        for x in per_launch[name]:
+            x["anomalous_round"] = x["round"] in dropped
+        launches = [x for x in per_launch[name] if x["round"] not in dropped]
         step_s = statistics.fmean(x["median_step_seconds"] for x in launches)
         eval_s = statistics.fmean(x["eval_seconds"] for x in launches)
         fixed = statistics.fmean(x["wall_seconds"] - x["steps"] * step_s - eval_s for x in launches)
         sem = statistics.stdev(x["median_step_seconds"] for x in launches) / math.sqrt(len(launches))
-        timings[name] = Timing(step_s, eval_s, max(0.0, fixed), launches, sem, name)
+        timings[name] = Timing(step_s, eval_s, max(0.0, fixed), per_launch[name], sem, name)
+    warn_if_noisy(timings, names, tag)
     return {n: timings[same_work[n]] for n in runs}
+
+
+ANOMALY_FACTOR = 1.5
+"""A launch whose median step is this factor above or below its config's median over the rounds
+is a machine anomaly, not drift (seen: a whole 30-step launch at 3.5× on a shared VM)."""
+
+NOISE_WARNING = 0.01
+"""Relative standard error of a config's step time (or its ratio to the first config's) above which
+the calibration warns: the issue's bar for step counts is 1 %."""
+
+
+def anomalous_rounds(per_launch: dict[str, list[dict[str, Any]]], tag: str = "calibrate") -> set[int]:
+    """Rounds to leave out of every config's means: those in which some config's launch ran
+    :data:`ANOMALY_FACTOR` × off its median over the rounds. The whole round goes, for every
+    config, so that the remaining rounds keep each config's positions balanced against the others
+    (the interleaving's drift cancellation); at least 2 rounds are kept (the least anomalous).
+
+    Args:
+        per_launch: ``{config: [launch record with "round" and "median_step_seconds"]}``.
+    """
+    score: dict[int, float] = {}
+    for name, launches in per_launch.items():
+        mid = statistics.median(x["median_step_seconds"] for x in launches)
+        for x in launches:
+            off = max(x["median_step_seconds"] / mid, mid / x["median_step_seconds"])
+            score[x["round"]] = max(score.get(x["round"], 1.0), off)
+            if off > ANOMALY_FACTOR:
+                print(
+                    f"[{tag}] calibration: WARNING {name}'s launch in round {x['round'] + 1} ran "
+                    f"{x['median_step_seconds']:.3g} s per step, {off:.2f}× off its median {mid:.3g} s: "
+                    "the machine was disturbed; that round is left out for every config",
+                    flush=True,
+                )
+    bad = sorted((r for r, s in score.items() if s > ANOMALY_FACTOR), key=lambda r: -score[r])
+    return set(bad[: max(0, len(score) - 2)])
+
+
+def warn_if_noisy(timings: dict[str, Timing], names: list[str], tag: str = "calibrate") -> None:
+    """Print a warning when a config's step time, or its ratio to the first config's, has a relative
+    standard error above :data:`NOISE_WARNING`: step counts from it may be tilted by that much."""
+    base = timings[names[0]]
+    for name in names:
+        t = timings[name]
+        rel = t.step_seconds_sem / t.step_seconds
+        ratio = 0.0 if name == names[0] else math.hypot(rel, base.step_seconds_sem / base.step_seconds)
+        if max(rel, ratio) > NOISE_WARNING:
+            print(
+                f"[{tag}] calibration: WARNING {name}: step time {t.step_seconds:.4g} s ± {rel:.1%} "
+                + (f"(ratio to {names[0]} ± {ratio:.1%}) " if ratio else "")
+                + f"over {len([x for x in t.rounds if not x.get('anomalous_round')])} rounds, above "
+                f"{NOISE_WARNING:.0%}: this machine's noise can tilt the step counts by that much; "
+                "calibrate with more --calibration-rounds, or on a quieter machine",
+                flush=True,
+            )
 
 
 def load_or_calibrate(

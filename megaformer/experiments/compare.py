@@ -12,12 +12,12 @@
    ``train.budget_device_hours`` and its own calibrated times (``train.budget_step_seconds`` ...),
    from which it fixes its number of steps before its first step (:mod:`megaformer.training.budget`;
    a run that the machine slows past the budget ends there, and says so); the same overrides (give
-   ``data.prefix`` / ``data.blend`` and ``train.seed`` there, so every run reads the same data and
-   the same held-out set), into ``OUTPUT_DIR/<name>``, in a random order drawn from
-   ``--order-seed`` (recorded). A run that finished before is reused only when its
-   ``request.json`` (resolved config, data fingerprint, budget, calibrated times, code version;
-   :mod:`.provenance`) equals what is asked now; otherwise what differs is printed and it is
-   trained again.
+   ``data.prefix`` / ``data.blend`` there, and ``data.split_seed`` when the configs differ in
+   ``train.seed``, so every run reads the same data and the same held-out set), into
+   ``OUTPUT_DIR/<name>``, in a random order drawn from ``--order-seed`` (recorded). A run that
+   finished before is reused only when its ``request.json`` (resolved config, data fingerprint,
+   budget, calibrated times, code version; :mod:`.provenance`) equals what is asked now; otherwise
+   what differs is printed and it is trained again.
 
 Written to ``OUTPUT_DIR``:
 
@@ -195,12 +195,12 @@ def plot(runs: dict[str, dict], path: str, budget: float, groups: dict[str, list
         for j, n in enumerate(m)
     }
     best_loss = min(loss for _, _, loss in runs[names[0]]["curve"])
-    best = math.exp(best_loss)
+    best = _ppl(best_loss)
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     for ax in axes:
         for name in names:
             curve, (colour, style) = runs[name]["curve"], look[name]
-            hours, ppl = [h for _, h, _ in curve], [math.exp(v) for _, _, v in curve]
+            hours, ppl = [h for _, h, _ in curve], [_ppl(v) for _, _, v in curve]
             marker = "." if ax is axes[0] else None
             ax.plot(hours, ppl, color=colour, linestyle=style, marker=marker, label=name)
             reach = hours_to_reach(curve, best_loss)
@@ -236,16 +236,21 @@ def plot(runs: dict[str, dict], path: str, budget: float, groups: dict[str, list
     plt.close(fig)
 
 
+def _ppl(loss: float) -> float:
+    """Perplexity of a loss in nats; inf where ``exp`` overflows or the loss is not finite."""
+    return math.exp(loss) if loss < 700 else math.inf
+
+
 def _zoom(ax, runs: dict[str, dict], budget: float, best: float) -> list[str]:
     """Limit ``ax`` to the last 60 % of the budget and the perplexities the runs reach there; return
     the runs left out of the range (final perplexity above 1.5× the lowest final one)."""
-    finals = {n: math.exp(r["curve"][-1][2]) for n, r in runs.items() if r["curve"]}
+    finals = {n: _ppl(r["curve"][-1][2]) for n, r in runs.items() if r["curve"]}
     finals = {n: v for n, v in finals.items() if math.isfinite(v)}
     if not finals:
         return []
     shown = [n for n, v in finals.items() if v <= 1.5 * min(finals.values())]
     start = 0.4 * budget
-    values = [math.exp(v) for n in shown for _, h, v in runs[n]["curve"] if h >= start and math.isfinite(v)]
+    values = [_ppl(v) for n in shown for _, h, v in runs[n]["curve"] if h >= start and math.isfinite(_ppl(v))]
     values = values or [finals[n] for n in shown]
     low, high = min([*values, best]), max(values)
     pad = 0.04 * (high - low) or 0.02 * high
@@ -347,7 +352,7 @@ def compare(
     }
     runs = {n: {"summary": summaries[n], "curve": calibrated_curve(summaries[n])} for n in names}
     rows = comparison_rows(runs, budget, timings)
-    best_ppl = math.exp(min(loss for _, _, loss in runs[names[0]]["curve"]))
+    best_ppl = _ppl(min(loss for _, _, loss in runs[names[0]]["curve"]))
     loaded = {n: load_config(by_name[n], list(overrides)) for n in names}
     groups = seed_groups({n: to_dict(c) for n, c in loaded.items()})
     over_seeds = seed_summary(

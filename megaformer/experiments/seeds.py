@@ -14,7 +14,7 @@ import re
 import statistics
 from typing import Any
 
-_SEED_SUFFIX = re.compile(r"[-_.]*(s|seed)?[-_.]*$")
+_SEED_SUFFIX = re.compile(r"[-_.]*(s|seed)?[-_.]*\d*$")
 
 
 def _without_seed(resolved: dict[str, Any]) -> dict[str, Any]:
@@ -27,7 +27,8 @@ def _without_seed(resolved: dict[str, Any]) -> dict[str, Any]:
 
 def group_label(names: list[str]) -> str:
     """A group's name: its runs' common prefix less a trailing seed marker (``pre_ln_s1234`` and
-    ``pre_ln_s5678`` give ``pre_ln``); the first run's name when that leaves nothing."""
+    ``pre_ln_s5678`` give ``pre_ln``, seeds 1234 and 1235 too); the first run's name when that
+    leaves nothing."""
     if len(names) == 1:
         return names[0]
     prefix = names[0]
@@ -46,8 +47,11 @@ def seed_groups(resolved: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
         keys.setdefault(json.dumps(_without_seed(cfg), sort_keys=True), []).append(name)
     groups: dict[str, list[str]] = {}
     for members in keys.values():
-        label = group_label(members)
-        groups[label if label not in groups else members[0]] = members
+        label, k = group_label(members), 1
+        while label in groups or (label in resolved and label not in members):
+            k += 1  # e.g. a group "pre_ln" of pre_ln_s1/_s2 and a single run named "pre_ln"
+            label = f"{group_label(members)}#{k}"
+        groups[label] = members
     return groups
 
 
@@ -78,7 +82,10 @@ def seed_summary(
     """
     by_run = {r["run"]: r for r in rows}
     base_group = next(g for g, members in groups.items() if rows[0]["run"] in members)
-    base_by_seed = {seeds[n]: n for n in groups[base_group]}
+    base_seeds = [seeds[n] for n in groups[base_group]]
+    # a seed the baseline's group holds twice (the same config listed twice, an A/A comparison)
+    # has no single partner: it is left out of the pairs
+    base_by_seed = {seeds[n]: n for n in groups[base_group] if base_seeds.count(seeds[n]) == 1}
     out = []
     for label in [base_group, *[g for g in groups if g != base_group]]:
         members = groups[label]

@@ -317,8 +317,10 @@ def _build_data(cfg: RunConfig, stats: list, datasets: list[tuple[float, str]]) 
     if mlm:
         from megaformer.data.mlm import as_masked_lm
 
-        train, valid = as_masked_lm(train, seed=t.seed), as_masked_lm(valid, seed=t.seed)
-        test = None if test is None else as_masked_lm(test, seed=t.seed)
+        # held-out masks follow the held-out documents' seed: with data.split_seed set, runs of
+        # several train.seed values are scored on the same masked positions too
+        train, valid = as_masked_lm(train, seed=t.seed), as_masked_lm(valid, seed=cfg.split_seed)
+        test = None if test is None else as_masked_lm(test, seed=cfg.split_seed)
     if len(stats) == 1:
         entropy = stats[0].unigram_entropy
     else:

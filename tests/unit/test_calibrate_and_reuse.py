@@ -271,3 +271,44 @@ def test_a_recheck_warns_when_relative_costs_moved(capsys):
     assert record["measured"] == pytest.approx(1.05) and record["ratios"]["b"] == pytest.approx(1.1)
     assert factor == pytest.approx(1.05 * (1 + cal.RECHECK_TOLERANCE))
     assert "WARNING the configs' speeds changed by different factors" in capsys.readouterr().out
+
+
+def test_a_disturbed_round_is_left_out_for_every_config_and_said(monkeypatch, tmp_path, capsys):
+    """One launch at 3.5× its config's speed (seen on a shared VM: a whole 30-step launch): the
+    mean of the rounds would give that config 60 % more seconds per step and 40 % fewer steps.
+    Its round is left out for every config (keeping the others' rounds balanced), and said."""
+    launched: list[tuple[str, int]] = []
+    step = {"a": 1.00, "b": 1.05}
+
+    def fake_launch(config, out, args, nproc, tag):
+        r = len(launched) // 2
+        launched.append((out.name, r))
+        return {"name": out.name, "slow": 3.5 if (out.name, r) == ("b", 3) else 1.0 + 0.01 * r}
+
+    def fake_measure(summary, warmup):
+        base = step[summary["name"]] * summary["slow"]
+        return [base] * 20, 0.5, 30 * base + 2.5
+
+    monkeypatch.setattr(cal, "launch_run", fake_launch)
+    monkeypatch.setattr(cal, "measure_launch", fake_measure)
+    timings = cal.calibrate({"a": "a.yaml", "b": "b.yaml"}, [], tmp_path, 2, rounds=4, warmup=10, measure=20)
+    assert timings["b"].step_seconds / timings["a"].step_seconds == pytest.approx(1.05, rel=1e-9)
+    assert [x["anomalous_round"] for x in timings["a"].rounds] == [False, False, False, True]
+    assert len(timings["b"].rounds) == 4  # all launches stay on record
+    said = capsys.readouterr().out
+    assert "b's launch in round 4 ran 3.68 s per step, 3.45× off its median" in said
+
+
+def test_a_noisy_calibration_warns_with_its_standard_error(monkeypatch, tmp_path, capsys):
+    """Launches of one config that spread ±6 % (this VM on 2026-11-26): the calibration says that
+    the step counts can be tilted by its standard error, and how to shrink it."""
+    spread = {"a": iter([1.0, 1.0, 1.0, 1.0]), "b": iter([1.12, 0.94, 1.06, 1.0])}
+
+    monkeypatch.setattr(cal, "launch_run", lambda config, out, args, nproc, tag: {"name": out.name})
+    monkeypatch.setattr(
+        cal, "measure_launch", lambda summary, warmup: ([next(spread[summary["name"]])] * 20, 0.5, 33.0)
+    )
+    cal.calibrate({"a": "a.yaml", "b": "b.yaml"}, [], tmp_path, 2, rounds=4, warmup=10, measure=20)
+    said = capsys.readouterr().out
+    assert "WARNING b: step time" in said and "more --calibration-rounds" in said
+    assert "WARNING a:" not in said  # a's launches agree

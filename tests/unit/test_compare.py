@@ -209,3 +209,35 @@ def test_compare_groups_seeds_and_writes_the_table_json_and_plot(monkeypatch, tm
     table = (tmp_path / "out" / "comparison.md").read_text()
     assert "| normformer | 1, 2, 3 | 5.0333 ± 0.1258 |" in table and "held out other documents" not in table
     assert (tmp_path / "out" / "valid_ppl_vs_device_hours.png").stat().st_size > 10_000
+
+
+def test_group_labels_never_collide_and_a_repeated_baseline_seed_is_not_paired():
+    from megaformer.experiments.seeds import group_label, seed_groups, seed_summary
+
+    resolved = {
+        "pre_ln_s1": _cfg("pre_ln", 1, "a"),
+        "pre_ln_s2": _cfg("pre_ln", 2, "b"),
+        "pre_ln": {**_cfg("pre_ln", 1, "c"), "train": {"seed": 1, "lr": 3e-3}},  # its name is the label
+    }
+    groups = seed_groups(resolved)
+    assert sorted(n for m in groups.values() for n in m) == sorted(resolved)  # each run in one group
+    assert groups["pre_ln#2"] == ["pre_ln_s1", "pre_ln_s2"] and groups["pre_ln"] == ["pre_ln"]
+    assert group_label(["nf_s1234", "nf_s1235"]) == "nf"
+    # A/A: the same config twice (same seed) is one group; no pair for its repeated seed
+    rows = [_row("a", 5.0), _row("b", 5.1), _row("c", 5.2)]
+    summary = seed_summary(
+        rows, {"a": ["a", "b"], "c": ["c"]}, {"a": 1, "b": 1, "c": 1}, dict.fromkeys("abc", 1)
+    )
+    assert math.isclose(summary[0]["final_valid_loss_mean"], 5.05) and summary[1]["paired"] is None
+
+
+def test_plot_survives_a_diverged_run(tmp_path):
+    from megaformer.experiments import compare as cmp
+
+    runs = {
+        "base": {"curve": [(1, 0.5, 6.0), (2, 1.0, 5.0)]},
+        "diverged": {"curve": [(1, 0.5, 800.0), (2, 1.0, float("nan"))]},
+        "one_eval": {"curve": [(1, 1.0, 5.5)]},
+    }
+    cmp.plot(runs, str(tmp_path / "p.png"), 1.0)
+    assert (tmp_path / "p.png").stat().st_size > 10_000

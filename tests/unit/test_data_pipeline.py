@@ -290,6 +290,14 @@ def test_index_cache_hit_miss_and_build_index_cli(single_run, tmp_path):
         single_run, 64, 300, 1, 0.1, 9, split_seed=4, cache_dir=str(tmp_path / "split")
     )
     assert info["index_cache_hits"] == 0  # other held-out documents: another training index
+    # --split-seed -1 (a config's default) is --seed, as data.split_seed=-1 is train.seed
+    r = _cli(
+        "data_tools.build_index", "--data-prefix", single_run, "--seq-len", 64, "--seed", 9,
+        "--valid-fraction", 0.1, "--split-seed", -1, "--num-samples", 300, "--output-dir", tmp_path / "own",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    _, _, info = build_train_valid(single_run, 64, 300, 1, 0.1, 9, cache_dir=str(tmp_path / "own"))
+    assert info["index_cache_hits"] == 1
 
 
 def test_concurrent_builders_agree(single_run, tmp_path):

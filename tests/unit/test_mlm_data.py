@@ -308,3 +308,28 @@ def test_bad_input_names_the_value(novels):
     samples = build_mlm_samples(ds, seq_len=16, num_samples=4, seed=SEED)
     with pytest.raises(ValueError, match="bos_id=7"):
         MaskedLMSamples(samples.blocks, seed=SEED, bos_id=7)
+
+
+def test_split_seed_fixes_the_held_out_masks_across_training_seeds(novels, tmp_path):
+    """With data.split_seed set, two training seeds score the same held-out blocks with the same
+    masked positions (the masks follow the held-out set's seed); the training blocks differ."""
+    from data_tools.stats import read_stats
+    from megaformer.config import load_config
+    from megaformer.training.builders import _build_data
+
+    def data(seed: int, split_seed: int):
+        cfg = load_config(
+            "configs/mlm-quickstart.yaml",
+            [f"data.prefix={novels}", f"train.seed={seed}", f"data.split_seed={split_seed}",
+             f"output.dir={tmp_path / str(seed)}", "train.steps=4", "train.warmup_steps=2",
+             "train.eval_batches=2", "data.valid_fraction=0.1"],
+        )  # fmt: skip
+        return _build_data(cfg, [read_stats(novels)], [(1.0, novels)])
+
+    a, b = data(1, 7), data(2, 7)
+    for i in range(4):
+        for x, y in zip(a.valid[i], b.valid[i]):
+            np.testing.assert_array_equal(x, y)
+    assert any(not np.array_equal(a.train[i][1], b.train[i][1]) for i in range(4))
+    own = data(2, -1)  # split_seed -1: seed 2 holds out (and masks) its own
+    assert any(not np.array_equal(a.valid[i][1], own.valid[i][1]) for i in range(4))
