@@ -155,22 +155,21 @@ def _split_one(
     n_train: int,
     n_valid: int,
     seq_len: int,
-    split: tuple[float, int | None],
+    valid_fraction: float,
+    split_seed: int,
     seed: int,
     cache_dir: str | None,
     info: dict,
 ) -> tuple[GPTSamples, GPTSamples]:
     """One dataset's training and validation samples (``n_train`` / ``n_valid`` of them), its counts
-    added to ``info`` (see :func:`build_train_valid`); ``split``: ``(valid_fraction, split_seed)``.
+    added to ``info`` (see :func:`build_train_valid`).
 
     Raises:
         DataFormatError: its held-out documents hold fewer than ``n_valid`` samples.
     """
     dataset = IndexedDataset(path)
     lengths = dataset.document_lengths(np.int64)
-    valid_fraction, split_seed = split
-    split_by = seed if split_seed is None else split_seed
-    train_ids, valid_ids = split_documents(len(lengths), valid_fraction, split_by)
+    train_ids, valid_ids = split_documents(len(lengths), valid_fraction, split_seed)
     valid_tokens = int(lengths[valid_ids].sum())
     max_valid = (valid_tokens - 1) // seq_len
     if max_valid < n_valid:
@@ -247,10 +246,11 @@ def build_train_valid(
     valid_counts = apportion(weights, valid_samples)
     info = {"train_documents": 0, "valid_documents": 0, "train_tokens": 0, "valid_tokens": 0, "blend": []}
     info |= {"index_cache_hits": 0, "index_cache_builds": 0}  # sample indices loaded / built (cached)
+    split_by = seed if split_seed is None else split_seed  # resolved once, for every dataset
     trains, valids = [], []
     for (weight, path), n_train, n_valid in zip(pairs, train_counts.tolist(), valid_counts.tolist()):
         tr, va = _split_one(
-            path, weight, n_train, n_valid, seq_len, (valid_fraction, split_seed), seed, cache_dir, info
+            path, weight, n_train, n_valid, seq_len, valid_fraction, split_by, seed, cache_dir, info
         )
         trains.append(tr)
         valids.append(va)
