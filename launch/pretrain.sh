@@ -10,6 +10,8 @@
 #   NODE_RANK       set it to start this node's processes yourself (Slurm, no ssh): --no_ssh
 #   MASTER_ADDR     rendezvous host (default 127.0.0.1)
 #   MASTER_PORT     rendezvous port (default: a free port on a single node, else 29500)
+#   MEGAFORMER_MODULE  the module every rank runs (default megaformer.train); compare's step-
+#                   interleaved calibration runs megaformer.experiments.step_timing SPEC.json with it
 #   DEEPSPEED       the launcher executable (default: the repo's .venv/bin/deepspeed when no virtual
 #                   environment is active (VIRTUAL_ENV unset), else the first deepspeed on PATH)
 # On a CPU-only machine the processes run on gloo with OMP_NUM_THREADS = cores / NPROC_PER_NODE.
@@ -72,10 +74,13 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 # A bad key or value in the config or an override: said once, here, before the launcher starts a
 # worker per rank (each would print it among the launcher's lines). Exit 2 is the check's verdict;
 # anything else (an interpreter without megaformer's requirements) leaves the check to the workers.
-CHECK_OUT="$("$PYTHON" -m megaformer.train --check-config "$CONFIG" "$@" 2>&1)" && CHECK_RC=0 || CHECK_RC=$?
-if [[ "$CHECK_RC" -eq 2 ]]; then
-  echo "$CHECK_OUT" >&2
-  exit 2
+MODULE="${MEGAFORMER_MODULE:-megaformer.train}"
+if [[ "$MODULE" == megaformer.train ]]; then
+  CHECK_OUT="$("$PYTHON" -m megaformer.train --check-config "$CONFIG" "$@" 2>&1)" && CHECK_RC=0 || CHECK_RC=$?
+  if [[ "$CHECK_RC" -eq 2 ]]; then
+    echo "$CHECK_OUT" >&2
+    exit 2
+  fi
 fi
 
 ARGS=(--master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")
@@ -93,4 +98,4 @@ else
 fi
 
 echo "[pretrain.sh] $NNODES node(s) x $NPROC_PER_NODE process(es), master $MASTER_ADDR:$MASTER_PORT, config $CONFIG $*" >&2
-exec "$DEEPSPEED" "${ARGS[@]}" --module megaformer.train "$CONFIG" "$@"
+exec "$DEEPSPEED" "${ARGS[@]}" --module "$MODULE" "$CONFIG" "$@"

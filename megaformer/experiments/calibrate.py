@@ -27,6 +27,11 @@ calibration, interleaved:
   beyond the step time, the loop's start, the final checkpoint) the mean of each launch's loop
   wall-clock minus its steps and evaluation at those times.
 
+With ``interleaved_rounds`` > 0, the step times' ratios come instead from one job that steps every
+config in the same processes, turn by turn (:func:`interleaved_step_times`,
+:mod:`megaformer.experiments.step_timing`): on a shared VM whose speed changes from one launch to
+the next by 10-25 %, launch-by-launch interleaving cannot resolve a few percent.
+
 Each config's step time comes with its standard error over the launches, and the comparison
 reports it: on the 2-core project machine with one more core's worth of load, launches of one
 config spread by about ±2% (``bench/results/budget_fairness*.json``), so two different configs'
@@ -47,7 +52,7 @@ import platform
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +77,12 @@ class Timing:
             :func:`compute_key`), or the run itself.
         machine_factor: the spend-limit factor :func:`recheck` gives this machine when the
             calibration is reused and the machine is slower than the calibration's (1: not).
+        ratio_sem: standard error of ``step_seconds`` / the first config's, measured directly
+            from paired turns when the step times come from the step-interleaved job
+            (:func:`interleaved_step_times`); -1: not measured (the launches' errors combine).
+        interleaved: the step-interleaved job's record for this config (empty without one):
+            ``rounds_kept``, ``steps``, ``ratio``, ``launch_step_seconds`` (the launches' own
+            mean, which the job's replaced).
     """
 
     step_seconds: float
@@ -81,6 +92,8 @@ class Timing:
     step_seconds_sem: float = 0.0
     measured_as: str = ""
     machine_factor: float = 1.0
+    ratio_sem: float = -1.0
+    interleaved: dict[str, Any] = field(default_factory=dict)
 
     def overrides(self) -> list[str]:
         """The trainer overrides that hand these times to a budget run (part of its request)."""
@@ -208,6 +221,91 @@ def measure_launch(summary: dict, warmup: int) -> tuple[list[float], float, floa
     return measured, evals[max(evals)], wall
 
 
+def interleaved_step_times(
+    runs: dict[str, str],
+    overrides: list[str],
+    out_dir: Path,
+    nproc: int,
+    warmup: int,
+    rounds: int,
+    steps_per_turn: int = 1,
+    tag: str = "calibrate",
+) -> dict[str, dict[str, Any]]:
+    """Every config of ``runs`` (name -> YAML; two or more, the first the reference) stepped in one
+    job, interleaved every ``steps_per_turn`` steps (:mod:`megaformer.experiments.step_timing`,
+    through ``launch/pretrain.sh``); see :func:`summarize_turns` for what is returned.
+
+    On the 2-core project VM on 2026-11-26, where single steps spread ±11 % and 6 rounds of
+    launches left the ratio of two configs' step times uncertain by ±5-6 %, 60 rounds of single
+    steps (6 minutes, 5 configs) gave ±1.6-1.9 %; the error falls as 1/sqrt(rounds).
+
+    Raises:
+        RuntimeError: the job failed; names its log.
+    """
+    from data_tools.files import atomic_write_json
+    from megaformer.experiments.launcher import launch_module
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fixed = timing_overrides(warmup, rounds * steps_per_turn)
+    spec = {
+        "runs": {
+            n: {"config": c, "overrides": [*overrides, *fixed, f"output.dir={out_dir / n}"]}
+            for n, c in runs.items()
+        },
+        "warmup_steps": warmup,
+        "rounds": rounds,
+        "steps_per_turn": steps_per_turn,
+        "output": str(out_dir / "turns.json"),
+    }
+    atomic_write_json(out_dir / "spec.json", spec)
+    print(f"[{tag}] calibration: {len(runs)} configs in one job, {rounds} rounds of {steps_per_turn} step(s) "
+          f"each, interleaved (log: {out_dir / 'step_timing.log'})", flush=True)  # fmt: skip
+    launch_module(
+        "megaformer.experiments.step_timing", out_dir / "spec.json", out_dir / "step_timing.log", nproc
+    )
+    return summarize_turns(json.loads((out_dir / "turns.json").read_text())["turns"], list(runs), tag)
+
+
+def summarize_turns(turns: list[dict[str, Any]], names: list[str], tag: str = "calibrate") -> dict[str, dict]:
+    """Each config's step time and its ratio to ``names[0]``'s, from the step-interleaved job's turns.
+
+    A turn's value is the mean of its steps. Rounds in which a turn ran :data:`ANOMALY_FACTOR` ×
+    off its config's median are left out for every config (:func:`anomalous_rounds`). A config's
+    step time is the mean of its turns over the kept rounds (the spend is a sum of steps: the mean,
+    not the median, predicts it), with its standard error; its ratio is that mean over the
+    reference's, with the standard error of the per-round ratios (paired: the turns of one round
+    are seconds apart, so the machine's level cancels in them).
+
+    Returns:
+        ``{name: {"step_seconds", "sem", "ratio", "ratio_sem", "rounds_kept", "steps"}}``.
+    """
+    per: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    for turn in turns:
+        per[turn["name"]].append(
+            {"round": turn["round"], "median_step_seconds": statistics.fmean(turn["step_seconds"])}
+        )
+    dropped = anomalous_rounds(per, tag, what="turn")
+    value = {
+        n: {x["round"]: x["median_step_seconds"] for x in per[n] if x["round"] not in dropped} for n in names
+    }
+    kept = sorted(value[names[0]])
+    ref = statistics.fmean(value[names[0]][r] for r in kept)
+    out = {}
+    for n in names:
+        times = [value[n][r] for r in kept]
+        ratios = [value[n][r] / value[names[0]][r] for r in kept]
+        mean = statistics.fmean(times)
+        out[n] = {
+            "step_seconds": mean,
+            "sem": statistics.stdev(times) / math.sqrt(len(kept)),
+            "ratio": mean / ref,
+            "ratio_sem": 0.0 if n == names[0] else statistics.stdev(ratios) / math.sqrt(len(kept)),
+            "rounds_kept": len(kept),
+            "steps": sum(len(t["step_seconds"]) for t in turns if t["name"] == n and t["round"] in kept),
+        }
+    return out
+
+
 def calibrate(
     runs: dict[str, str],
     overrides: list[str],
@@ -218,6 +316,8 @@ def calibrate(
     measure: int = 20,
     tag: str = "calibrate",
     same_work: dict[str, str] | None = None,
+    interleaved_rounds: int = 0,
+    steps_per_turn: int = 1,
 ) -> dict[str, Timing]:
     """Time every config of ``runs`` (name -> YAML path) interleaved; see the module docstring.
 
@@ -232,6 +332,10 @@ def calibrate(
         measure: steps timed per launch.
         same_work: ``{run: the run that measures for it}`` (:func:`same_work_groups`): only the
             measuring runs are launched; the others get their times. None: every run measures.
+        interleaved_rounds: > 0 (and two or more measuring runs): the step times then come from
+            one job that steps every config interleaved, ``steps_per_turn`` steps per turn, this
+            many rounds (:func:`interleaved_step_times`; far less noisy on a shared machine); the
+            launches still give the evaluation and one-time seconds.
 
     Raises:
         ValueError: ``rounds < 2``, ``warmup < 1`` or ``measure < 3``.
@@ -273,8 +377,49 @@ def calibrate(
         fixed = statistics.fmean(x["wall_seconds"] - x["steps"] * step_s - eval_s for x in launches)
         sem = statistics.stdev(x["median_step_seconds"] for x in launches) / math.sqrt(len(launches))
         timings[name] = Timing(step_s, eval_s, max(0.0, fixed), per_launch[name], sem, name)
+    if interleaved_rounds > 0 and len(names) > 1:
+        steps = interleaved_step_times(
+            {n: runs[n] for n in names}, overrides, out_dir / "interleaved", nproc, warmup,
+            interleaved_rounds, steps_per_turn, tag,
+        )  # fmt: skip
+        timings = with_interleaved({n: timings[n] for n in names}, steps)
     warn_if_noisy(timings, names, tag)
     return {n: timings[same_work[n]] for n in runs}
+
+
+def with_interleaved(timings: dict[str, Timing], measured: dict[str, dict[str, Any]]) -> dict[str, Timing]:
+    """``timings`` (from the launches) with their step times from the step-interleaved job's ratios
+    (:func:`summarize_turns`): config ``i`` gets ``ratio_i × level``, where the level is the mean
+    over every kept launch of its median step divided by its config's ratio (the launches run each
+    model alone, as the real run does; the job switches models every turn, which may cost the
+    caches a little, the same for every config). The ratios, which decide how the budget is
+    shared, are the job's; the level, which only decides how much of the budget all runs get, is
+    the launches' pooled over every config. Each timing keeps the job's record (``ratio``,
+    ``rounds_kept``, ``steps``, the job's own mean ``job_step_seconds``) and the launches' own
+    mean (``launch_step_seconds``)."""
+    est = [
+        x["median_step_seconds"] / measured[n]["ratio"]
+        for n, t in timings.items()
+        for x in t.rounds
+        if not x.get("anomalous_round")
+    ]
+    level, level_sem = statistics.fmean(est), statistics.stdev(est) / math.sqrt(len(est))
+    out = {}
+    for name, t in timings.items():
+        m = measured[name]
+        record = {k: m[k] for k in ("ratio", "rounds_kept", "steps")}
+        out[name] = dataclasses.replace(
+            t,
+            step_seconds=m["ratio"] * level,
+            step_seconds_sem=m["ratio"] * level_sem,
+            ratio_sem=m["ratio_sem"],
+            interleaved={
+                **record,
+                "job_step_seconds": m["step_seconds"],
+                "launch_step_seconds": t.step_seconds,
+            },
+        )
+    return out
 
 
 ANOMALY_FACTOR = 1.5
@@ -286,7 +431,9 @@ NOISE_WARNING = 0.01
 the calibration warns: the issue's bar for step counts is 1 %."""
 
 
-def anomalous_rounds(per_launch: dict[str, list[dict[str, Any]]], tag: str = "calibrate") -> set[int]:
+def anomalous_rounds(
+    per_launch: dict[str, list[dict[str, Any]]], tag: str = "calibrate", what: str = "launch"
+) -> set[int]:
     """Rounds to leave out of every config's means: those in which some config's launch ran
     :data:`ANOMALY_FACTOR` × off its median over the rounds. The whole round goes, for every
     config, so that the remaining rounds keep each config's positions balanced against the others
@@ -294,6 +441,8 @@ def anomalous_rounds(per_launch: dict[str, list[dict[str, Any]]], tag: str = "ca
 
     Args:
         per_launch: ``{config: [launch record with "round" and "median_step_seconds"]}``.
+        what: what a record is, for the warning (``"launch"``, or ``"turn"`` for the
+            step-interleaved job's).
     """
     score: dict[int, float] = {}
     for name, launches in per_launch.items():
@@ -303,7 +452,7 @@ def anomalous_rounds(per_launch: dict[str, list[dict[str, Any]]], tag: str = "ca
             score[x["round"]] = max(score.get(x["round"], 1.0), off)
             if off > ANOMALY_FACTOR:
                 print(
-                    f"[{tag}] calibration: WARNING {name}'s launch in round {x['round'] + 1} ran "
+                    f"[{tag}] calibration: WARNING {name}'s {what} in round {x['round'] + 1} ran "
                     f"{x['median_step_seconds']:.3g} s per step, {off:.2f}× off its median {mid:.3g} s: "
                     "the machine was disturbed; that round is left out for every config",
                     flush=True,
@@ -314,19 +463,32 @@ def anomalous_rounds(per_launch: dict[str, list[dict[str, Any]]], tag: str = "ca
 
 def warn_if_noisy(timings: dict[str, Timing], names: list[str], tag: str = "calibrate") -> None:
     """Print a warning when a config's step time, or its ratio to the first config's, has a relative
-    standard error above :data:`NOISE_WARNING`: step counts from it may be tilted by that much."""
+    standard error above :data:`NOISE_WARNING`: step counts from it may be tilted by that much.
+
+    With the step-interleaved job (``ratio_sem`` measured on paired turns), what can tilt a
+    comparison is the ratio alone; the level's error (every config's alike) only moves where the
+    spend limit falls, for all runs alike, and is not warned about."""
     base = timings[names[0]]
     for name in names:
         t = timings[name]
         rel = t.step_seconds_sem / t.step_seconds
-        ratio = 0.0 if name == names[0] else math.hypot(rel, base.step_seconds_sem / base.step_seconds)
-        if max(rel, ratio) > NOISE_WARNING:
+        if name == names[0]:  # its level: with the step-interleaved job, common to all (no tilt)
+            ratio, worst = 0.0, 0.0 if t.interleaved else rel
+        elif t.ratio_sem >= 0:  # paired turns: the level's noise is common to all and cancels
+            ratio = worst = t.ratio_sem
+        else:
+            ratio = math.hypot(rel, base.step_seconds_sem / base.step_seconds)
+            worst = max(rel, ratio)
+        if worst > NOISE_WARNING:
+            kept = t.interleaved.get("rounds_kept") or len(
+                [x for x in t.rounds if not x.get("anomalous_round")]
+            )
             print(
                 f"[{tag}] calibration: WARNING {name}: step time {t.step_seconds:.4g} s ± {rel:.1%} "
                 + (f"(ratio to {names[0]} ± {ratio:.1%}) " if ratio else "")
-                + f"over {len([x for x in t.rounds if not x.get('anomalous_round')])} rounds, above "
-                f"{NOISE_WARNING:.0%}: this machine's noise can tilt the step counts by that much; "
-                "calibrate with more --calibration-rounds, or on a quieter machine",
+                + f"over {kept} rounds, above {NOISE_WARNING:.0%}: this machine's noise can tilt the step "
+                "counts by that much; calibrate with more --calibration-rounds (or --interleaved-rounds), "
+                "or on a quieter machine",
                 flush=True,
             )
 
@@ -343,13 +505,15 @@ def load_or_calibrate(
     tag: str,
     share: bool = True,
     recheck_rounds: int = 2,
+    interleaved: tuple[int, int] = (0, 1),
 ) -> dict[str, Timing]:
     """:func:`calibrate`, or the calibration saved in ``out_dir/calibration.json`` when it was made
     for the same runs (each run's :func:`~.provenance.run_request` without the budget) and the
     same settings; the reuse or the reason to measure again is printed. ``share``: runs with the
     same work (:func:`same_work_groups`) share one measurement; off, every run is timed itself
     (to measure the calibration's own noise). A reused calibration is re-checked on this machine
-    first (:func:`recheck`, ``recheck_rounds`` rounds; 0: not re-checked)."""
+    first (:func:`recheck`, ``recheck_rounds`` rounds of launches; 0: not re-checked).
+    ``interleaved``: ``(rounds, steps_per_turn)`` of the step-interleaved job (0 rounds: none)."""
     from data_tools.files import atomic_write_json
     from megaformer.experiments.provenance import differences
 
@@ -362,6 +526,8 @@ def load_or_calibrate(
         "nproc": nproc,
         "share": share,
     }
+    if interleaved[0] > 0:  # only then: calibrations saved before the option stay reusable
+        asked["interleaved_rounds"], asked["steps_per_turn"] = interleaved
     groups = same_work_groups(requests) if share else None
     if path.is_file():
         saved = json.loads(path.read_text())
@@ -392,7 +558,9 @@ def load_or_calibrate(
     for name, leader in (groups or {}).items():
         if leader != name:
             print(f"[{tag}] calibration: {name} does the same work per step as {leader}: timed once, shared")
-    timings = calibrate(runs, overrides, out_dir / "calibration", nproc, rounds, warmup, measure, tag, groups)
+    timings = calibrate(
+        runs, overrides, out_dir / "calibration", nproc, rounds, warmup, measure, tag, groups, *interleaved
+    )
     atomic_write_json(path, {"request": asked, "timings": {n: asdict(t) for n, t in timings.items()}})
     return timings
 
@@ -474,7 +642,8 @@ def calibrate_runs(
     version; :mod:`.provenance`), then :func:`load_or_calibrate` under ``root``.
 
     Args:
-        calibration: ``{"rounds", "warmup", "measure", "recheck_rounds"}`` (default 4, 10, 20, 2).
+        calibration: ``{"rounds", "warmup", "measure", "recheck_rounds", "interleaved_rounds",
+            "steps_per_turn"}`` (default 4, 10, 20, 2, 0, 1).
 
     Returns:
         ``(timings by run, the calibration settings used, the code version)``.
@@ -485,7 +654,20 @@ def calibrate_runs(
     from megaformer.experiments.provenance import code_version, run_request
 
     root.mkdir(parents=True, exist_ok=True)
-    cal = {"rounds": 4, "warmup": 10, "measure": 20, "recheck_rounds": 2, **(calibration or {})}
+    cal = {
+        "rounds": 4,
+        "warmup": 10,
+        "measure": 20,
+        "recheck_rounds": 2,
+        "interleaved_rounds": 0,
+        "steps_per_turn": 1,
+        **(calibration or {}),
+    }
+    if cal["interleaved_rounds"] == 1 or cal["interleaved_rounds"] < 0 or cal["steps_per_turn"] < 1:
+        raise ValueError(
+            f"--interleaved-rounds {cal['interleaved_rounds']}, --steps-per-turn {cal['steps_per_turn']}: "
+            "use 0 rounds (no step-interleaved job) or >= 2 (the order alternates), and >= 1 step per turn"
+        )
     if cal["recheck_rounds"] == 1 or cal["recheck_rounds"] < 0:
         raise ValueError(
             f"--recheck-rounds {cal['recheck_rounds']}: use 0 (trust a saved calibration) or >= 2 (the order "
@@ -495,6 +677,15 @@ def calibrate_runs(
     requests = {n: run_request(c, list(overrides), {}, code) for n, c in runs.items()}
     settings = (cal["rounds"], cal["warmup"], cal["measure"])
     timings = load_or_calibrate(
-        runs, requests, list(overrides), root, nproc, *settings, tag, share, cal["recheck_rounds"]
+        runs,
+        requests,
+        list(overrides),
+        root,
+        nproc,
+        *settings,
+        tag,
+        share,
+        cal["recheck_rounds"],
+        (cal["interleaved_rounds"], cal["steps_per_turn"]),
     )
     return timings, cal, code

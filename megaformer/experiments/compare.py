@@ -329,7 +329,8 @@ def compare(
     ``budget`` device-hours from it, in ``order``, then write the table and the plot.
 
     Args:
-        calibration: ``{"rounds", "warmup", "measure", "recheck_rounds"}`` of
+        calibration: ``{"rounds", "warmup", "measure", "recheck_rounds", "interleaved_rounds",
+            "steps_per_turn"}`` of
             :func:`~.calibrate.calibrate_runs` (default 4 rounds, 10 warm-up steps, 20 measured
             steps; a reused calibration re-checked in 2 rounds).
         share_calibration: configs with the same work per step share one measurement
@@ -391,6 +392,17 @@ def add_calibration_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--calibration-steps", type=int, default=20, help="steps timed per calibration launch"
     )
+    parser.add_argument(
+        "--interleaved-rounds",
+        type=int,
+        default=0,
+        help="also time the step in one job that alternates every config every --steps-per-turn steps, "
+        "this many rounds, and take the step times from it (launch-by-launch timing is too coarse for a "
+        "shared machine: 0 = off; ~240 for 1 %% on the 2-core VM, 4 s per config per round)",
+    )
+    parser.add_argument(
+        "--steps-per-turn", type=int, default=1, help="steps per config per turn of --interleaved-rounds"
+    )
     parser.add_argument("--order", choices=["random", "given"], default="random",
                         help="training order of the runs (recorded in the JSON)")  # fmt: skip
     parser.add_argument("--order-seed", type=int, default=0, help="seed of the random order")
@@ -409,12 +421,15 @@ def add_calibration_args(parser: argparse.ArgumentParser) -> None:
 
 
 def calibration_settings(args: argparse.Namespace) -> dict[str, int]:
-    """``{"rounds", "warmup", "measure", "recheck_rounds"}`` from :func:`add_calibration_args`' options."""
+    """The calibration settings (:func:`~.calibrate.calibrate_runs`) from :func:`add_calibration_args`'
+    options."""
     return {
         "rounds": args.calibration_rounds,
         "warmup": args.calibration_warmup,
         "measure": args.calibration_steps,
         "recheck_rounds": args.recheck_rounds,
+        "interleaved_rounds": args.interleaved_rounds,
+        "steps_per_turn": args.steps_per_turn,
     }
 
 

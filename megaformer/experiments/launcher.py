@@ -50,3 +50,25 @@ def launch_run(config: str, out: Path, args: Sequence[str], nproc: int, tag: str
         why = f": {errors[-1].strip()}" if errors else ""
         raise RuntimeError(f"{config}: training failed (exit {proc.returncode}){why}; log: {log_path}")
     return json.loads(summary_path.read_text())
+
+
+def launch_module(module: str, spec: Path, log_path: Path, nproc: int) -> None:
+    """Run ``module SPEC`` on ``nproc`` local processes through ``launch/pretrain.sh``
+    (``MEGAFORMER_MODULE``: the same launcher, thread settings and rendezvous as a training run).
+
+    Raises:
+        RuntimeError: the job exited non-zero; names the module, its last error line and the log.
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w", encoding="utf-8") as log:
+        proc = subprocess.run(
+            ["bash", str(REPO / "launch" / "pretrain.sh"), str(spec)],
+            cwd=REPO,
+            env=dict(os.environ, NPROC_PER_NODE=str(nproc), MEGAFORMER_MODULE=module),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    if proc.returncode != 0:
+        errors = [ln for ln in log_path.read_text(errors="replace").splitlines() if "error" in ln]
+        why = f": {errors[-1].strip()}" if errors else ""
+        raise RuntimeError(f"{module} {spec}: failed (exit {proc.returncode}){why}; log: {log_path}")

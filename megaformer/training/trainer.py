@@ -80,6 +80,30 @@ class Evaluator:
         return self.engine.eval_loss(to_device(self.loader, self.device), self.micro_batches)
 
 
+def train_batches(
+    cfg: RunConfig, layout: Layout, data: Data, start_step: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This data-parallel rank's micro-batches from ``start_step`` on, on the layout's device: what
+    the training loop feeds :meth:`~.ds_adapter.Engine.train_step` (also the step-time
+    calibration's, :mod:`megaformer.experiments.step_timing`)."""
+    from megaformer.data.loader import train_loader
+
+    t = cfg.train
+    loader = train_loader(
+        data.train,
+        global_batch_size=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size,
+        dp_rank=layout.dp_rank,
+        dp_size=layout.dp_size,
+        start_step=start_step,
+        end_step=t.steps,  # the most a budget may choose: the loader is lazy, the rest unread
+        num_workers=cfg.data.num_workers,
+        pin_memory=layout.device.type == "cuda",
+        objective=cfg.model.objective,
+    )
+    return to_device(loader, layout.device)
+
+
 class TrainLoop:
     """Steps ``start_step .. total - 1``: train, log, evaluate, save; ``total`` is ``train.steps``
     or, under a compute budget, the length the run fixes after measuring itself
@@ -196,22 +220,7 @@ class TrainLoop:
         self.total = max(total, step)
 
     def _batches(self, start_step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        from megaformer.data.loader import train_loader
-
-        t, lay = self.cfg.train, self.layout
-        loader = train_loader(
-            self.data.train,
-            global_batch_size=t.global_batch_size,
-            micro_batch_size=t.micro_batch_size,
-            dp_rank=lay.dp_rank,
-            dp_size=lay.dp_size,
-            start_step=start_step,
-            end_step=t.steps,  # the most a budget may choose: the loader is lazy, the rest unread
-            num_workers=self.cfg.data.num_workers,
-            pin_memory=lay.device.type == "cuda",
-            objective=self.cfg.model.objective,
-        )
-        return to_device(loader, lay.device)
+        return train_batches(self.cfg, self.layout, self.data, start_step)
 
     def run(self, resumed: bool, stop: Any = None) -> float:
         """Train from ``start_step`` to :attr:`total`, or to the step boundary where ``stop`` (a

@@ -58,3 +58,33 @@ def test_compare_writes_its_table_and_plot(gutenberg_prefix, tmp_path):
     recheck = json.loads((out / "calibration.json").read_text())["rechecks"][-1]
     assert set(recheck["ratios"]) == {"pre_ln", "normformer"} and recheck["measured"] > 0
     assert recheck["factor"] >= 1.0  # the re-check only ever loosens the spend limit
+
+
+def test_the_step_interleaved_job_times_every_config_in_one_launch(gutenberg_prefix, tmp_path):
+    """The calibration's step-interleaved job through launch/pretrain.sh (MEGAFORMER_MODULE): both
+    configs built side by side in the same two processes, stepped turn by turn in alternating
+    order; every turn timed; the step times and the paired ratio's error come back. Configs with
+    different parallel layouts are refused before any process group starts, naming both files."""
+    from megaformer.experiments.calibrate import interleaved_step_times
+
+    runs = {"pre_ln": "configs/cpu-compare/pre_ln.yaml", "nf": "configs/cpu-compare/normformer.yaml"}
+    sets = [*TINY, f"data.prefix={gutenberg_prefix}"]
+    out = interleaved_step_times(runs, sets, tmp_path / "job", 2, warmup=2, rounds=4, steps_per_turn=2)
+    turns = json.loads((tmp_path / "job" / "turns.json").read_text())["turns"]
+    assert [(t["round"], t["name"]) for t in turns[:4]] == [
+        (0, "pre_ln"),
+        (0, "nf"),
+        (1, "nf"),
+        (1, "pre_ln"),
+    ]
+    assert all(len(t["step_seconds"]) == 2 and min(t["step_seconds"]) > 0 for t in turns)
+    assert out["pre_ln"]["ratio"] == 1.0 and out["nf"]["rounds_kept"] == 4 and out["nf"]["steps"] == 8
+    assert 0.5 < out["nf"]["ratio"] < 2.0 and out["nf"]["ratio_sem"] >= 0
+    assert "step timing: 2 configs warmed up" in (tmp_path / "job" / "step_timing.log").read_text()
+
+    tp2 = tmp_path / "tp2.yaml"
+    tp2.write_text(f"base: {REPO / 'configs/cpu-compare/pre_ln.yaml'}\nparallel:\n  tp_size: 2\n")
+    with pytest.raises(RuntimeError, match=r"step_timing.*failed \(exit 2\)"):
+        interleaved_step_times({**runs, "tp2": str(tp2)}, sets, tmp_path / "bad", 2, warmup=2, rounds=2)
+    said = (tmp_path / "bad" / "step_timing.log").read_text()
+    assert "tp2.yaml: its parallel layout differs from configs/cpu-compare/pre_ln.yaml's" in said

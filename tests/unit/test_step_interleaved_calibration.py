@@ -1,0 +1,179 @@
+"""The step-interleaved calibration: every config stepped in one job, turn by turn, so that a machine
+whose speed changes from one second to the next cannot tilt the ratio of their step times.
+
+The job itself runs in ``tests/distributed/test_compare_launch.py``; here its turns are stood in
+for, and what the calibration makes of them is checked."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from megaformer.experiments import calibrate as cal
+from megaformer.experiments import step_timing
+from megaformer.experiments.calibrate import Timing
+
+
+def _turns(step: dict[str, float], rounds: int, level, per_step: int = 1) -> list[dict]:
+    """What the job writes: turn by turn in the calibration's order, each step at the config's cost
+    times the machine's level at that moment."""
+    names, turns, i = list(step), [], 0
+    for r in range(rounds):
+        for position, name in enumerate(cal.round_order(names, r)):
+            seconds = []
+            for _ in range(per_step):
+                seconds.append(step[name] * level(i))
+                i += 1
+            turns.append({"round": r, "position": position, "name": name, "step_seconds": seconds})
+    return turns
+
+
+def test_a_machine_that_changes_speed_every_round_does_not_tilt_the_ratio():
+    """The level jumps ±20 % from round to round (this VM: single steps spread ±11 %, adjacent
+    30-step launches 10-25 %) but holds within a round: the per-round ratios are exact, so the
+    ratio is exact and its standard error 0, while the level's own error is large."""
+    rng = random.Random(0)
+    levels = [rng.uniform(0.8, 1.2) for _ in range(40)]
+    step = {"pre": 1.00, "nf": 1.03, "post": 0.99}
+    out = cal.summarize_turns(_turns(step, 40, lambda i: levels[i // 3]), list(step))
+    for name, cost in step.items():
+        assert out[name]["ratio"] == pytest.approx(cost, rel=1e-12)
+        assert out[name]["rounds_kept"] == 40 and out[name]["steps"] == 40
+    assert out["nf"]["ratio_sem"] == pytest.approx(0.0, abs=1e-12)
+    assert out["pre"]["sem"] / out["pre"]["step_seconds"] > 0.01  # the level is noisy; the ratio is not
+    mean_level = sum(levels) / 40
+    assert out["nf"]["step_seconds"] == pytest.approx(1.03 * mean_level, rel=1e-12)
+
+
+def test_per_step_noise_gives_the_ratio_its_standard_error():
+    """Independent ±10 % noise on every step: the ratio comes out within a few standard errors of
+    the truth, and the standard error is what 1/sqrt(rounds) says."""
+    rng = random.Random(1)
+    step = {"pre": 1.0, "nf": 1.02}
+    out = cal.summarize_turns(_turns(step, 400, lambda i: rng.gauss(1.0, 0.1)), list(step))
+    sem = out["nf"]["ratio_sem"]
+    assert 0.1 * 2**0.5 / 20 * 0.8 < sem < 0.1 * 2**0.5 / 20 * 1.2  # ~sqrt(2) * 10 % / sqrt(400)
+    assert abs(out["nf"]["ratio"] - 1.02) < 4 * sem
+
+
+def test_a_disturbed_turn_drops_its_round_for_every_config(capsys):
+    step = {"a": 1.0, "b": 1.1}
+    turns = _turns(step, 6, lambda i: 1.0)
+    turns[7]["step_seconds"] = [turns[7]["step_seconds"][0] * 3.5]  # round 4's second turn
+    out = cal.summarize_turns(turns, ["a", "b"])
+    assert out["b"]["ratio"] == pytest.approx(1.1, rel=1e-12) and out["a"]["rounds_kept"] == 5
+    said = capsys.readouterr().out
+    assert f"{turns[7]['name']}'s turn in round 4 ran" in said and "left out for every config" in said
+
+
+def test_the_job_replaces_the_launches_step_times_and_keeps_theirs_on_record(monkeypatch, tmp_path, capsys):
+    """calibrate(..., interleaved_rounds=N): evaluation and one-time seconds from the launches; the
+    ratios of the step times from the job, their level from the launches pooled over every config;
+    the launches' own step time stays in the record; the warning looks at the measured ratio's
+    error, not at the level's (common to every config)."""
+    launch_step = {"a": 1.00, "b": 0.90}  # launches that got the order wrong (noise)
+    monkeypatch.setattr(cal, "launch_run", lambda config, out, args, nproc, tag: {"name": out.name})
+    monkeypatch.setattr(
+        cal,
+        "measure_launch",
+        lambda summary, warmup: ([launch_step[summary["name"]]] * 20, 0.5, 40.0),
+    )
+    jobs = []
+
+    def fake_job(module, spec, log, nproc):
+        jobs.append(json.loads(spec.read_text()))
+        rng = random.Random(2)
+        levels = [rng.uniform(0.8, 1.2) for _ in range(10)]
+        turns = _turns({"a": 1.0, "b": 1.04}, 10, lambda i: levels[i // 2])
+        (spec.parent / "turns.json").write_text(json.dumps({"turns": turns}))
+
+    monkeypatch.setattr("megaformer.experiments.launcher.launch_module", fake_job)
+    runs = {"a": "a.yaml", "b": "b.yaml"}
+    timings = cal.calibrate(runs, ["data.prefix=x"], tmp_path, 2, 2, 10, 20, interleaved_rounds=10)
+    assert timings["b"].step_seconds / timings["a"].step_seconds == pytest.approx(1.04, rel=1e-12)
+    level = (1.00 / 1.0 + 0.90 / 1.04) / 2  # the launches' level, pooled over both configs
+    assert timings["a"].step_seconds == pytest.approx(level) and timings["a"].step_seconds_sem > 0
+    assert timings["b"].interleaved["launch_step_seconds"] == pytest.approx(0.90)
+    assert timings["b"].interleaved["job_step_seconds"] > 0 and timings["b"].interleaved[
+        "ratio"
+    ] == pytest.approx(1.04)
+    assert timings["b"].eval_seconds == 0.5 and timings["b"].ratio_sem == pytest.approx(0.0, abs=1e-12)
+    assert timings["a"].fixed_seconds == pytest.approx(40.0 - 30 * 1.00 - 0.5)  # from the launches
+    (spec,) = jobs
+    assert spec["rounds"] == 10 and spec["steps_per_turn"] == 1 and list(spec["runs"]) == ["a", "b"]
+    assert "data.prefix=x" in spec["runs"]["a"]["overrides"]
+    assert "train.steps=20" in spec["runs"]["a"]["overrides"]  # warm-up 10 + 10 rounds x 1 step
+    assert "WARNING" not in capsys.readouterr().out  # the level spreads ±20 %; the ratio is exact
+
+
+def test_warn_if_noisy_uses_the_paired_ratio_error(capsys):
+    base = Timing(1.0, 0.5, 1.0, [], 0.05, "a", interleaved={"rounds_kept": 60})
+    quiet = Timing(1.01, 0.5, 1.0, [], 0.05, "b", ratio_sem=0.004, interleaved={"rounds_kept": 60})
+    noisy = Timing(1.01, 0.5, 1.0, [], 0.001, "c", ratio_sem=0.018, interleaved={"rounds_kept": 60})
+    cal.warn_if_noisy({"a": base, "b": quiet, "c": noisy}, ["a", "b", "c"], "t")
+    said = [line for line in capsys.readouterr().out.splitlines() if "WARNING" in line]
+    assert len(said) == 1 and "WARNING c:" in said[0] and "ratio to a ± 1.8%" in said[0]
+    assert "over 60 rounds" in said[0] and "--interleaved-rounds" in said[0]
+
+
+def test_a_saved_calibration_without_the_option_stays_reusable_and_with_it_is_not(monkeypatch, tmp_path):
+    """The request of a calibration gains the job's settings only when the job runs: calibrations
+    saved before the option are reused as before; asking for the job measures again."""
+    monkeypatch.setattr(cal, "launch_run", lambda config, out, args, nproc, tag: {"name": out.name})
+    monkeypatch.setattr(cal, "measure_launch", lambda summary, warmup: ([1.0] * 20, 0.5, 40.0))
+    monkeypatch.setattr(
+        "megaformer.experiments.launcher.launch_module",
+        lambda module, spec, log, nproc: (spec.parent / "turns.json").write_text(
+            json.dumps({"turns": _turns({"a": 1.0, "b": 1.0}, 4, lambda i: 1.0)})
+        ),
+    )
+    runs = {"a": "a.yaml", "b": "b.yaml"}
+    requests = {"a": {"config": {"model": {"x": 1}}}, "b": {"config": {"model": {"x": 2}}}}
+
+    def load(interleaved=(0, 1)):
+        return cal.load_or_calibrate(
+            runs, requests, [], tmp_path, 2, 2, 10, 20, "t", recheck_rounds=0, interleaved=interleaved
+        )
+
+    load()
+    saved = json.loads((tmp_path / "calibration.json").read_text())
+    assert "interleaved_rounds" not in saved["request"]
+    assert load()["a"].interleaved == {}  # reused
+    assert load((4, 1))["a"].interleaved["rounds_kept"] == 4  # measured again, with the job
+    assert json.loads((tmp_path / "calibration.json").read_text())["request"]["interleaved_rounds"] == 4
+
+
+@pytest.mark.parametrize(
+    ("settings", "match"),
+    [
+        ({"interleaved_rounds": 1}, "--interleaved-rounds 1"),
+        ({"interleaved_rounds": 4, "steps_per_turn": 0}, "0 rounds"),
+    ],
+)
+def test_bad_interleaving_settings_are_refused_before_anything_runs(tmp_path, settings, match):
+    with pytest.raises(ValueError, match=match):
+        cal.calibrate_runs({"a": "configs/cpu-compare/pre_ln.yaml"}, [], tmp_path, 2, settings, "t")
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        (
+            {"runs": {"a": {}}, "warmup_steps": 1, "rounds": 2, "steps_per_turn": 1, "output": "o"},
+            "two or more",
+        ),
+        (
+            {"runs": {"a": {}, "b": {}}, "warmup_steps": 1, "rounds": 1, "steps_per_turn": 1, "output": "o"},
+            "'rounds'",
+        ),
+        ({"runs": {"a": {}, "b": {}}, "rounds": 2}, "exactly the keys"),
+    ],
+)
+def test_a_bad_spec_is_refused_naming_the_file_and_key(tmp_path, spec, match):
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=match) as e:
+        step_timing.read_spec(str(path))
+    assert str(path) in str(e.value)
