@@ -82,7 +82,8 @@ class Timing:
             (:func:`interleaved_step_times`); -1: not measured (the launches' errors combine).
         interleaved: the step-interleaved job's record for this config (empty without one):
             ``rounds_kept``, ``steps``, ``ratio``, ``launch_step_seconds`` (the launches' own
-            mean, which the job's replaced).
+            mean, which the job's replaced) and ``launch_level`` (the launches' level pooled over
+            every config, times this config's ratio; :func:`with_interleaved`).
     """
 
     step_seconds: float
@@ -382,40 +383,58 @@ def calibrate(
             {n: runs[n] for n in names}, overrides, out_dir / "interleaved", nproc, warmup,
             interleaved_rounds, steps_per_turn, tag,
         )  # fmt: skip
-        timings = with_interleaved({n: timings[n] for n in names}, steps)
+        timings = with_interleaved({n: timings[n] for n in names}, steps, tag)
     warn_if_noisy(timings, names, tag)
     return {n: timings[same_work[n]] for n in runs}
 
 
-def with_interleaved(timings: dict[str, Timing], measured: dict[str, dict[str, Any]]) -> dict[str, Timing]:
-    """``timings`` (from the launches) with their step times from the step-interleaved job's ratios
-    (:func:`summarize_turns`): config ``i`` gets ``ratio_i × level``, where the level is the mean
-    over every kept launch of its median step divided by its config's ratio (the launches run each
-    model alone, as the real run does; the job switches models every turn, which may cost the
-    caches a little, the same for every config). The ratios, which decide how the budget is
-    shared, are the job's; the level, which only decides how much of the budget all runs get, is
-    the launches' pooled over every config. Each timing keeps the job's record (``ratio``,
-    ``rounds_kept``, ``steps``, the job's own mean ``job_step_seconds``) and the launches' own
-    mean (``launch_step_seconds``)."""
+LEVEL_DISAGREEMENT = 0.05
+"""The step-interleaved job's level and the launches' (pooled over every config) further apart than
+this are warned about (:func:`with_interleaved`)."""
+
+
+def with_interleaved(
+    timings: dict[str, Timing], measured: dict[str, dict[str, Any]], tag: str = "calibrate"
+) -> dict[str, Timing]:
+    """``timings`` (from the launches) with their step times from the step-interleaved job
+    (:func:`summarize_turns`): each config's mean step in the job, whose ratios are known to the
+    paired turns' standard error. The job's level is also the better estimate of the machine's:
+    it samples every config over the whole job (the 2026-11-26 calibration: 1,190 steps over 20
+    minutes), where 3 rounds of launches sampled it 3 times (and one slow round put their level
+    10 % above the job's and the runs' own, ``EXPERIMENTS.md``); switching models every step can
+    only add cache misses to the job's, which would make the runs spend less, never overspend.
+    The launches' level (the mean over every kept launch of its median step divided by its
+    config's ratio) is kept on record (``launch_level``) with the launches' own mean
+    (``launch_step_seconds``), and a disagreement above :data:`LEVEL_DISAGREEMENT` is warned about.
+    Each timing also keeps the job's ``ratio``, ``rounds_kept`` and ``steps``."""
     est = [
         x["median_step_seconds"] / measured[n]["ratio"]
         for n, t in timings.items()
         for x in t.rounds
         if not x.get("anomalous_round")
     ]
-    level, level_sem = statistics.fmean(est), statistics.stdev(est) / math.sqrt(len(est))
+    launch_level, first = statistics.fmean(est), next(iter(timings))
+    job_level = measured[first]["step_seconds"]
+    if abs(launch_level / job_level - 1) > LEVEL_DISAGREEMENT:
+        print(
+            f"[{tag}] calibration: WARNING the launches' step time ({launch_level:.4g} s for {first}) is "
+            f"{launch_level / job_level - 1:+.1%} off the step-interleaved job's ({job_level:.4g} s), which "
+            "is used (more samples, over a longer time): the machine's speed moved during the calibration, "
+            "and runs that see the launches' speed will spend that much more or less than the budget",
+            flush=True,
+        )
     out = {}
     for name, t in timings.items():
         m = measured[name]
         record = {k: m[k] for k in ("ratio", "rounds_kept", "steps")}
         out[name] = dataclasses.replace(
             t,
-            step_seconds=m["ratio"] * level,
-            step_seconds_sem=m["ratio"] * level_sem,
+            step_seconds=m["step_seconds"],
+            step_seconds_sem=m["sem"],
             ratio_sem=m["ratio_sem"],
             interleaved={
                 **record,
-                "job_step_seconds": m["step_seconds"],
+                "launch_level": launch_level * m["ratio"],
                 "launch_step_seconds": t.step_seconds,
             },
         )
