@@ -20,8 +20,12 @@ def _gpu_check():
 
 
 def test_a_failed_step_time_prediction_is_recorded_and_the_rows_still_written(monkeypatch, tmp_path):
-    from megaformer.fakecuda import build
+    # fakecuda.launch binds build_shim at import: imported here, before the patch, it keeps the real
+    # one (gpu_check imports it under the patch, and the stub would outlive this test).
+    from megaformer.fakecuda import build, launch
     from megaformer.tools import steptime
+
+    assert launch.build_shim is build.build_shim
 
     def no_trace(*args, **kwargs):
         raise RuntimeError(
