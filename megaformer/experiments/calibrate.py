@@ -402,7 +402,8 @@ def with_interleaved(
     it samples every config over the whole job (the 2026-11-26 calibration: 1,190 steps over 20
     minutes), where 3 rounds of launches sampled it 3 times (and one slow round put their level
     10 % above the job's and the runs' own, ``EXPERIMENTS.md``); switching models every step can
-    only add cache misses to the job's, which would make the runs spend less, never overspend.
+    only add cache misses to the job's, which errs toward runs spending less. Neither level
+    foresees a machine that slows after the calibration (the spend limit then ends runs early).
     The launches' level (the mean over every kept launch of its median step divided by its
     config's ratio) is kept on record (``launch_level``) with the launches' own mean
     (``launch_step_seconds``), and a disagreement above :data:`LEVEL_DISAGREEMENT` is warned about.

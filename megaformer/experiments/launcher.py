@@ -36,19 +36,9 @@ def launch_run(config: str, out: Path, args: Sequence[str], nproc: int, tag: str
     out.mkdir(parents=True, exist_ok=True)
     summary_path, log_path = out / "summary.json", out / "train.log"
     print(f"[{tag}] {out.name}: launch/pretrain.sh {config} {' '.join(args)}", flush=True)
-    with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.run(
-            ["bash", str(REPO / "launch" / "pretrain.sh"), config, *args],
-            cwd=REPO,
-            env=dict(os.environ, NPROC_PER_NODE=str(nproc)),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    if proc.returncode != 0 or not summary_path.is_file():
-        # The run's own error line is the useful part of a failure: show it, not just the exit code.
-        errors = [ln for ln in log_path.read_text(errors="replace").splitlines() if "error" in ln]
-        why = f": {errors[-1].strip()}" if errors else ""
-        raise RuntimeError(f"{config}: training failed (exit {proc.returncode}){why}; log: {log_path}")
+    code = _pretrain_sh([config, *args], log_path, {"NPROC_PER_NODE": str(nproc)})
+    if code != 0 or not summary_path.is_file():
+        raise RuntimeError(f"{config}: training failed (exit {code}){_last_error(log_path)}; log: {log_path}")
     return json.loads(summary_path.read_text())
 
 
@@ -60,15 +50,25 @@ def launch_module(module: str, spec: Path, log_path: Path, nproc: int) -> None:
         RuntimeError: the job exited non-zero; names the module, its last error line and the log.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    code = _pretrain_sh([str(spec)], log_path, {"NPROC_PER_NODE": str(nproc), "MEGAFORMER_MODULE": module})
+    if code != 0:
+        raise RuntimeError(f"{module} {spec}: failed (exit {code}){_last_error(log_path)}; log: {log_path}")
+
+
+def _pretrain_sh(args: list[str], log_path: Path, env: dict[str, str]) -> int:
+    """``launch/pretrain.sh ARGS`` from the repository root, stdout and stderr into ``log_path``."""
     with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.run(
-            ["bash", str(REPO / "launch" / "pretrain.sh"), str(spec)],
+        return subprocess.run(
+            ["bash", str(REPO / "launch" / "pretrain.sh"), *args],
             cwd=REPO,
-            env=dict(os.environ, NPROC_PER_NODE=str(nproc), MEGAFORMER_MODULE=module),
+            env=dict(os.environ, **env),
             stdout=log,
             stderr=subprocess.STDOUT,
-        )
-    if proc.returncode != 0:
-        errors = [ln for ln in log_path.read_text(errors="replace").splitlines() if "error" in ln]
-        why = f": {errors[-1].strip()}" if errors else ""
-        raise RuntimeError(f"{module} {spec}: failed (exit {proc.returncode}){why}; log: {log_path}")
+        ).returncode
+
+
+def _last_error(log_path: Path) -> str:
+    """``": <the log's last line with 'error'>"``, or ``""``: the run's own error line is the useful
+    part of a failure (a bad key, a missing dataset), not just the exit code."""
+    errors = [ln for ln in log_path.read_text(errors="replace").splitlines() if "error" in ln]
+    return f": {errors[-1].strip()}" if errors else ""
