@@ -30,7 +30,8 @@ calibration, interleaved:
 With ``interleaved_rounds`` > 0, the step times' ratios come instead from one job that steps every
 config in the same processes, turn by turn (:func:`interleaved_step_times`,
 :mod:`megaformer.experiments.step_timing`): on a shared VM whose speed changes from one launch to
-the next by 10-25 %, launch-by-launch interleaving cannot resolve a few percent.
+the next by 10-25 %, launch-by-launch interleaving cannot resolve a few percent. The launches then
+give the evaluation and one-time seconds pooled over every config (:func:`pooled_launch_costs`).
 
 Each config's step time comes with its standard error over the launches, and the comparison
 reports it: on the 2-core project machine with one more core's worth of load, launches of one
@@ -336,7 +337,7 @@ def calibrate(
         interleaved_rounds: > 0 (and two or more measuring runs): the step times then come from
             one job that steps every config interleaved, ``steps_per_turn`` steps per turn, this
             many rounds (:func:`interleaved_step_times`; far less noisy on a shared machine); the
-            launches still give the evaluation and one-time seconds.
+            launches still give the evaluation and one-time seconds, pooled over the configs.
 
     Raises:
         ValueError: ``rounds < 2``, ``warmup < 1`` or ``measure < 3``.
@@ -407,7 +408,12 @@ def with_interleaved(
     The launches' level (the mean over every kept launch of its median step divided by its
     config's ratio) is kept on record (``launch_level``) with the launches' own mean
     (``launch_step_seconds``), and a disagreement above :data:`LEVEL_DISAGREEMENT` is warned about.
-    Each timing also keeps the job's ``ratio``, ``rounds_kept`` and ``steps``."""
+    Each timing also keeps the job's ``ratio``, ``rounds_kept`` and ``steps``.
+
+    The evaluation and one-time seconds are pooled the same way (:func:`pooled_launch_costs`):
+    one launch's evaluation is a single ~7 s sample, and per config they scattered by more than the
+    configs differ (the 2026-11-26 calibration gave NormFormer 8.43 s and Pre-LN 6.60 s per
+    evaluation over 3 launches, which alone cost NormFormer 1.7 % of its steps)."""
     est = [
         x["median_step_seconds"] / measured[n]["ratio"]
         for n, t in timings.items()
@@ -424,6 +430,7 @@ def with_interleaved(
             "and runs that see the launches' speed will spend that much more or less than the budget",
             flush=True,
         )
+    eval_level, fixed_level = pooled_launch_costs(timings, {n: m["ratio"] for n, m in measured.items()})
     out = {}
     for name, t in timings.items():
         m = measured[name]
@@ -431,15 +438,39 @@ def with_interleaved(
         out[name] = dataclasses.replace(
             t,
             step_seconds=m["step_seconds"],
+            eval_seconds=eval_level * m["ratio"],
+            fixed_seconds=fixed_level * m["ratio"],
             step_seconds_sem=m["sem"],
             ratio_sem=m["ratio_sem"],
             interleaved={
                 **record,
                 "launch_level": launch_level * m["ratio"],
                 "launch_step_seconds": t.step_seconds,
+                "launch_eval_seconds": t.eval_seconds,
+                "launch_fixed_seconds": t.fixed_seconds,
             },
         )
     return out
+
+
+def pooled_launch_costs(timings: dict[str, Timing], ratios: dict[str, float]) -> tuple[float, float]:
+    """``(evaluation seconds, one-time seconds)`` of a config whose step costs 1 × the first
+    config's, pooled over every kept launch of every config: each launch's evaluation and its
+    one-time cost (loop wall-clock minus its steps at its own median step and its evaluation; the
+    mean clamped at 0) divided by its config's step-time ``ratio``. A config's own are these times its
+    ratio: an evaluation is the same model's forward passes, so it costs what a step costs
+    relative to the others, and pooling the ``rounds × configs`` launches makes the estimate
+    ``√configs`` times less noisy than each config's own few (seconds; the step times' ratios
+    come from :func:`summarize_turns`)."""
+    evals, fixed = [], []
+    for name, t in timings.items():
+        for x in t.rounds:
+            if x.get("anomalous_round"):
+                continue
+            evals.append(x["eval_seconds"] / ratios[name])
+            own = x["wall_seconds"] - x["steps"] * x["median_step_seconds"] - x["eval_seconds"]
+            fixed.append(own / ratios[name])
+    return statistics.fmean(evals), max(0.0, statistics.fmean(fixed))
 
 
 ANOMALY_FACTOR = 1.5

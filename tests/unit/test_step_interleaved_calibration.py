@@ -6,6 +6,7 @@ for, and what the calibration makes of them is checked."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -100,8 +101,16 @@ def test_the_job_replaces_the_launches_step_times_and_keeps_theirs_on_record(mon
     launch_level = (1.00 / 1.0 + 0.90 / 1.04) / 2  # the launches', pooled over both configs
     assert timings["b"].interleaved["launch_level"] == pytest.approx(1.04 * launch_level)
     assert timings["b"].interleaved["ratio"] == pytest.approx(1.04)
-    assert timings["b"].eval_seconds == 0.5 and timings["b"].ratio_sem == pytest.approx(0.0, abs=1e-12)
-    assert timings["a"].fixed_seconds == pytest.approx(40.0 - 30 * 1.00 - 0.5)  # from the launches
+    assert timings["b"].ratio_sem == pytest.approx(0.0, abs=1e-12)
+    # evaluation and one-time seconds from the launches, pooled over both configs in units of a's
+    # step (each launch's divided by its config's ratio), then times each config's ratio
+    eval_level = (0.5 / 1.0 + 0.5 / 1.04) / 2
+    fixed_level = ((40.0 - 30 * 1.00 - 0.5) / 1.0 + (40.0 - 30 * 0.90 - 0.5) / 1.04) / 2
+    assert timings["a"].eval_seconds == pytest.approx(eval_level)
+    assert timings["b"].eval_seconds == pytest.approx(1.04 * eval_level)
+    assert timings["a"].fixed_seconds == pytest.approx(fixed_level)
+    assert timings["b"].fixed_seconds == pytest.approx(1.04 * fixed_level)
+    assert timings["b"].interleaved["launch_eval_seconds"] == 0.5
     (spec,) = jobs
     assert spec["rounds"] == 10 and spec["steps_per_turn"] == 1 and list(spec["runs"]) == ["a", "b"]
     assert "data.prefix=x" in spec["runs"]["a"]["overrides"]
@@ -180,3 +189,44 @@ def test_a_bad_spec_is_refused_naming_the_file_and_key(tmp_path, spec, match):
     with pytest.raises(ValueError, match=match) as e:
         step_timing.read_spec(str(path))
     assert str(path) in str(e.value)
+
+
+def test_noisy_evaluation_samples_do_not_tilt_the_step_counts():
+    """One launch's evaluation is one sample: on 2026-11-26 three of them gave NormFormer 8.43 s and
+    Pre-LN 6.60 s, and its run 1,064 steps to Pre-LN's 1,091 where the step-time ratio (1.008) alone
+    gives 1.6 % more. Pooled over the configs, the decided lengths follow the step-time ratio."""
+    from megaformer.training.budget import steps_for_budget
+
+    def launches(evals: list[float], walls: list[float], step: float) -> list[dict]:
+        return [
+            {"round": r, "median_step_seconds": step, "eval_seconds": e, "wall_seconds": w, "steps": 40}
+            for r, (e, w) in enumerate(zip(evals, walls))
+        ]
+
+    base = Timing(1.037, 6.60, 1.6, launches([6.1, 7.0, 6.7], [50.0, 50.0, 50.0], 1.037), 0.04, "pre")
+    other = Timing(1.046, 8.43, 0.0, launches([9.9, 7.4, 8.0], [48.0, 52.0, 49.0], 1.046), 0.04, "nf")
+    measured = {
+        n: {
+            "ratio": r,
+            "step_seconds": 0.94 * r,
+            "sem": 0.01,
+            "ratio_sem": 0.008,
+            "rounds_kept": 238,
+            "steps": 238,
+        }
+        for n, r in (("pre", 1.0), ("nf", 1.008))
+    }
+    out = cal.with_interleaved({"pre": base, "nf": other}, measured, "t")
+
+    def steps(t: Timing) -> int:
+        return steps_for_budget(
+            seconds_left=1206.0 - t.fixed_seconds, done=0, step_seconds=t.step_seconds,
+            eval_seconds=t.eval_seconds, eval_interval=100, max_steps=10**6,
+        )  # fmt: skip
+
+    assert out["nf"].eval_seconds / out["pre"].eval_seconds == pytest.approx(1.008)
+    assert steps(out["pre"]) / steps(out["nf"]) == pytest.approx(1.008, abs=0.002)
+    unpooled = {
+        n: dataclasses.replace(out[n], eval_seconds=t.eval_seconds) for n, t in (("pre", base), ("nf", other))
+    }
+    assert steps(unpooled["pre"]) / steps(unpooled["nf"]) > 1.02  # what the launches' own gave
