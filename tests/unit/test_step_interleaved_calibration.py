@@ -230,3 +230,16 @@ def test_noisy_evaluation_samples_do_not_tilt_the_step_counts():
         n: dataclasses.replace(out[n], eval_seconds=t.eval_seconds) for n, t in (("pre", base), ("nf", other))
     }
     assert steps(unpooled["pre"]) / steps(unpooled["nf"]) > 1.02  # what the launches' own gave
+
+
+def test_the_table_reports_the_paired_ratio_error_of_the_job():
+    """The comparison table's "step time vs baseline" error: the job's paired ratio error, not the
+    step times' own errors (which hold the machine's level, common to every config: ±5 % where the
+    pairs measured ±0.8 % in the final CPU comparison)."""
+    from megaformer.experiments import compare as cmp
+
+    base = Timing(1.037, 7.0, 1.0, [], 0.0386, "pre", ratio_sem=0.0, interleaved={"ratio": 1.0})
+    nf = Timing(1.046, 7.0, 1.0, [], 0.0390, "nf", ratio_sem=0.0077, interleaved={"ratio": 1.008})
+    assert cmp._ratio_sem(nf, base) == pytest.approx(1.046 / 1.037 * 0.0077)
+    launches = Timing(1.046, 7.0, 1.0, [], 0.0390, "nf")  # launch-timed: the propagated errors
+    assert cmp._ratio_sem(launches, base) > 0.05

@@ -1,0 +1,81 @@
+"""The final comparison's table, seed table and plot from the runs that have finished so far.
+
+``compare`` writes ``comparison.md``/``.json`` and the plot only after its last run; the final CPU
+comparison spans sessions, so this script makes the same outputs, with ``compare``'s own functions
+and the comparison's saved calibration, from the finished runs committed under ``finished/``
+(each run directory holds ``summary.json``, ``config.json`` and its TensorBoard events)::
+
+    python experiments/cpu-final/partial_report.py experiments/cpu-final/finished
+
+Writes ``comparison-partial.md``, ``comparison-partial.json`` and
+``valid_ppl_vs_device_hours-partial.png`` into that directory; the runs missing from the
+comparison's 11 are listed in the Markdown. The baseline is the first finished run of
+``ORDER`` (the command's config order).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from megaformer.config import load_config, to_dict
+from megaformer.experiments.calibrate import Timing
+from megaformer.experiments.compare import (
+    _ppl,
+    calibrated_curve,
+    comparison_rows,
+    markdown_table,
+    plot,
+)
+from megaformer.experiments.seeds import seed_groups, seed_summary, seed_table
+
+ORDER = [
+    f"{scheme}_s{seed}"
+    for scheme in ("pre_ln", "normformer", "normformer_resscale")
+    for seed in (1234, 5678, 4321)
+] + ["post_ln_s1234", "deepnorm_s1234"]
+BUDGET = 0.67
+
+
+def main(root: Path) -> None:
+    """Write the partial report into ``root`` (the committed ``finished/`` directory)."""
+    cal = json.loads((root / "calibration.json").read_text())
+    done = [n for n in ORDER if (root / n / "summary.json").is_file()]
+    runs, timings, loaded = {}, {}, {}
+    for name in done:
+        summary = json.loads((root / name / "summary.json").read_text())
+        summary["tensorboard_dir"] = str(root / name / "tensorboard")  # the committed copy
+        runs[name] = {"summary": summary, "curve": calibrated_curve(summary)}
+        t = cal["timings"][name]
+        timings[name] = Timing(**t)
+        loaded[name] = load_config(str(root / name / "config.json"))
+    rows = comparison_rows(runs, BUDGET, timings)
+    groups = seed_groups({n: to_dict(c) for n, c in loaded.items()})
+    over_seeds = seed_summary(
+        rows,
+        groups,
+        {n: c.train.seed for n, c in loaded.items()},
+        {n: c.split_seed for n, c in loaded.items()},
+    )
+    best_ppl = _ppl(min(loss for _, _, loss in runs[done[0]]["curve"]))
+    missing = [n for n in ORDER if n not in done]
+    text = markdown_table(rows, best_ppl, BUDGET) + "\n" + seed_table(over_seeds)
+    text += f"\nNot trained yet: {', '.join(missing) or 'none'}.\n"
+    (root / "comparison-partial.md").write_text(text, encoding="utf-8")
+    record = {
+        "budget_device_hours": BUDGET,
+        "runs": done,
+        "missing": missing,
+        "timings": {n: asdict(t) for n, t in timings.items()},
+        "rows": rows,
+        "seed_groups": over_seeds,
+    }
+    (root / "comparison-partial.json").write_text(json.dumps(record, indent=2))
+    plot(runs, str(root / "valid_ppl_vs_device_hours-partial.png"), BUDGET, groups)
+    print(text)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
