@@ -39,6 +39,35 @@ ORDER = [
 BUDGET = 0.67
 
 
+STEPS = (300, 500, 700, 900)
+
+
+def equal_steps_table(runs: dict[str, dict], timings: dict[str, Timing]) -> str:
+    """Validation loss at equal steps, with each run's decided and trained steps: the view that the
+    machine's speed during a run cannot move (a run cut by the spend limit, because the machine ran
+    slower than calibrated, loses its last steps, not these); a step's cost relative to the
+    baseline's is the calibration's ratio."""
+    lines = [
+        "Validation loss at equal steps (nats; step cost: a step's calibrated cost relative to the first "
+        "run's):",
+        "",
+        "| run | step cost | " + " | ".join(f"step {k}" for k in STEPS) + " | trained (decided) | final |",
+        "|---|---|" + "---|" * len(STEPS) + "---|---|",
+    ]
+    base = timings[next(iter(runs))].step_seconds
+    for name, run in runs.items():
+        at = {step: loss for step, _, loss in run["curve"]}
+        s = run["summary"]
+        cells = " | ".join(f"{at[k]:.4f}" if k in at else "—" for k in STEPS)
+        cut = (s["steps"] / s["budget_steps"] - 1) if s.get("budget_stopped_at") else 0.0
+        trained = f"{s['steps']:,} ({s['budget_steps']:,}{f', {cut:+.1%}' if cut else ''})"
+        lines.append(
+            f"| {name} | {timings[name].step_seconds / base:.3f} | {cells} | {trained} | "
+            f"{s['final_valid_loss']:.4f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main(root: Path) -> None:
     """Write the partial report into ``root`` (the committed ``finished/`` directory)."""
     cal = json.loads((root / "calibration.json").read_text())
@@ -62,6 +91,7 @@ def main(root: Path) -> None:
     best_ppl = _ppl(min(loss for _, _, loss in runs[done[0]]["curve"]))
     missing = [n for n in ORDER if n not in done]
     text = markdown_table(rows, best_ppl, BUDGET) + "\n" + seed_table(over_seeds)
+    text += "\n" + equal_steps_table(runs, timings)
     text += f"\nNot trained yet: {', '.join(missing) or 'none'}.\n"
     (root / "comparison-partial.md").write_text(text, encoding="utf-8")
     record = {
