@@ -20,7 +20,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from megaformer.config import load_config, to_dict
+from megaformer.config import load_config
 from megaformer.experiments.calibrate import Timing
 from megaformer.experiments.compare import (
     _ppl,
@@ -28,8 +28,9 @@ from megaformer.experiments.compare import (
     comparison_rows,
     markdown_table,
     plot,
+    seed_rows,
 )
-from megaformer.experiments.seeds import seed_groups, seed_summary, seed_table
+from megaformer.experiments.seeds import seed_table
 
 ORDER = [
     f"{scheme}_s{seed}"
@@ -81,13 +82,7 @@ def main(root: Path) -> None:
         timings[name] = Timing(**t)
         loaded[name] = load_config(str(root / name / "config.json"))
     rows = comparison_rows(runs, BUDGET, timings)
-    groups = seed_groups({n: to_dict(c) for n, c in loaded.items()})
-    over_seeds = seed_summary(
-        rows,
-        groups,
-        {n: c.train.seed for n, c in loaded.items()},
-        {n: c.split_seed for n, c in loaded.items()},
-    )
+    groups, over_seeds = seed_rows(rows, loaded)
     best_ppl = _ppl(min(loss for _, _, loss in runs[done[0]]["curve"]))
     missing = [n for n in ORDER if n not in done]
     text = markdown_table(rows, best_ppl, BUDGET) + "\n" + seed_table(over_seeds)

@@ -318,6 +318,14 @@ def run_order(names: Sequence[str], order: str, seed: int) -> list[str]:
     return shuffled
 
 
+def seed_rows(rows: list[dict], loaded: dict) -> tuple[dict[str, list[str]], list[dict]]:
+    """``(seed groups, per-group summary)`` of the table's ``rows`` (:mod:`.seeds`), from each run's
+    loaded config (``loaded``: name -> RunConfig)."""
+    groups = seed_groups({n: to_dict(c) for n, c in loaded.items()})
+    seeds = {n: c.train.seed for n, c in loaded.items()}
+    return groups, seed_summary(rows, groups, seeds, {n: c.split_seed for n, c in loaded.items()})
+
+
 def compare(
     configs: Sequence[str],
     names: Sequence[str],
@@ -360,13 +368,7 @@ def compare(
     rows = comparison_rows(runs, budget, timings)
     best_ppl = _ppl(min(loss for _, _, loss in runs[names[0]]["curve"]))
     loaded = {n: load_config(by_name[n], list(overrides)) for n in names}
-    groups = seed_groups({n: to_dict(c) for n, c in loaded.items()})
-    over_seeds = seed_summary(
-        rows,
-        groups,
-        {n: c.train.seed for n, c in loaded.items()},
-        {n: c.split_seed for n, c in loaded.items()},
-    )
+    groups, over_seeds = seed_rows(rows, loaded)
     seeds_md = seed_table(over_seeds)
     table = markdown_table(rows, best_ppl, budget) + (f"\n{seeds_md}" if seeds_md else "")
     (root / "comparison.md").write_text(table, encoding="utf-8")
