@@ -305,6 +305,16 @@ class TrainConfig:
     eval_batches: int = 4
     """Global batches per validation (Megatron's --eval-iters): the first eval_batches ×
     global_batch_size held-out samples, the same at any data-parallel size."""
+    final_eval_batches: int = -1
+    """Global batches of the final validation, after the last step: -1 as train.eval_batches (the
+    final one reads what every other one reads); 0 every full global batch the held-out documents
+    hold (the whole held-out set less a remainder of fewer than global_batch_size samples), so the
+    figure runs are ranked by carries no sampling noise of its own; N > 0 the first N batches.
+    When it differs from train.eval_batches, the sampled validation still runs at the last step
+    (the curve stays comparable) and summary.json's final_valid_loss is this one's, with
+    final_valid_loss_sampled and final_valid_tokens beside it. Not charged to a compute budget (it
+    measures the run; the budget counts its training and its regular validations). 0 needs the
+    held-out split of data.valid_fraction (not data.split or data.valid_prefix)."""
     save_interval: int = 100
     """Checkpoint every this many steps (and at the end); 0: only at the end."""
     resume: str = "none"
@@ -349,10 +359,15 @@ class TrainConfig:
     """The calibrated one-time wall-clock seconds of a run (the first steps' warm-up beyond the
     step time, the final checkpoint), taken out of the budget before the length is fixed; used
     with train.budget_step_seconds."""
-    budget_overrun: float = 0.02
+    budget_overrun: float = 0.10
     """A budget run whose device-hours so far exceed train.budget_device_hours by more than this
-    fraction (the machine ran slower than measured) ends at that step, evaluated and saved, and
-    its summary says so (budget_stopped_at). The run is complete (exit 0), not preempted."""
+    fraction ends at that step, evaluated and saved, and its summary says so (budget_stopped_at;
+    the log names this key). The run is complete (exit 0), not preempted. A guard against a wrong
+    calibration (a step time measured for another config or machine), not against a slow hour:
+    the step count is fixed once from the calibration, and a machine that wanders by a few percent
+    during the run must not cut it (at 2 %, the CPU reproduction lost 0.3-6.7 % of 4 runs' steps
+    to a VM's drift; EXPERIMENTS.md). The comparison's compute is counted in calibrated
+    device-hours (steps × calibrated step time), which no drift moves."""
     budget_machine_factor: float = 1.0
     """This machine's step time divided by the calibrated one (train.budget_step_seconds ...), when
     those were measured on another machine or another day: megaformer.experiments.compare and sweep

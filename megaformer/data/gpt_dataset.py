@@ -25,6 +25,7 @@ from data_tools.sample_index import build_sample_index, load_or_build, split_doc
 from data_tools.stats import mixture_unigram_entropy, read_stats
 
 __all__ = [
+    "WHOLE_HELDOUT",
     "BlendedSamples",
     "GPTSamples",
     "build_sample_index",
@@ -149,6 +150,11 @@ def _datasets_of(prefix: str, blend: str) -> list[tuple[float, str]]:
     return [(1.0, prefix)]
 
 
+WHOLE_HELDOUT = -1
+"""``valid_samples`` of :func:`build_train_valid` meaning every sample the held-out documents hold
+(a comparison's final validation: ``train.final_eval_batches = 0``)."""
+
+
 def _split_one(
     path: str,
     weight: float,
@@ -161,8 +167,9 @@ def _split_one(
     cache_dir: str | None,
     info: dict,
 ) -> tuple[GPTSamples, GPTSamples]:
-    """One dataset's training and validation samples (``n_train`` / ``n_valid`` of them), its counts
-    added to ``info`` (see :func:`build_train_valid`).
+    """One dataset's training and validation samples (``n_train`` / ``n_valid`` of them;
+    ``n_valid`` = :data:`WHOLE_HELDOUT`: all its held-out samples), its counts added to ``info``
+    (see :func:`build_train_valid`).
 
     Raises:
         DataFormatError: its held-out documents hold fewer than ``n_valid`` samples.
@@ -172,6 +179,8 @@ def _split_one(
     train_ids, valid_ids = split_documents(len(lengths), valid_fraction, split_seed)
     valid_tokens = int(lengths[valid_ids].sum())
     max_valid = (valid_tokens - 1) // seq_len
+    if n_valid == WHOLE_HELDOUT:  # every sample the held-out documents hold, in order
+        n_valid = max_valid
     if max_valid < n_valid:
         raise DataFormatError(
             f"{path}: the held-out documents hold {valid_tokens} tokens = {max_valid} samples of "
@@ -224,6 +233,10 @@ def build_train_valid(
     Validation samples come from held-out documents of each dataset in natural order (the same every
     evaluation). With ``blend`` (Megatron's ``--data-path`` form, ``"0.7 A 0.3 B"``) ``prefix`` is
     ignored and each dataset gets its weight's share of the train and of the validation samples.
+    ``valid_samples`` = :data:`WHOLE_HELDOUT` (-1) takes every sample the held-out documents hold
+    (of a blend: each dataset's, blended in proportion to them): the whole held-out set, in order,
+    whose first ``n`` samples are those a build of ``n`` gives (the order does not depend on the
+    count), so a run's regular validations read the same samples either way.
 
     Args:
         seed: seeds the training samples' order.
@@ -243,7 +256,8 @@ def build_train_valid(
     pairs = _datasets_of(prefix, blend)
     weights = [w for w, _ in pairs]
     train_counts = apportion(weights, train_samples)
-    valid_counts = apportion(weights, valid_samples)
+    whole = valid_samples == WHOLE_HELDOUT
+    valid_counts = np.full(len(pairs), WHOLE_HELDOUT) if whole else apportion(weights, valid_samples)
     info = {"train_documents": 0, "valid_documents": 0, "train_tokens": 0, "valid_tokens": 0, "blend": []}
     info |= {"index_cache_hits": 0, "index_cache_builds": 0}  # sample indices loaded / built (cached)
     split_by = seed if split_seed is None else split_seed  # resolved once, for every dataset
@@ -257,6 +271,8 @@ def build_train_valid(
     if len(pairs) == 1:
         return trains[0], valids[0], info
     train = BlendedSamples(trains, *blend_indices(train_counts))
+    if whole:  # the counts are known only now
+        valid_counts = np.array([len(v) for v in valids], dtype=np.int64)
     valid = BlendedSamples(valids, *blend_indices(valid_counts))
     return train, valid, info
 

@@ -302,12 +302,12 @@ def _build_data(cfg: RunConfig, stats: list, datasets: list[tuple[float, str]]) 
             test_prefix=cfg.data.test_prefix,
             seq_len=seq_len,
             train_samples=t.steps * t.global_batch_size,
-            eval_samples=eval_samples,
+            eval_samples=_valid_samples(cfg, eval_samples),  # 0 (whole) is refused by the config
             seed=t.seed,
             cache_dir=cache_dir,
         )
     else:
-        train, valid, info = _train_valid(cfg, seq_len, eval_samples, cache_dir)
+        train, valid, info = _train_valid(cfg, seq_len, _valid_samples(cfg, eval_samples), cache_dir)
         if cfg.data.test_prefix:
             from megaformer.data.heldout import ordered_samples
 
@@ -327,6 +327,17 @@ def _build_data(cfg: RunConfig, stats: list, datasets: list[tuple[float, str]]) 
         shares = [b["train_samples"] for b in info["blend"]]
         entropy = mixture_unigram_entropy(stats, [s / sum(shares) for s in shares])
     return Data(train, valid, info, entropy, test)
+
+
+def _valid_samples(cfg: RunConfig, eval_samples: int) -> int:
+    """Held-out samples to build: what the regular validations read, or more for the final one
+    (``train.final_eval_batches``; 0 = :data:`~megaformer.data.gpt_dataset.WHOLE_HELDOUT`)."""
+    from megaformer.data.gpt_dataset import WHOLE_HELDOUT
+
+    t = cfg.train
+    if t.final_eval_batches == 0:
+        return WHOLE_HELDOUT
+    return max(eval_samples, t.final_eval_batches * t.global_batch_size)
 
 
 def _train_valid(cfg: RunConfig, seq_len: int, eval_samples: int, cache_dir: str) -> tuple[Any, Any, dict]:

@@ -49,23 +49,39 @@ def safe_exp(x: float) -> float:
 
 
 class Evaluator:
-    """Validation loss over the first ``eval_batches × global_batch_size`` held-out samples.
+    """Validation loss over the first ``batches × global_batch_size`` held-out samples.
 
     The same samples, cut into the same micro-batches, at any data-parallel size: each rank reads
     its share and the per-micro-batch means are averaged over all of them.
     """
 
-    def __init__(self, engine: Any, cfg: RunConfig, layout: Layout, data: Data, samples: Any = None) -> None:
-        """``samples``: what to evaluate (default ``data.valid``; the test set for the test loss)."""
+    def __init__(
+        self,
+        engine: Any,
+        cfg: RunConfig,
+        layout: Layout,
+        data: Data,
+        samples: Any = None,
+        batches: int | None = None,
+    ) -> None:
+        """``samples``: what to evaluate (default ``data.valid``; the test set for the test loss).
+        ``batches``: global batches per evaluation (default ``train.eval_batches``; 0: every full
+        global batch of ``samples``)."""
         from megaformer.data.loader import valid_loader
 
         t = cfg.train
+        samples = data.valid if samples is None else samples
+        batches = t.eval_batches if batches is None else batches
+        if batches == 0:
+            batches = len(samples) // t.global_batch_size
         self.engine = engine
         self.device = layout.device
-        self.micro_batches = t.eval_batches * engine.gas
+        self.batches = batches
+        self.tokens = batches * t.global_batch_size * cfg.model.seq_len
+        self.micro_batches = batches * engine.gas
         self.loader = valid_loader(
-            data.valid if samples is None else samples,
-            eval_batches=t.eval_batches,
+            samples,
+            eval_batches=batches,
             global_batch_size=t.global_batch_size,
             micro_batch_size=t.micro_batch_size,
             dp_rank=layout.dp_rank,
@@ -138,6 +154,16 @@ class TrainLoop:
         self.evaluate = Evaluator(engine, cfg, layout, data)
         self.evaluate_test = None if data.test is None else Evaluator(engine, cfg, layout, data, data.test)
         self.test_loss = math.nan
+        # The final validation on more of the held-out set (train.final_eval_batches), after the
+        # last step's regular one; not charged to a budget (it measures, see the key's doc).
+        final = cfg.train.final_eval_batches
+        self.evaluate_final = None
+        if final != -1:
+            self.evaluate_final = Evaluator(engine, cfg, layout, data, batches=final)
+            if self.evaluate_final.batches == self.evaluate.batches:
+                self.evaluate_final = None  # the same samples: the regular one is the final one
+        self.final_loss = math.nan  # that validation's loss, when it ran
+        self.sampled_loss = math.nan  # the regular validation's at the last step, beside it
         self.tb_dir = os.path.join(cfg.output.dir, "tensorboard")
         # purge_step: TensorBoard hides the events a killed run wrote after the step this run starts
         # from (the checkpoint's own step keeps its scalars; a restart from scratch purges them all).
@@ -273,6 +299,8 @@ class TrainLoop:
                 log(self.layout, f"stopping at step {step}/{self.total}: {self.stopped}; saving a checkpoint")
                 break
         self.last_step = step
+        if self.evaluate_final is not None and not self.stopped and step == self.total:
+            self._validate_final(step)
         if self.evaluate_test is not None and not self.stopped:  # once, after the last step (Megatron's)
             self.test_loss = float(self._paused(self.evaluate_test))
             ppl = safe_exp(self.test_loss)
@@ -392,6 +420,31 @@ class TrainLoop:
                 log(self.layout, f"step {done}: {warning}")
         if evaluate:
             self._validate(done, total)
+
+    def _validate_final(self, step: int) -> None:
+        """The final validation on ``train.final_eval_batches`` of the held-out set, after the
+        regular one of the last step: ``valid_final/*`` in TensorBoard, the log, and (in
+        :func:`_summary`) ``final_valid_loss``. Its time is not added to :attr:`paused`' budget
+        share: a run's compute is its steps and regular validations."""
+        ev = self.evaluate_final
+        t0 = time.perf_counter()
+        self.sampled_loss = self.valid_loss
+        self.final_loss = float(ev())
+        seconds = time.perf_counter() - t0
+        ppl = safe_exp(self.final_loss)
+        scalars = {
+            "valid_final/loss": self.final_loss,
+            "valid_final/ppl": ppl,
+            "valid_final/seconds": seconds,
+        }
+        self.writer.scalars(step, scalars | {"valid_final/tokens": float(ev.tokens)})
+        log(
+            self.layout,
+            f"step {step} | final validation on {ev.tokens:,} held-out tokens ({ev.batches} batches; "
+            f"train.final_eval_batches={self.cfg.train.final_eval_batches}): loss {self.final_loss:.4f} | "
+            f"ppl {ppl:.2f} | {seconds:.1f} s (the sampled one: {self.valid_loss:.4f})",
+        )
+        self.writer.flush()
 
     def _validate(self, done: int, total: int) -> None:
         """One validation after step ``done``: TensorBoard (loss, ppl, its wall-clock seconds) and log."""
@@ -646,7 +699,7 @@ def _summary(
     t = cfg.train
     # Median step time: robust to the first steps' warm-up and to evaluation pauses.
     median_step = float(np.median(loop.step_times)) if loop.step_times else math.nan
-    valid_loss = loop.valid_loss
+    valid_loss = loop.final_loss if math.isfinite(loop.final_loss) else loop.valid_loss
     ckpt = os.path.abspath(os.path.join(cfg.output.dir, "checkpoints", f"global_step{loop.last_step}"))
     summary = {
         "steps": loop.last_step,
@@ -663,6 +716,9 @@ def _summary(
         "unigram_entropy": data.unigram_entropy,
         **_compute_summary(loop),
     }
+    if math.isfinite(loop.final_loss):  # the final validation read more than the regular ones
+        summary["final_valid_loss_sampled"] = loop.sampled_loss
+        summary["final_valid_tokens"] = loop.evaluate_final.tokens
     if math.isfinite(loop.test_loss):
         summary |= {"final_test_loss": loop.test_loss, "final_test_ppl": safe_exp(loop.test_loss)}
     if t.budget_device_hours > 0:

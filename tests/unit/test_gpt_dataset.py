@@ -12,6 +12,7 @@ import pytest
 from data_tools.indexed_dataset import DataFormatError, IndexedDataset, IndexedDatasetWriter
 from data_tools.stats import compute_stats, write_stats
 from megaformer.data.gpt_dataset import (
+    WHOLE_HELDOUT,
     BlendedSamples,
     GPTSamples,
     build_sample_index,
@@ -137,6 +138,33 @@ def test_split_seed_holds_out_the_same_documents_for_every_training_seed(synthet
     own = [build_train_valid(prefix, 8, 40, 4, valid_fraction=0.2, seed=s)[1] for s in (1, 2)]
     assert set(own[0].doc_idx.tolist()) == set(split_documents(30, 0.2, seed=1)[1].tolist())
     assert set(own[0].doc_idx.tolist()) != set(own[1].doc_idx.tolist())
+
+
+def test_the_whole_held_out_set_starts_with_the_sampled_validation(synthetic, tmp_path):
+    """train.final_eval_batches=0: every sample the held-out documents hold, and the regular
+    validations' samples are its first ones (so a run's curve is the same either way)."""
+    prefix, docs = synthetic
+    _, sampled, info = build_train_valid(prefix, 8, 40, 4, valid_fraction=0.2, seed=2, split_seed=7)
+    _, whole, info_whole = build_train_valid(
+        prefix, 8, 40, WHOLE_HELDOUT, valid_fraction=0.2, seed=2, split_seed=7
+    )
+    held = split_documents(30, 0.2, seed=7)[1]
+    tokens = sum(len(docs[d]) for d in held)
+    assert info_whole["valid_tokens"] == info["valid_tokens"] == tokens
+    assert len(whole) == (tokens - 1) // 8 and len(sampled) == 4
+    assert [whole[i].tolist() for i in range(4)] == [sampled[i].tolist() for i in range(4)]
+    # every held-out token is read once, in order, but the last sample's final one (its label only)
+    stream = [t for d in sorted(held.tolist(), key=whole.doc_idx.tolist().index) for t in docs[d]]
+    read = [t for i in range(len(whole)) for t in whole[i].tolist()[:-1]]
+    assert read == stream[: len(read)] and len(stream) - len(read) < 8 + 1
+    # a blend: each dataset's whole held-out set, blended in proportion to their sizes
+    other = _write(tmp_path / "other_text_document", docs[:20])
+    blend = f"0.5 {prefix} 0.5 {other}"
+    _, mixed, _ = build_train_valid(
+        "", 8, 40, WHOLE_HELDOUT, valid_fraction=0.2, seed=2, split_seed=7, blend=blend
+    )
+    parts = [build_train_valid(p, 8, 40, WHOLE_HELDOUT, 0.2, 2, split_seed=7)[1] for p in (prefix, other)]
+    assert len(mixed) == sum(len(p) for p in parts)
 
 
 def test_too_little_validation_data_is_a_clear_error(synthetic):
