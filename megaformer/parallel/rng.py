@@ -197,10 +197,34 @@ class DropoutRNG:
         """The current region states (for exact resume with dropout)."""
         return {region: state.clone() for region, state in self._states.items()}
 
-    def load_state_dict(self, states: dict[str, torch.Tensor]) -> None:
-        """Restore states saved by :meth:`state_dict` (on a generator of the same device type)."""
+    def load_state_dict(self, states: dict[str, torch.Tensor], device_type: str | None = None) -> None:
+        """Restore states saved by :meth:`state_dict` (on a generator of the same device type).
+
+        Args:
+            states: ``{region: generator state}``.
+            device_type: the type of the generator the states come from (``"cpu"``, ``"cuda"``);
+                None: told by their size (:func:`state_device_type`).
+
+        Raises:
+            GeneratorDeviceError: states of another device type than :attr:`device`'s (a CUDA
+                Philox state cannot drive a CPU generator, nor the reverse); nothing is changed.
+        """
+        for region in REGIONS:
+            saved = device_type or state_device_type(states[region])
+            if saved != self.device.type:
+                raise GeneratorDeviceError(
+                    f"dropout generator state of region {region!r} is a {saved} generator's "
+                    f"({states[region].numel()} bytes); this DropoutRNG serves {self.device.type}"
+                )
         for region in REGIONS:
             self._states[region] = states[region].clone()
+
+    def reseed(self, salt: str) -> None:
+        """Re-seed every region for :attr:`device`'s generator from the run seed, this rank's
+        coordinates and ``salt`` (e.g. ``"resumed at step 40 on cpu"``): the same states on every
+        run that passes the same salt, independent of the states of the initial seed."""
+        self._seeds = {region: derive_seed(s, salt) for region, s in self._seeds.items()}
+        self._states = {region: self._initial_state(s) for region, s in self._seeds.items()}
 
     @contextlib.contextmanager
     def replaying(self, snapshot: dict[str, torch.Tensor]) -> Iterator[None]:
@@ -213,6 +237,21 @@ class DropoutRNG:
             yield
         finally:
             self.load_state_dict(after)
+
+
+class GeneratorDeviceError(RuntimeError):
+    """Generator states of one device type offered to a generator of another."""
+
+
+CUDA_STATE_BYTES = 16
+"""Size of CUDA's Philox generator state (seed and offset, :func:`cuda_philox_state`); a CPU
+generator's (Mersenne Twister) is 5056 bytes."""
+
+
+def state_device_type(state: torch.Tensor) -> str:
+    """The device type a generator state belongs to, told by its size: ``"cuda"`` for a 16-byte
+    Philox state, else ``"cpu"``. For states saved before checkpoints recorded the type."""
+    return "cuda" if state.numel() == CUDA_STATE_BYTES else "cpu"
 
 
 def cuda_philox_state(seed: int) -> torch.Tensor:

@@ -328,7 +328,9 @@ class Checkpointer:
         step = int(client_state["step"])
         log(lay, f"resumed from {path} at step {step}")
         tag_dir = os.path.join(load_dir, tag[0])
-        restored, why = load_rng_state(tag_dir, lay.rank, lay.rng_layout(), self.dropout_rng, lay.device)
+        restored, why = load_rng_state(
+            tag_dir, lay.rank, lay.rng_layout(), self.dropout_rng, lay.device, step=step
+        )
         if not restored:  # from any rank: rank 0's line below speaks for the count only
             print(f"[megaformer] rank {lay.rank}: {why}", flush=True)
         from megaformer.parallel.comm import all_reduce_ints

@@ -81,3 +81,51 @@ def test_file_written_before_the_safe_format_still_restores(tmp_path):
     np.random.seed(0)
     restored, _ = load_rng_state(str(tmp_path), 0, LAYOUT, DropoutRNG(7), CPU)
     assert restored and np.array_equal(np.random.rand(3), expected)
+
+
+@pytest.mark.parametrize("tagged", [True, False], ids=["tagged-cuda", "untagged-older-file"])
+def test_cuda_generator_states_resume_on_cpu_reseeded(tmp_path, tagged):
+    """Issue 39: a checkpoint written on a GPU (CUDA Philox states: 16 bytes each) resumed on a CPU
+    crashed at the first dropout; now the dropout generators are re-seeded from the seed and the
+    step (the same masks on every such resume), said in the log, and the other streams restored."""
+    from megaformer.parallel.rng import cuda_philox_state
+
+    tag_dir = str(tmp_path / "global_step40")
+    np.random.seed(11)
+    path = save_rng_state(tag_dir, 1, LAYOUT, DropoutRNG(7, tp_rank=1), CPU)
+    state = torch.load(path, weights_only=True)
+    state["dropout"] = {r: cuda_philox_state(100 + i) for i, r in enumerate(("replicated", "sharded"))}
+    state["cuda"] = cuda_philox_state(5)
+    if tagged:
+        state["dropout_device"] = "cuda"
+    else:
+        state.pop("dropout_device", None)  # written before the type was recorded: told by the size
+    torch.save(state, path)
+    np.random.seed(11)
+    expected_numpy = np.random.rand(3)
+
+    draws = []
+    for _ in range(2):
+        rng = DropoutRNG(7, tp_rank=1)
+        np.random.seed(0)
+        restored, message = load_rng_state(tag_dir, 1, LAYOUT, rng, CPU)
+        assert not restored
+        assert "saved on cuda" in message and "runs on cpu" in message and "step 40" in message
+        assert "re-seeded" in message
+        draws.append(_draw(rng))  # crashed before: "Expected a CPUGeneratorImplState of size 5056"
+        assert np.array_equal(np.random.rand(3), expected_numpy)  # device-independent: restored
+    assert torch.equal(draws[0], draws[1])  # deterministic
+    assert not torch.equal(draws[0], _draw(DropoutRNG(7, tp_rank=1)))  # not the step-0 stream
+
+
+def test_dropout_rng_refuses_states_of_another_device_type():
+    from megaformer.parallel.rng import GeneratorDeviceError, cuda_philox_state
+
+    rng = DropoutRNG(7)
+    before = rng.state_dict()
+    cuda_states = {"replicated": cuda_philox_state(1), "sharded": cuda_philox_state(2)}
+    with pytest.raises(GeneratorDeviceError, match=r"cuda generator's \(16 bytes\).* serves cpu"):
+        rng.load_state_dict(cuda_states)
+    with pytest.raises(GeneratorDeviceError, match="serves cpu"):
+        rng.load_state_dict(before, device_type="cuda")
+    assert all(torch.equal(rng.state_dict()[r], before[r]) for r in before)  # nothing changed
