@@ -3,7 +3,8 @@
 ``compare`` writes ``comparison.md``/``.json`` and the plot only after its last run; the final CPU
 comparison spans sessions, so this script makes the same outputs, with ``compare``'s own functions
 and the comparison's saved calibration, from the finished runs committed under ``finished/``
-(each run directory holds ``summary.json``, ``config.json`` and its TensorBoard events)::
+(each run directory holds ``summary.json``, ``config.json`` and its scalars, ``scalars.json.gz``,
+which ``compare`` reads as it reads TensorBoard events; docs/compare.md, committed runs)::
 
     python experiments/cpu-final/partial_report.py experiments/cpu-final/finished
 
@@ -76,7 +77,8 @@ def main(root: Path) -> None:
     runs, timings, loaded = {}, {}, {}
     for name in done:
         summary = json.loads((root / name / "summary.json").read_text())
-        summary["tensorboard_dir"] = str(root / name / "tensorboard")  # the committed copy
+        # the committed copy: no events there, so valid_curve reads the run's scalars.json.gz
+        summary["tensorboard_dir"] = str(root / name / "tensorboard")
         runs[name] = {"summary": summary, "curve": calibrated_curve(summary)}
         t = cal["timings"][name]
         timings[name] = Timing(**t)

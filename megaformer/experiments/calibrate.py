@@ -184,13 +184,13 @@ def round_order(names: list[str], r: int) -> list[str]:
 
 
 def _scalars(tb_dir: str, tag: str) -> dict[int, float]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    """``{step: value}`` of one tag of a run's TensorBoard events, or of its ``scalars.json.gz``."""
+    from megaformer.experiments.scalars import read_tb_dir
 
-    acc = EventAccumulator(tb_dir, size_guidance={"scalars": 0})
-    acc.Reload()
-    if tag not in acc.Tags()["scalars"]:
+    scalars = read_tb_dir(tb_dir)
+    if tag not in scalars:
         raise ValueError(f"{tb_dir}: no '{tag}' scalars; was it written by megaformer.train?")
-    return {e.step: e.value for e in acc.Scalars(tag)}
+    return dict(scalars[tag])
 
 
 def timing_overrides(warmup: int, measure: int) -> list[str]:

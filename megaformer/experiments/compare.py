@@ -54,23 +54,25 @@ from megaformer.experiments.seeds import seed_groups, seed_summary, seed_table
 
 
 def valid_curve(tb_dir: str) -> list[tuple[int, float, float]]:
-    """``[(step, device_hours, valid_loss)]`` of a run, from its TensorBoard events.
+    """``[(step, device_hours, valid_loss)]`` of a run, from its TensorBoard events in ``tb_dir``
+    (``<run dir>/tensorboard``) or, when there are none, from the compact file beside it
+    (``<run dir>/scalars.json.gz``, as committed runs keep them; :mod:`.scalars`).
 
     The device-hours of an evaluation are those logged for its step (``train/device_hours``).
 
     Raises:
-        ValueError: the directory holds no ``valid/loss`` or no ``train/device_hours`` scalars.
+        ScalarsNotFoundError: neither form is there (the message names both and the fix); a
+            ``ValueError`` too.
+        ValueError: the run holds no ``valid/loss`` or no ``train/device_hours`` scalars.
     """
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from megaformer.experiments.scalars import read_tb_dir
 
-    acc = EventAccumulator(tb_dir, size_guidance={"scalars": 0})
-    acc.Reload()
-    tags = acc.Tags()["scalars"]
+    scalars = read_tb_dir(tb_dir)
     for tag in ("valid/loss", "train/device_hours"):
-        if tag not in tags:
+        if tag not in scalars:
             raise ValueError(f"{tb_dir}: no '{tag}' scalars; was it written by megaformer.train?")
-    hours = {e.step: e.value for e in acc.Scalars("train/device_hours")}
-    return [(e.step, hours[e.step], e.value) for e in acc.Scalars("valid/loss") if e.step in hours]
+    hours = dict(scalars["train/device_hours"])
+    return [(step, hours[step], loss) for step, loss in scalars["valid/loss"] if step in hours]
 
 
 def calibrated_curve(summary: dict) -> list[tuple[int, float, float]]:

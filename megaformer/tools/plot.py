@@ -1,4 +1,5 @@
-"""Pictures of runs as PNG files, read from their TensorBoard events.
+"""Pictures of runs as PNG files, read from their TensorBoard events (or a committed run's
+``scalars.json.gz``: every figure but the scales').
 
     python -m megaformer.tools.plot RUN_DIR [RUN_DIR ...] [--output-dir DIR] [--step N]
 
@@ -33,21 +34,26 @@ LAYER_TAG = re.compile(r"^(.*)/layer_(\d+)$")
 
 
 class RunEvents:
-    """The scalars and histograms of one run directory's ``tensorboard/`` events.
+    """The scalars and histograms of one run directory's ``tensorboard/`` events, or, when it has
+    none (a committed run), its scalars from ``scalars.json.gz`` (:mod:`megaformer.experiments.scalars`;
+    no histograms: no ``<run>_scales.png``).
 
     Raises:
-        FileNotFoundError: ``run_dir`` has no ``tensorboard`` directory with events.
+        FileNotFoundError: ``run_dir`` has neither (``ScalarsNotFoundError``, naming both).
+        ValueError: its ``scalars.json.gz`` is damaged or of another format.
     """
 
     def __init__(self, run_dir: str) -> None:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+        from megaformer.experiments.scalars import event_files, read_scalars
+
         tb = os.path.join(run_dir, "tensorboard")
-        if not os.path.isdir(tb) or not any(f.startswith("events.") for f in os.listdir(tb)):
-            raise FileNotFoundError(
-                f"{run_dir}: no tensorboard/ events; pass a run directory (output.dir of a megaformer run)"
-            )
         self.name = os.path.basename(os.path.normpath(run_dir))
+        if not event_files(tb):
+            self.scalars = {t: dict(series) for t, series in read_scalars(run_dir).items()}
+            self.histograms: dict[str, dict[int, Any]] = {}
+            return
         acc = EventAccumulator(tb, size_guidance={"scalars": 0, "histograms": 0})
         acc.Reload()
         self.scalars = {t: {e.step: e.value for e in acc.Scalars(t)} for t in acc.Tags()["scalars"]}
@@ -242,8 +248,8 @@ def plot_runs(run_dirs: Sequence[str], output_dir: str, step: int | None = None)
     """Write every figure for ``run_dirs`` into ``output_dir``; return the PNG paths written.
 
     Raises:
-        FileNotFoundError: a run directory without TensorBoard events.
-        ValueError: ``step`` is not a diagnostics step of every run.
+        FileNotFoundError: a run directory without TensorBoard events or ``scalars.json.gz``.
+        ValueError: a damaged ``scalars.json.gz``; ``step`` is not a diagnostics step of every run.
     """
     runs = [RunEvents(d) for d in run_dirs]
     steps = common_diagnostics_steps(runs)
