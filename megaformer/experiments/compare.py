@@ -50,7 +50,7 @@ from megaformer.config import ConfigError, load_config, to_dict
 from megaformer.experiments.calibrate import Timing
 from megaformer.experiments.launcher import launch_run
 from megaformer.experiments.provenance import differences, run_request
-from megaformer.experiments.seeds import seed_groups, seed_summary, seed_table
+from megaformer.experiments.seeds import PAPER_EFFECT, seed_groups, seed_summary, seed_table
 
 
 def valid_curve(tb_dir: str) -> list[tuple[int, float, float]]:
@@ -84,6 +84,28 @@ def calibrated_curve(summary: dict) -> list[tuple[int, float, float]]:
     return [(step, hours / factor, loss) for step, hours, loss in valid_curve(summary["tensorboard_dir"])]
 
 
+def costed_curve(
+    curve: list[tuple[int, float, float]], timing: Timing, world_size: int, eval_interval: int
+) -> list[tuple[int, float, float]]:
+    """``curve`` with each evaluation's device-hours in **calibrated** device-hours: what the budget
+    decided the run's length with (:mod:`megaformer.training.budget`), ``world_size × (one-time
+    seconds + step × calibrated step seconds + the evaluations before it × calibrated evaluation
+    seconds) / 3600``. No drift of the machine during the run moves it (the wall-clock curve,
+    :func:`calibrated_curve`, keeps what the machine did); a run's last point is at most its
+    budget."""
+    t = timing
+    return [
+        (
+            step,
+            world_size
+            * (t.fixed_seconds + step * t.step_seconds + (step - 1) // eval_interval * t.eval_seconds)
+            / 3600.0,
+            loss,
+        )
+        for step, _, loss in curve
+    ]
+
+
 def hours_to_reach(curve: list[tuple[int, float, float]], target_loss: float) -> float | None:
     """Device-hours of the first evaluation whose loss is at most ``target_loss`` (None: never)."""
     for _, hours, loss in curve:
@@ -93,23 +115,30 @@ def hours_to_reach(curve: list[tuple[int, float, float]], target_loss: float) ->
 
 
 def comparison_rows(runs: dict[str, dict], budget: float, timings: dict[str, Timing]) -> list[dict]:
-    """One row per run (``runs``: name -> {"summary": ..., "curve": ...}, baseline first).
+    """One row per run (``runs``: name -> {"summary": ..., "curve": ..., "costed": ...}, baseline
+    first; ``costed``, :func:`costed_curve`: without it for every run the share is the wall-clock
+    one, and ``share_basis`` says so).
 
-    Compute shares are measured one way for every run, the baseline included: the device-hours
-    logged at an evaluation's step (``train/device_hours``, before that evaluation), so the
-    baseline's own compute is the value at its last evaluation, not its summary's total (which
-    also holds the final evaluation and checkpoint).
+    Compute shares are measured one way for every run, the baseline included: the device-hours at
+    an evaluation's step (before that evaluation), so the baseline's own compute is the value at
+    its last evaluation. The share (``share_of_baseline_compute``) is in calibrated device-hours
+    (steps × calibrated times: the machine's drift during the runs cannot move it); the wall-clock
+    share (``train/device_hours`` as logged) is kept beside it (``*_wallclock``).
     """
     names = list(runs)
     base_curve = runs[names[0]]["curve"]
     baseline_best = min(loss for _, _, loss in base_curve)
     baseline_hours = base_curve[-1][1]
+    costed_all = all("costed" in r for r in runs.values())
+    base_costed = runs[names[0]]["costed"] if costed_all else base_curve
     base_step = timings[names[0]].step_seconds
     rows = []
     for name in names:
         s, curve = runs[name]["summary"], runs[name]["curve"]
+        costed = runs[name]["costed"] if costed_all else curve
         factor = s.get("budget_machine_factor", 1.0)
         reach = hours_to_reach(curve, baseline_best)
+        reach_cal = hours_to_reach(costed, baseline_best)
         rows.append(
             {
                 "run": name,
@@ -129,8 +158,12 @@ def comparison_rows(runs: dict[str, dict], budget: float, timings: dict[str, Tim
                 "device_hours_measured": s["device_hours"],
                 "budget_machine_factor": factor,
                 "spend_deviation": s["device_hours"] / factor / budget - 1.0,
-                "hours_to_baseline_best_ppl": reach,
-                "share_of_baseline_compute": None if reach is None else reach / baseline_hours,
+                "calibrated_device_hours": costed[-1][1] if costed_all else None,
+                "share_basis": "calibrated" if costed_all else "wallclock",
+                "hours_to_baseline_best_ppl": reach_cal,
+                "share_of_baseline_compute": None if reach_cal is None else reach_cal / base_costed[-1][1],
+                "hours_to_baseline_best_ppl_wallclock": reach,
+                "share_of_baseline_compute_wallclock": None if reach is None else reach / baseline_hours,
             }
         )
     return rows
@@ -165,9 +198,18 @@ def markdown_table(rows: list[dict], baseline_best_ppl: float, budget: float) ->
         "| step time vs baseline | device-hours (vs budget) | device-hours to the baseline's best ppl |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    calibrated = all(r.get("share_basis") == "calibrated" for r in rows)
+    if calibrated:
+        lines[0] += (
+            ". Device-hours to the baseline's best: calibrated (steps × calibrated times, as the budget "
+            "decided the runs' lengths; the machine's drift cannot move them), wall-clock in brackets"
+        )
     for r in rows:
         reach, share = r["hours_to_baseline_best_ppl"], r["share_of_baseline_compute"]
         reach = "never" if reach is None else f"{reach:.4g} ({share:.0%} of the baseline's)"
+        wall = r.get("share_of_baseline_compute_wallclock")
+        if calibrated and wall is not None:
+            reach += f" [wall-clock {wall:.0%}]"
         steps = f"{r['steps']:,} ({r['budget_steps']:,})" if r["budget_steps"] else f"{r['steps']:,}"
         if r["budget_stopped_at"]:
             steps += ", ended at the budget"
@@ -267,10 +309,18 @@ def _zoom(ax, runs: dict[str, dict], budget: float, best: float) -> list[str]:
 
 
 def train_one(
-    config: str, out: Path, budget: float, overrides: Sequence[str], nproc: int, timing: Timing, code: str
+    config: str,
+    out: Path,
+    budget: float,
+    overrides: Sequence[str],
+    nproc: int,
+    timing: Timing,
+    code: str,
+    run_args: Sequence[str] = (),
 ) -> dict:
-    """Train ``config`` into ``out`` at ``budget`` device-hours with its calibrated ``timing``;
-    return its summary. A finished run there is reused only when its ``request.json`` equals what
+    """Train ``config`` into ``out`` at ``budget`` device-hours with its calibrated ``timing``
+    (``run_args``: overrides of the run alone, not of its calibration, e.g. the final validation's
+    size); return its summary. A finished run there is reused only when its ``request.json`` equals what
     is asked now (:func:`~.provenance.run_request`: resolved config, data, budget, calibrated
     times, code version); otherwise what differs is printed and the run is trained again.
 
@@ -280,7 +330,13 @@ def train_one(
     """
     from data_tools.files import atomic_write_json
 
-    args = [*overrides, f"train.budget_device_hours={budget}", *timing.overrides(), "output.overwrite=true"]
+    args = [
+        *overrides,
+        *run_args,
+        f"train.budget_device_hours={budget}",
+        *timing.overrides(),
+        "output.overwrite=true",
+    ]
     request = run_request(config, args, {"budget_device_hours": budget}, code)
     summary_path, request_path = out / "summary.json", out / "request.json"
     if summary_path.is_file() and request_path.is_file():
@@ -320,12 +376,16 @@ def run_order(names: Sequence[str], order: str, seed: int) -> list[str]:
     return shuffled
 
 
-def seed_rows(rows: list[dict], loaded: dict) -> tuple[dict[str, list[str]], list[dict]]:
+def seed_rows(
+    rows: list[dict], loaded: dict, effect: float = PAPER_EFFECT
+) -> tuple[dict[str, list[str]], list[dict]]:
     """``(seed groups, per-group summary)`` of the table's ``rows`` (:mod:`.seeds`), from each run's
-    loaded config (``loaded``: name -> RunConfig)."""
+    loaded config (``loaded``: name -> RunConfig); the paired statistics sized for ``effect``
+    (nats)."""
     groups = seed_groups({n: to_dict(c) for n, c in loaded.items()})
     seeds = {n: c.train.seed for n, c in loaded.items()}
-    return groups, seed_summary(rows, groups, seeds, {n: c.split_seed for n, c in loaded.items()})
+    split = {n: c.split_seed for n, c in loaded.items()}
+    return groups, seed_summary(rows, groups, seeds, split, effect)
 
 
 def compare(
@@ -339,6 +399,8 @@ def compare(
     order: str = "random",
     order_seed: int = 0,
     share_calibration: bool = True,
+    effect: float = PAPER_EFFECT,
+    final_eval_batches: int = 0,
 ) -> list[dict]:
     """Calibrate every config's step time interleaved (:mod:`.calibrate`), train each at
     ``budget`` device-hours from it, in ``order``, then write the table and the plot.
@@ -350,6 +412,10 @@ def compare(
             steps; a reused calibration re-checked in 2 rounds).
         share_calibration: configs with the same work per step share one measurement
             (:func:`~.calibrate.same_work_groups`); False times each itself.
+        effect: nats; the seed table sizes the number of seed pairs for it (:func:`~.seeds.paired_test`).
+        final_eval_batches: every run's ``train.final_eval_batches`` (0: the final validation
+            reads the whole held-out set, so the figure the runs are ranked by adds no sampling
+            noise; -1: as the regular ones). Not passed to the calibration's launches.
 
     Returns:
         The table's rows (baseline first).
@@ -363,14 +429,21 @@ def compare(
     )
     sequence = run_order(names, order, order_seed)
     print(f"[compare] training order: {', '.join(sequence)} ({order}, seed {order_seed})", flush=True)
+    run_args = [f"train.final_eval_batches={final_eval_batches}"]
     summaries = {
-        n: train_one(by_name[n], root / n, budget, overrides, nproc, timings[n], code) for n in sequence
+        n: train_one(by_name[n], root / n, budget, overrides, nproc, timings[n], code, run_args)
+        for n in sequence
     }
-    runs = {n: {"summary": summaries[n], "curve": calibrated_curve(summaries[n])} for n in names}
+    loaded = {n: load_config(by_name[n], list(overrides)) for n in names}
+    runs = {}
+    for n in names:
+        curve = calibrated_curve(summaries[n])
+        every = loaded[n].train.eval_interval
+        costed = costed_curve(curve, timings[n], summaries[n].get("world_size", nproc), every)
+        runs[n] = {"summary": summaries[n], "curve": curve, "costed": costed}
     rows = comparison_rows(runs, budget, timings)
     best_ppl = _ppl(min(loss for _, _, loss in runs[names[0]]["curve"]))
-    loaded = {n: load_config(by_name[n], list(overrides)) for n in names}
-    groups, over_seeds = seed_rows(rows, loaded)
+    groups, over_seeds = seed_rows(rows, loaded, effect)
     seeds_md = seed_table(over_seeds)
     table = markdown_table(rows, best_ppl, budget) + (f"\n{seeds_md}" if seeds_md else "")
     (root / "comparison.md").write_text(table, encoding="utf-8")
@@ -381,11 +454,15 @@ def compare(
         "order_seed": order_seed,
         "calibration": {**cal, "timings": {n: asdict(t) for n, t in timings.items()}},
         "code_version": code,
+        "effect": effect,
+        "final_eval_batches": final_eval_batches,
         "rows": rows,
         "seed_groups": over_seeds,
     }
     (root / "comparison.json").write_text(json.dumps(record, indent=2))
-    plot(runs, str(root / "valid_ppl_vs_device_hours.png"), budget, groups)
+    # the plot's x: calibrated device-hours, the budget's own units (the wall-clock is in the JSON)
+    shown = {n: {**r, "curve": r["costed"]} for n, r in runs.items()}
+    plot(shown, str(root / "valid_ppl_vs_device_hours.png"), budget, groups)
     return rows
 
 
@@ -455,6 +532,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override for every run (repeat), e.g. --set data.prefix=...")  # fmt: skip
     add_calibration_args(parser)
+    parser.add_argument(
+        "--effect",
+        type=float,
+        default=PAPER_EFFECT,
+        help="nats: the effect the seed table sizes the number of seed pairs for (80%% power of a "
+        f"paired t-test); default {PAPER_EFFECT:g}, NormFormer's 125M gain over Pre-LN (Shleifer et "
+        "al. 2021, Table 2)",
+    )
+    parser.add_argument(
+        "--final-eval",
+        choices=["whole", "sample"],
+        default="whole",
+        help="the runs' final validation: the whole held-out set (default; train.final_eval_batches=0) or "
+        "the sample every regular validation reads (train.eval_batches)",
+    )
     args = parser.parse_args(argv)
     names = args.name or [Path(c).stem for c in args.configs]
     if len(names) != len(args.configs) or len(set(names)) != len(names):
@@ -478,6 +570,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.order,
             args.order_seed,
             not args.separate_calibration,
+            args.effect,
+            -1 if args.final_eval == "sample" else 0,
         )
     except (RuntimeError, ValueError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)

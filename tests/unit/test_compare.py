@@ -47,6 +47,36 @@ def test_rows_compare_every_run_with_the_baseline_best():
     assert "| better | 4.8000 |" in table and "80% of the baseline's" in table and "| never |" in table
 
 
+def test_the_calibrated_compute_share_does_not_move_with_the_machine():
+    """Two runs of the same steps and calibrated times, one trained while the machine ran 30 %
+    slower: the wall-clock share of the slow one moves, the calibrated one (steps × calibrated
+    times, the budget's own accounting) does not."""
+    from megaformer.experiments.compare import costed_curve
+
+    timing = Timing(0.5, 2.0, 3.0, [])
+    quiet = [(100, 0.04, 5.5), (200, 0.08, 5.0), (250, 0.1, 4.9)]
+    slow = [(100, 0.052, 5.4), (200, 0.104, 4.9), (250, 0.13, 4.85)]
+    costed = costed_curve(quiet, timing, world_size=2, eval_interval=100)
+    # step 200: 3 s once, 200 steps of 0.5 s, 1 evaluation before it (at 100) of 2 s, on 2 devices
+    assert math.isclose(costed[1][1], 2 * (3.0 + 200 * 0.5 + 1 * 2.0) / 3600)
+    assert math.isclose(costed[2][1], 2 * (3.0 + 250 * 0.5 + 2 * 2.0) / 3600)  # evaluations at 100, 200
+    runs = {
+        "quiet": {"summary": _summary(4.9, 0.1), "curve": quiet, "costed": costed},
+        "slow": {
+            "summary": _summary(4.85, 0.13),
+            "curve": slow,
+            "costed": costed_curve(slow, timing, 2, 100),
+        },
+    }
+    rows = {r["run"]: r for r in comparison_rows(runs, BUDGET, _timings(*runs))}
+    assert rows["slow"]["share_basis"] == "calibrated"
+    assert math.isclose(rows["slow"]["share_of_baseline_compute"], costed[1][1] / costed[2][1])
+    assert math.isclose(rows["slow"]["share_of_baseline_compute_wallclock"], 0.104 / 0.1)
+    assert math.isclose(rows["slow"]["calibrated_device_hours"], rows["quiet"]["calibrated_device_hours"])
+    table = markdown_table(list(rows.values()), math.exp(4.9), BUDGET)
+    assert "calibrated (steps × calibrated times" in table and "[wall-clock 104%]" in table
+
+
 def test_compute_share_uses_the_baseline_measured_like_the_others():
     """The share's denominator is the baseline's device-hours at its last evaluation (logged before
     it, as every run's numerator), not its summary's total with the final evaluation and save."""
@@ -135,13 +165,54 @@ def test_over_seeds_mean_std_and_paired_differences_against_the_baseline():
     assert math.isclose(paired["std"], 0.0288675, rel_tol=1e-5)
     assert summary["post"]["final_valid_loss_std"] is None and summary["post"]["paired"]["std"] is None
     table = seed_table(list(summary.values()))
-    assert "| nf | 1, 2, 3 | 5.0333 ± 0.1258 | 4.9000 – 5.1500 | -0.0667 ± 0.0289 (n = 3) |" in table
+    assert "| nf | 1, 2, 3 | 5.0333 ± 0.1258 | 4.9000 – 5.1500 | -0.0667 ± 0.0289 (n = 3); 95 % CI [" in table
+    assert "| +0.5000 (n = 1) | one seed pair: the comparison cannot be decided |" in table  # post: 1 seed
     assert "held out other documents" not in table
     # each seed its own held-out documents: said under the table; no pair across held-out sets
     own = seed_summary(rows, groups, seeds, seeds)
     assert "held out other documents" in seed_table(own)
     # one run per group: no table
     assert seed_table(seed_summary(rows[:1], {"pre": ["pre_s1"]}, seeds, seeds)) == ""
+
+
+def test_paired_statistics_agree_with_scipy():
+    """The seed table's statistics, each against scipy's own routine (and the power against a
+    simulation of the test it sizes)."""
+    import numpy as np
+    from scipy import stats
+
+    from megaformer.experiments.seeds import paired_test, pairs_for_power, power_of_paired_t
+
+    diffs = [-0.0148, -0.0312, -0.0517, 0.004, -0.022, -0.009, -0.035, 0.011]
+    out = paired_test(diffs, effect=0.036)
+    ref = stats.ttest_1samp(diffs, 0.0)
+    assert out["decidable"] and out["n"] == 8 and out["negative"] == 6
+    assert math.isclose(out["t"], ref.statistic, rel_tol=1e-12) and math.isclose(
+        out["p_t"], ref.pvalue, rel_tol=1e-9
+    )
+    ci = ref.confidence_interval(0.95)
+    assert math.isclose(out["ci_low"], ci.low, rel_tol=1e-9) and math.isclose(
+        out["ci_high"], ci.high, rel_tol=1e-9
+    )
+    assert math.isclose(out["p_wilcoxon"], stats.wilcoxon(diffs).pvalue, rel_tol=1e-12)
+    assert math.isclose(out["p_sign"], stats.binomtest(6, 8).pvalue, rel_tol=1e-12)
+    # the paired t-test is the one-sample test of the differences: scipy's paired form agrees
+    base = np.linspace(5.0, 5.2, 8)
+    assert math.isclose(stats.ttest_rel(base + np.array(diffs), base).pvalue, out["p_t"], rel_tol=1e-6)
+    # power: Monte Carlo of the two-sided test at n = 6, effect 0.02, sd 0.02
+    rng = np.random.default_rng(0)
+    sims = rng.normal(0.02, 0.02, size=(20000, 6))
+    rejected = stats.ttest_1samp(sims, 0.0, axis=1).pvalue < 0.05
+    assert abs(power_of_paired_t(6, 0.02, 0.02) - rejected.mean()) < 0.015
+    # the fewest pairs: the issue's audit (sd 0.02: 6 pairs for 0.03, 8 for 0.025, 10 for 0.02)
+    assert [pairs_for_power(e, 0.02) for e in (0.03, 0.025, 0.02)] == [6, 8, 10]
+    n = out["pairs_for_power"]
+    assert power_of_paired_t(n, 0.036, out["std"]) >= 0.8 > power_of_paired_t(n - 1, 0.036, out["std"])
+    # fewer than two pairs, or no spread: not decided, and said why
+    assert (
+        paired_test([-0.02])["decidable"] is False and "cannot be decided" in paired_test([-0.02])["reason"]
+    )
+    assert paired_test([0.01, 0.01])["p_t"] is None
 
 
 def test_plot_zooms_on_the_end_and_names_runs_off_the_scale(tmp_path):
@@ -194,11 +265,13 @@ def test_compare_groups_seeds_and_writes_the_table_json_and_plot(monkeypatch, tm
     names = [Path(p).stem for p in paths]
     timings = {n: Timing(0.1, 0.5, 1.0, []) for n in names}
     monkeypatch.setattr(cal, "calibrate_runs", lambda *a, **k: (timings, {"rounds": []}, "c" * 16))
-    monkeypatch.setattr(
-        cmp,
-        "train_one",
-        lambda config, out, *a: {**_summary(final[out.name], 1.0), "tensorboard_dir": out.name},
-    )
+    asked = {}
+
+    def train_one(config, out, *a):
+        asked[out.name] = a[-1]  # run_args: what the runs get beyond the calibration's overrides
+        return {**_summary(final[out.name], 1.0), "tensorboard_dir": out.name}
+
+    monkeypatch.setattr(cmp, "train_one", train_one)
     monkeypatch.setattr(cmp, "valid_curve", lambda tb: [(1, 0.5, final[tb] + 0.5), (2, 1.0, final[tb])])
     (tmp_path / "out").mkdir()  # calibrate_runs makes it
     cmp.compare(paths, names, BUDGET, str(tmp_path / "out"), ["data.split_seed=1"], nproc=2)
@@ -209,6 +282,14 @@ def test_compare_groups_seeds_and_writes_the_table_json_and_plot(monkeypatch, tm
     table = (tmp_path / "out" / "comparison.md").read_text()
     assert "| normformer | 1, 2, 3 | 5.0333 ± 0.1258 |" in table and "held out other documents" not in table
     assert (tmp_path / "out" / "valid_ppl_vs_device_hours.png").stat().st_size > 10_000
+    # the final validation reads the whole held-out set by default, in the runs only
+    assert set(map(tuple, asked.values())) == {("train.final_eval_batches=0",)}
+    assert record["final_eval_batches"] == 0 and record["effect"] == 0.036
+    # the statistics of the pairs, and the calibrated compute share beside the wall-clock one
+    paired = groups["normformer"]["paired"]
+    assert paired["decidable"] and paired["ci_low"] < paired["mean"] < paired["ci_high"] and paired["p_t"] > 0
+    assert "p (t / Wilcoxon / sign)" in table and "95 % CI [" in table
+    assert {r["share_basis"] for r in record["rows"]} == {"calibrated"}
 
 
 def test_group_labels_never_collide_and_a_repeated_baseline_seed_is_not_paired():
