@@ -6,7 +6,9 @@ in the GLUE baseline and in ``transformers``' ``glue.py``), UTF-8 with an option
 (MRPC's has one). CoLA has no header (columns: source, label, original mark, sentence); every other
 task has one, and its columns are found by name. :data:`GLUE_TASKS` lists each task's columns,
 labels and metrics; ``data/glue/`` in this repository holds the development sets of RTE, MRPC, CoLA,
-SST-2 and STS-B and RTE's training set (``data/glue/SOURCE.md``).
+SST-2 and STS-B, RTE's training set, and a documented 10,000-row subset of SST-2's training set
+(``data/glue/SOURCE.md``; the subset's rule is :func:`hashed_subset`, applied by
+``scripts/make_sst2_subset.py``).
 
 A file that does not fit its task is refused with the file and line: a missing column, a label
 outside the task's set, an STS-B score that is not a number in [0, 5] (:class:`GlueDataError`).
@@ -39,6 +41,7 @@ numpy and checked against scikit-learn / scipy in the tests.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -55,6 +58,7 @@ __all__ = [
     "GlueTask",
     "encode_example",
     "glue_task",
+    "hashed_subset",
     "read_glue_file",
     "score",
     "task_files",
@@ -82,6 +86,8 @@ class GlueTask:
         has_header: False only for CoLA.
         valid_file, train_file: file names in the task's directory (MNLI: ``dev_matched.tsv``).
         dev_size: examples in GLUE's development set (its published size).
+        train_size: examples in GLUE's training set (the size of its ``train.tsv``; what the paper's
+            recipe trains on, against which a smaller training set is marked in ``table3.md``).
     """
 
     name: str
@@ -91,6 +97,7 @@ class GlueTask:
     metrics: tuple[str, ...]
     batch_size: int
     dev_size: int
+    train_size: int
     has_header: bool = True
     valid_file: str = "dev.tsv"
     train_file: str = "train.tsv"
@@ -117,11 +124,13 @@ _NLI2 = ("entailment", "not_entailment")
 GLUE_TASKS: dict[str, GlueTask] = {
     t.name: t
     for t in (
-        GlueTask("CoLA", (3,), 1, _BINARY, ("mcc", "accuracy"), 16, 1043, has_header=False),
-        GlueTask("SST-2", ("sentence",), "label", _BINARY, ("accuracy",), 32, 872),
-        GlueTask("MRPC", ("#1 String", "#2 String"), "Quality", _BINARY, ("f1", "accuracy"), 16, 408),
-        GlueTask("STS-B", ("sentence1", "sentence2"), "score", None, ("pearson", "spearman"), 16, 1500),
-        GlueTask("QQP", ("question1", "question2"), "is_duplicate", _BINARY, ("accuracy", "f1"), 32, 40430),
+        GlueTask("CoLA", (3,), 1, _BINARY, ("mcc", "accuracy"), 16, 1043, 8551, has_header=False),
+        GlueTask("SST-2", ("sentence",), "label", _BINARY, ("accuracy",), 32, 872, 67349),
+        GlueTask("MRPC", ("#1 String", "#2 String"), "Quality", _BINARY, ("f1", "accuracy"), 16, 408, 3668),
+        GlueTask("STS-B", ("sentence1", "sentence2"), "score", None, ("pearson", "spearman"), 16, 1500, 5749),
+        GlueTask(
+            "QQP", ("question1", "question2"), "is_duplicate", _BINARY, ("accuracy", "f1"), 32, 40430, 363846
+        ),
         GlueTask(
             "MNLI",
             ("sentence1", "sentence2"),
@@ -130,11 +139,12 @@ GLUE_TASKS: dict[str, GlueTask] = {
             ("accuracy",),
             32,
             9815,
+            392702,
             valid_file="dev_matched.tsv",
         ),
-        GlueTask("QNLI", ("question", "sentence"), "label", _NLI2, ("accuracy",), 32, 5463),
-        GlueTask("RTE", ("sentence1", "sentence2"), "label", _NLI2, ("accuracy",), 16, 277),
-        GlueTask("WNLI", ("sentence1", "sentence2"), "label", _BINARY, ("accuracy",), 32, 71),
+        GlueTask("QNLI", ("question", "sentence"), "label", _NLI2, ("accuracy",), 32, 5463, 104743),
+        GlueTask("RTE", ("sentence1", "sentence2"), "label", _NLI2, ("accuracy",), 16, 277, 2490),
+        GlueTask("WNLI", ("sentence1", "sentence2"), "label", _BINARY, ("accuracy",), 32, 71, 635),
     )
 }
 
@@ -251,6 +261,33 @@ def read_glue_file(path: str, task: GlueTask, limit: int = 0) -> list[GlueExampl
     if not examples:
         raise GlueDataError(f"{path}: no examples")
     return examples
+
+
+def hashed_subset(count: int, keep: int, salt: str) -> list[int]:
+    """A reproducible subset of ``keep`` of ``count`` rows, defined without a random generator.
+
+    Row ``i`` (0-based, in file order, header excluded) gets the key
+    ``sha256(f"{salt}:{i}".encode("utf-8")).digest()``; the ``keep`` rows with the smallest keys
+    (compared as bytes) are chosen. The rule depends on nothing but ``salt`` and the row indexes, so
+    any Python, on any machine, picks the same rows (``random.sample`` and numpy's generators make
+    no such promise across versions). ``data/glue/SST-2/train.tsv`` is ``salt="glue-sst2-train-subset"``,
+    ``keep=10000`` of GLUE's 67,349 rows (``scripts/make_sst2_subset.py``).
+
+    Args:
+        count: rows in the full file.
+        keep: rows to choose, ``1 <= keep <= count``.
+        salt: names the subset; another salt gives an independent one.
+
+    Returns:
+        The chosen row indexes in ascending order (the file's order), ``len == keep``.
+
+    Raises:
+        ValueError: ``keep`` outside ``[1, count]`` (names both).
+    """
+    if not 1 <= keep <= count:
+        raise ValueError(f"keep={keep} rows of count={count}: keep must be between 1 and count")
+    digests = [hashlib.sha256(f"{salt}:{i}".encode()).digest() for i in range(count)]
+    return sorted(sorted(range(count), key=digests.__getitem__)[:keep])
 
 
 def encode_example(texts: Sequence[str], encode: Callable[[str], list[int]], max_tokens: int) -> list[int]:

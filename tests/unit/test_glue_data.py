@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from megaformer.data.glue import GLUE_TASKS, GlueDataError, glue_task, read_glue_file, task_files
+from megaformer.data.glue import (
+    GLUE_TASKS,
+    GlueDataError,
+    glue_task,
+    hashed_subset,
+    read_glue_file,
+    task_files,
+)
 
 GLUE_DIR = Path(__file__).resolve().parents[2] / "data" / "glue"
 
@@ -49,6 +56,60 @@ def test_bundled_rte_training_set_and_first_rows():
     assert mrpc[0].texts[0].startswith("He said the foodservice pie business doesn 't fit")
     cola = read_glue_file(str(GLUE_DIR / "CoLA" / "dev.tsv"), glue_task("cola"))  # no header
     assert cola[0].texts == ("The sailors rode the breeze clear of the rocks.",) and cola[0].line == 1
+
+
+def test_bundled_sst2_training_subset_loads_with_its_documented_counts():
+    """data/glue/SST-2/train.tsv: the 10,000-row subset SOURCE.md documents (5,582 positive)."""
+    sst2 = glue_task("sst2")
+    train_path, _ = task_files(str(GLUE_DIR), sst2)
+    assert train_path == str(GLUE_DIR / "SST-2" / "train.tsv")
+    train = read_glue_file(train_path, sst2)
+    assert len(train) == 10_000 < sst2.train_size == 67_349
+    assert collections.Counter(e.label for e in train) == {1: 5582, 0: 4418}
+    assert (
+        train[0].texts
+        == ("that loves its characters and communicates something rather beautiful about human nature ",)
+        and train[0].label == 1
+    )  # full file's row 2
+    assert train[-1].line == 10_001 and all(e.texts[0].strip() for e in train)
+    dev = {e.texts[0].strip() for e in read_glue_file(str(GLUE_DIR / "SST-2" / "dev.tsv"), sst2)}
+    assert not dev & {e.texts[0].strip() for e in train}  # no development sentence in training
+
+
+def test_hashed_subset_is_the_documented_rule():
+    # The rule, spelled out: the keep smallest sha256("<salt>:<i>") digests, in row order.
+    import hashlib
+
+    keys = sorted(range(50), key=lambda i: hashlib.sha256(f"s:{i}".encode()).digest())
+    assert hashed_subset(50, 7, "s") == sorted(keys[:7])
+    assert hashed_subset(50, 50, "s") == list(range(50))
+    assert hashed_subset(50, 7, "t") != hashed_subset(50, 7, "s")  # the salt names the subset
+    first = hashed_subset(67_349, 10_000, "glue-sst2-train-subset")
+    assert first[:3] == [2, 30, 36] and first[-1] == 67_348 and len(first) == 10_000
+    for bad in (0, 51):
+        with pytest.raises(ValueError, match=f"keep={bad} rows of count=50"):
+            hashed_subset(50, bad, "s")
+
+
+def test_make_sst2_subset_script_writes_the_rule_s_rows(tmp_path):
+    """The script that wrote the bundled subset: the rule's rows, bytes unchanged; GLUE's hash checked."""
+    import subprocess
+    import sys
+
+    script = GLUE_DIR.parents[1] / "scripts" / "make_sst2_subset.py"
+    rows = [f"phrase number {i} \t{i % 2}".encode() for i in range(40)]
+    full = tmp_path / "train.tsv"
+    full.write_bytes(b"sentence\tlabel\n" + b"\n".join(rows) + b"\n")
+    out = tmp_path / "sub" / "train.tsv"
+    cmd = [sys.executable, "-B", str(script), str(full), "--output", str(out), "--keep", "5"]
+    refused = subprocess.run(cmd, capture_output=True, text=True)
+    assert refused.returncode == 2 and "not GLUE's SST-2 train.tsv" in refused.stderr
+    assert "--any-input" in refused.stderr and not out.exists()
+    done = subprocess.run([*cmd, "--any-input"], capture_output=True, text=True, check=True)
+    assert "5 of 40 rows" in done.stdout
+    chosen = hashed_subset(40, 5, "glue-sst2-train-subset")
+    assert out.read_bytes() == b"sentence\tlabel\n" + b"".join(rows[i] + b"\n" for i in chosen)
+    assert read_glue_file(str(out), glue_task("sst2"))[0].texts == (f"phrase number {chosen[0]} ",)
 
 
 def test_source_md_hashes_match_the_files():
