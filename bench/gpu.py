@@ -12,7 +12,10 @@ recipe. After 3 warm-up steps, ``--steps`` steps are timed between two ``cuda.sy
 micro-batch = the recipe's, or what the planner (:mod:`megaformer.tools.plan`) says fits, with 4
 accumulation steps. MFU = model FLOPs (:func:`megaformer.training.flops.model_flops_per_token`,
 recomputation not counted) per second over the GPU's datasheet bf16 peak. Cases that run out of
-memory are reported as such.
+memory are reported as such. After the timed steps one more step runs under ``torch.profiler`` to
+name the attention kernels that ran (:func:`attention_calls`: the SDPA backend, e.g. cuDNN or
+flash, and how many attention forwards ran per step against the layers × micro-batches the step
+needs); ``--pairs`` adds the Pre-LN baseline at every size (NormFormer / Pre-LN per size).
 
 ``--smoke`` runs a tiny model on the CPU (gloo, fp32) through the same code, to check the script
 where no GPU is available; its figures mean nothing. Prints a table and writes JSON.
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -89,13 +93,15 @@ def case_overrides(recipe: str, zero: int, recompute: str, smoke: bool, device=N
     return [*overrides, f"train.micro_batch_size={micro}", f"train.global_batch_size={4 * micro}"]
 
 
-def case_rows(sizes: list[str], gpu: str) -> list[dict]:
+def case_rows(
+    sizes: list[str], gpu: str, only: list[tuple[int, str]] | None = None, pairs: bool = False
+) -> list[dict]:
     """The cases :func:`main` would run on a ``gpu`` (a planner device name), without running them:
     ``recipe``, ``zero``, ``recompute`` and ``overrides`` (for predictions made elsewhere)."""
     from megaformer.tools.plan import DEVICES
 
     rows = []
-    for recipe, zero, recompute in _cases(sizes, smoke=False):
+    for recipe, zero, recompute in _cases(sizes, smoke=False, only=only, pairs=pairs):
         overrides = case_overrides(recipe, zero, recompute, False, DEVICES[gpu])
         rows.append(
             {"recipe": Path(recipe).stem, "zero": zero, "recompute": recompute, "overrides": overrides}
@@ -122,17 +128,72 @@ def parse_cases(text: str | None) -> list[tuple[int, str]]:
 
 
 def _cases(
-    sizes: list[str], smoke: bool, only: list[tuple[int, str]] | None = None
+    sizes: list[str], smoke: bool, only: list[tuple[int, str]] | None = None, pairs: bool = False
 ) -> list[tuple[str, int, str]]:
+    """(recipe path, ZeRO stage, recompute) to run, in order. NormFormer at every size and case (the
+    first two cases under ``smoke``); the 125M Pre-LN baseline at ZeRO-1 without recompute for
+    NormFormer's overhead, or with ``pairs`` the Pre-LN baseline right after every NormFormer case
+    (each size's ratio measured back to back)."""
     chosen = only if only is not None else list(CASES)
-    cases = [
-        (f"configs/paper/{size}-normformer.yaml", zero, recompute)
-        for size in sizes
-        for zero, recompute in (chosen if not smoke else chosen[:2])
-    ]
-    if "125m" in sizes:  # NormFormer's step-time overhead over Pre-LN at the 125M shape, ZeRO 1, no recompute
+    cases = []
+    for size in sizes:
+        for zero, recompute in chosen if not smoke else chosen[:2]:
+            cases.append((f"configs/paper/{size}-normformer.yaml", zero, recompute))
+            if pairs:
+                cases.append((f"configs/paper/{size}-baseline.yaml", zero, recompute))
+    if not pairs and "125m" in sizes:  # NormFormer's overhead over Pre-LN at 125M, ZeRO 1, no recompute
         cases.append(("configs/paper/125m-baseline.yaml", 1, "none"))
     return cases
+
+
+# SDPA's backend entry points (ATen ops under F.scaled_dot_product_attention and the compiled
+# attention-dropout operator) and the name this script gives each; their "_backward" ops are the
+# backward passes. The composite aten::scaled_dot_product_attention itself is not a kernel.
+ATTENTION_OPS = {
+    "aten::_scaled_dot_product_cudnn_attention": "cudnn",
+    "aten::_scaled_dot_product_flash_attention": "flash",
+    "aten::_scaled_dot_product_efficient_attention": "efficient",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "flash (CPU)",
+    "aten::_scaled_dot_product_attention_math": "math",
+    "aten::_scaled_dot_product_fused_attention_overrideable": "overrideable",
+}
+KERNEL_MARKS = ("sdpa", "flash", "fmha", "attention", "attn")  # device kernels of attention, by name
+
+
+def attention_calls(train_step, sync, expected_forwards: int) -> dict:
+    """One training step under ``torch.profiler``: which attention backend ran and how often.
+
+    Returns ``backend`` (the SDPA forward backends seen, e.g. ``"cudnn"``; ``"+"``-joined if several),
+    ``forward_calls`` (attention forwards in the step; the compiled attention-dropout operator reruns
+    the forward in backward, so 2 × ``expected_forwards`` there), ``expected_forwards`` (layers ×
+    micro-batches), ``ops`` (every SDPA ATen op and its calls) and ``kernels`` (the device kernels
+    whose names mark attention, with calls; empty on a CPU)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        train_step()
+        sync()
+    ops, kernels = {}, {}
+    for event in prof.key_averages():
+        name = event.key
+        if name.startswith("aten::") and "scaled_dot_product" in name:
+            ops[name] = event.count
+        elif (
+            not name.startswith("aten::")
+            and any(m in name.lower() for m in KERNEL_MARKS)
+            and getattr(event, "device_type", None) == torch.autograd.DeviceType.CUDA
+        ):
+            kernels[name[:120]] = event.count
+    forwards = {op: n for op, n in ops.items() if op in ATTENTION_OPS}
+    return {
+        "backend": "+".join(sorted({ATTENTION_OPS[op] for op in forwards})) or "none seen",
+        "forward_calls": sum(forwards.values()),
+        "expected_forwards": expected_forwards,
+        "ops": ops,
+        "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:6]),
+    }
 
 
 def run_case(
@@ -143,11 +204,16 @@ def run_case(
     smoke: bool,
     extra: list[str] | None = None,
     profile: str | None = None,
+    attention: bool = True,
 ) -> dict:
     """Train ``steps`` timed steps of one case in this process; returns its figures. ``extra``:
     overrides after the case's own (e.g. ``train.compile=false``); ``profile``: a folder where two
     more steps, run under ``torch.profiler``, leave their kernel table (the 40 largest by device
-    time, as text)."""
+    time, as text); ``attention``: one more step under the profiler names the attention kernels
+    (:func:`attention_calls`). ``setup_s`` (imports done to the engine built) and ``warmup_s`` (the 3
+    warm-up steps, compilation included) are recorded for the time estimates of
+    ``bench/gpu_check.py``."""
+    t_setup = time.perf_counter()
     import torch
 
     from megaformer.config import load_config
@@ -176,9 +242,11 @@ def run_case(
 
     it = batches()
     sync = torch.cuda.synchronize if layout.device.type == "cuda" else (lambda: None)
+    t_warmup = time.perf_counter()
     for _ in range(3):
         loss = engine.train_step(it)
     sync()
+    warmup_s = time.perf_counter() - t_warmup
     if layout.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -186,6 +254,11 @@ def run_case(
         loss = engine.train_step(it)
     sync()
     step_s = (time.perf_counter() - t0) / steps
+    peak_gib = torch.cuda.max_memory_allocated() / 1024**3 if layout.device.type == "cuda" else None
+    calls = None
+    if attention:
+        micro_batches = cfg.train.global_batch_size // micro
+        calls = attention_calls(lambda: engine.train_step(it), sync, m.num_layers * micro_batches)
     if profile:
         name = re.sub(r"[^A-Za-z0-9._-]", "-", "_".join([Path(recipe).stem, *(extra or [])]))
         _profile(engine, it, sync, Path(profile) / f"profile_{name}.txt")
@@ -203,9 +276,7 @@ def run_case(
         "tokens_per_s": tokens_per_s,
         "tflops": tflops,
         "mfu": tflops / peak if peak else None,
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / 1024**3
-        if layout.device.type == "cuda"
-        else None,
+        "peak_memory_gib": peak_gib,
         "loss": float(loss),
         "device": name,
         # a block whose compiled call failed runs eager from then on (model/compile.py)
@@ -214,6 +285,9 @@ def run_case(
             for b in model.modules()
             if type(b).__name__ == "NormFormerBlock"
         ),
+        "attention": calls,
+        "setup_s": t_warmup - t_setup,
+        "warmup_s": warmup_s,
     }
 
 
@@ -232,7 +306,19 @@ def _profile(engine, batches, sync, path: Path) -> None:
     path.write_text(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70))
 
 
-def _spawn(recipe: str, zero: int, recompute: str, steps: int, smoke: bool, extra=(), profile=None) -> dict:
+def _spawn(
+    recipe: str,
+    zero: int,
+    recompute: str,
+    steps: int,
+    smoke: bool,
+    extra=(),
+    profile=None,
+    timeout_s: float | None = None,
+) -> dict:
+    """:func:`run_case` in a fresh process (its peak memory its own); the row it printed, with
+    ``wall_s`` (the whole process, start to exit). A case still running after ``timeout_s`` is
+    killed with everything it started (inductor's compile workers) and reported as an error."""
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     env.setdefault("MASTER_PORT", "29533")
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
@@ -240,23 +326,46 @@ def _spawn(recipe: str, zero: int, recompute: str, steps: int, smoke: bool, extr
         ["--smoke"] if smoke else []
     )
     cmd += [f"--set={item}" for item in extra] + ([f"--profile={profile}"] if profile else [])
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
-    for line in proc.stdout.splitlines():
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        timed_out = True
+    wall_s = time.perf_counter() - t0
+    for line in stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    oom = "out of memory" in proc.stderr.lower()
+            return {**json.loads(line[len("RESULT ") :]), "wall_s": wall_s}
+    if timed_out:
+        error = f"timeout: stopped after {timeout_s:.0f} s (the time budget left for this case)"
+    else:
+        error = "OOM" if "out of memory" in stderr.lower() else stderr[-800:]
     return {
         "recipe": Path(recipe).stem,
         "zero": zero,
         "recompute": recompute,
-        "error": "OOM" if oom else proc.stderr[-800:],
+        "error": error,
+        "wall_s": wall_s,
     }
 
 
 def _brief(row: dict) -> str:
     if "error" in row:
         return "error " + row["error"][-300:]
-    return f"{row['step_s']:.3f} s/step, {row['tokens_per_s']:,.0f} tokens/s, MFU {row['mfu']}"
+    mfu = "-" if row.get("mfu") is None else f"{row['mfu']:.1%}"
+    peak = "" if row.get("peak_memory_gib") is None else f", peak {row['peak_memory_gib']:.1f} GiB"
+    return f"{row['step_s']:.3f} s/step, {row['tokens_per_s']:,.0f} tokens/s, MFU {mfu}{peak}"
 
 
 def main() -> int:
@@ -272,6 +381,9 @@ def main() -> int:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="an override for every case"
     )
     parser.add_argument("--profile", default=None, help="a folder for each case's profiler table")
+    parser.add_argument(
+        "--pairs", action="store_true", help="the Pre-LN baseline beside NormFormer at every size and case"
+    )
     parser.add_argument("--case", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
@@ -293,7 +405,7 @@ def main() -> int:
         only = parse_cases(args.cases)
     except ValueError as e:
         parser.error(str(e))
-    cases = _cases(args.sizes.split(","), args.smoke, only)
+    cases = _cases(args.sizes.split(","), args.smoke, only, args.pairs)
     rows = []
     for n, (r, z, c) in enumerate(cases, 1):
         rows.append(_spawn(r, z, c, args.steps, args.smoke, args.set, args.profile))
