@@ -48,7 +48,7 @@ stage_wheels() {
     echo "/.whl/" >>"$(git rev-parse --git-path info/exclude)"
     echo "[gpu_check] added /.whl/ to $(git rev-parse --git-path info/exclude): git ignores it, a device call carries it"
   fi
-  echo "[gpu_check] $(find "$dest" -name '*.whl' | wc -l) wheels, $(du -sh "$dest" | cut -f1), in .whl/. On the GPU machine:"
+  echo "[gpu_check] $(find "$dest" -type f -name '*.whl' | wc -l) wheels, $(du -sh "$dest" | cut -f1), in .whl/. On the GPU machine:"
   echo "  device run: command=\"bash scripts/gpu_check.sh\", carry=[\".whl\"], timeout_s=540"
 }
 
@@ -107,7 +107,7 @@ if ! "$PY" -c "import deepspeed" >/dev/null 2>&1; then
   [[ -n "$WHEELS" ]] && compgen -G "$WHEELS/*.whl" >/dev/null \
     || die "$PY cannot import deepspeed and no wheels were found (WHEELS, .whl/, ../shared/gpu-wheels/): on the CPU machine run 'bash scripts/gpu_check.sh --stage-wheels' and name .whl in the device call's carry"
   SITE="${SITE:-${TMPDIR:-/tmp}/megaformer-gpu-site}"
-  echo "[gpu_check] installing $(find "$WHEELS" -name '*.whl' | wc -l) wheels from $WHEELS into $SITE"
+  echo "[gpu_check] installing $(find "$WHEELS" -type f -name '*.whl' | wc -l) wheels from $WHEELS into $SITE"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
     "$WHEELS"/*.whl || die "pip could not install the wheels of $WHEELS into $SITE (see above)"
   export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
