@@ -56,6 +56,7 @@ from data_tools.files import atomic_write_json
 from data_tools.indexed_dataset import IndexedDataset, optimal_dtype
 from data_tools.megatron_flags import add_megatron_flags, check_megatron_flags, level, strip_suffix
 from data_tools.ordered_pool import OrderedPool
+from data_tools.owner_lock import OwnerLock
 from data_tools.partitions import make_writer
 from data_tools.readers import open_input
 from data_tools.sentences import encode_sentences, sentence_lengths
@@ -912,10 +913,52 @@ def preprocess(args: argparse.Namespace) -> PreprocessSummary:
         TokenizerError: for bad tokenizer files.
         OutputError: an output that cannot be written (no space, not writable).
         WorkerError: a worker process died in the middle of the run.
+        LockHeldError: another preprocessing run writes the same output prefix (names its host,
+            PID, Slurm job and start); LockFileError: its ``PREFIX.lock`` is not ours or unreadable.
         KeyboardInterrupt: SIGINT or SIGTERM, after the cleanup.
     """
     start = time.perf_counter()
     plan = plan_run(args)
+    # One run per output prefix (the shard's, when sharded): a second one into it is refused
+    # (data_tools/owner_lock.py: an OS lock, so a killed run leaves no stale lock).
+    lock = OwnerLock(
+        f"{plan.output_prefix}.lock",
+        "a preprocessing run",
+        "wait for it to end, or choose another --output-prefix",
+    )
+    made = _missing_dirs(plan.output_prefix)
+    try:
+        with stop_signals_blocked():  # a lock file half made would stay
+            try:
+                for directory in made:
+                    os.mkdir(directory)
+                lock.acquire()
+            except OSError as e:  # not writable, no space: said as for any output
+                err = write_error(e, plan.output_prefix)
+                if err is None:
+                    raise
+                raise err from None
+        return _preprocess(args, plan, start)
+    finally:
+        with stop_signals_blocked():
+            lock.release()
+            for directory in reversed(made):  # made for nothing: a refused or failed run
+                with contextlib.suppress(OSError):
+                    os.rmdir(directory)  # only if empty
+
+
+def _missing_dirs(prefix: str) -> list[str]:
+    """The directories above ``prefix`` that do not exist yet, outermost first."""
+    missing = []
+    directory = os.path.dirname(os.path.abspath(prefix))
+    while not os.path.isdir(directory):
+        missing.append(directory)
+        directory = os.path.dirname(directory)
+    return missing[::-1]
+
+
+def _preprocess(args: argparse.Namespace, plan: RunPlan, start: float) -> PreprocessSummary:
+    """The body of :func:`preprocess`, run while this process holds the output prefix's lock."""
     summary = PreprocessSummary(outputs=list(plan.outputs))
     if plan.manifest is not None:
         done, why_not = shard_finished(plan)

@@ -14,7 +14,12 @@
 #                   interleaved calibration runs megaformer.experiments.step_timing SPEC.json with it
 #   DEEPSPEED       the launcher executable (default: the repo's .venv/bin/deepspeed when no virtual
 #                   environment is active (VIRTUAL_ENV unset), else the first deepspeed on PATH)
+#   MEGAFORMER_STOP_TIMEOUT_S  seconds the ranks get to save and exit after a stop signal (600)
 # On a CPU-only machine the processes run on gloo with OMP_NUM_THREADS = cores / NPROC_PER_NODE.
+#
+# The PID this script returns is the job: SIGTERM or SIGINT (kill PID, Ctrl-C, timeout) makes every
+# rank save a checkpoint and exit; the script then exits 75 (0 complete, 2 a config, data or
+# checkpoint error, or an output.dir another live run holds). docs/train.md#stopping-a-run
 #
 # Without this script (the same trainer, one process per rank):
 #   torchrun --nproc_per_node=N -m megaformer.train CONFIG.yaml [section.key=value ...]
@@ -98,4 +103,11 @@ else
 fi
 
 echo "[pretrain.sh] $NNODES node(s) x $NPROC_PER_NODE process(es), master $MASTER_ADDR:$MASTER_PORT, config $CONFIG $*" >&2
-exec "$DEEPSPEED" "${ARGS[@]}" --module "$MODULE" "$CONFIG" "$@"
+# The PID this script returns stays the job's: a supervisor (megaformer/training/supervisor.py)
+# refuses an output.dir a live run holds (exit 2, before any worker), runs DeepSpeed's launcher in
+# a process group of its own, and forwards SIGTERM / SIGINT to every rank as the run's stop signal
+# (they save and exit 75; the launcher's code is this script's). docs/train.md#stopping-a-run.
+RUN=()
+[[ "$MODULE" == megaformer.train ]] && RUN=("$CONFIG" "$@")
+exec "$PYTHON" -m megaformer.training.supervisor "${RUN[@]}" -- \
+  "$DEEPSPEED" "${ARGS[@]}" --module "$MODULE" "$CONFIG" "$@"

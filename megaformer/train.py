@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> None:
     """Load the config, train, exit cleanly: 0 when the run is complete (also when it was complete
     before this launch, which then changes nothing), 75 when it stopped early
     for a signal or ``train.exit_duration_mins`` with its checkpoint saved (resume to continue),
-    2 on a configuration, data or checkpoint error."""
+    2 on a configuration, data or checkpoint error, or an ``output.dir`` another live run holds
+    (:mod:`megaformer.training.run_lock`)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.check_config:  # before torch and DeepSpeed are imported: a fraction of a second
         try:
@@ -43,6 +44,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(2)
         sys.exit(0)
+    from megaformer.training.supervisor import join_launcher_group
+
+    join_launcher_group()  # under launch/pretrain.sh: in its group; its supervisor forwards Ctrl-C
     # DeepSpeed's ZeRO still calls the deprecated torch name once per step; the warning says nothing
     # a user can act on and buries the step log.
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated", category=FutureWarning)
@@ -53,9 +57,11 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         cfg = load_config(args.config, args.overrides)
+        from megaformer.training.run_lock import hold_run_dir
         from megaformer.training.trainer import train
 
-        summary = train(cfg)
+        with hold_run_dir(cfg):  # rank 0 owns output.dir until it exits (megaformer/training/run_lock.py)
+            summary = train(cfg)
     except (ConfigError, DataFormatError, CheckpointReadError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         finish(2)

@@ -1,0 +1,222 @@
+"""The process ``launch/pretrain.sh`` leaves running: one signal to its PID stops every rank.
+
+``launch/pretrain.sh`` used to ``exec`` DeepSpeed's runner, which on one node installs no signal
+handler: a SIGTERM to the PID the shell returned (``kill PID``, ``timeout``, a container runtime
+stopping PID 1) ended the runner with 143 and left both ranks training, unsaved. The script now
+execs this supervisor, which keeps the PID and:
+
+1. **checks the run directory** (node 0 only): a live run's ``output.dir`` refuses the launch
+   before any worker starts (:func:`megaformer.training.run_lock.check_run_dir_free`, exit 2);
+2. **starts the launcher command** (DeepSpeed's runner) **in a process group of its own**, and
+   passes the supervisor's group in ``MEGAFORMER_LAUNCHER_PGID``: each rank joins that group as it
+   starts (:func:`join_launcher_group`, from ``megaformer.train``). The runner and DeepSpeed's
+   per-node ``launch.py`` are then out of the group a terminal, ``timeout`` or ``kill -- -PGID``
+   signals, and the ranks are in it: a SIGKILL to the group (``kill -9 -- -PGID``) still ends every
+   rank at once, as before, while a SIGTERM to the group no longer reaches ``launch.py`` (whose own
+   handler would kill the ranks 30 s later, mid-save, and exit 1);
+3. **forwards SIGTERM and SIGINT** (``kill PID``, Ctrl-C, ``timeout``) to every rank as the run's
+   first ``train.exit_signals`` signal (SIGTERM by default; SIGUSR1 is forwarded as itself): the
+   ranks agree on a step, save a checkpoint there and exit 75 (:mod:`.stopping`), DeepSpeed's
+   launcher passes the 75 on, and so does the supervisor. The ranks ignore SIGINT themselves (a
+   Ctrl-C reaches them with the terminal's group): the supervisor's forwarded signal stops them;
+4. **bounds the wait**: if the ranks have not ended ``MEGAFORMER_STOP_TIMEOUT_S`` seconds (default
+   600) after the first signal, it ends the launcher's group (DeepSpeed's launcher then ends the
+   ranks), kills what is left 40 s later, and exits 1.
+
+Exit status: the launcher command's (0 complete, 75 stopped early with its checkpoint saved, 2 a
+configuration, data or checkpoint error, other values a failure); 2 when the run directory is held
+by another run; 1 when a stop did not end in time; 128 + N when the launcher was killed by signal N.
+
+A signal that arrives before the ranks have started (DeepSpeed's launcher not yet running them)
+ends the launcher's group: nothing was trained, nothing is saved. A SIGKILL to the supervisor alone
+(``kill -9 PID``) cannot be forwarded: the ranks train on (the run directory stays theirs: rank 0
+holds its lock) until they are signalled themselves (``kill -- -PGID`` reaches them).
+
+Usage (what ``launch/pretrain.sh`` runs)::
+
+    python -m megaformer.training.supervisor [CONFIG [key=value ...]] -- LAUNCHER [ARGS ...]
+
+With no ``CONFIG`` (``MEGAFORMER_MODULE`` other than ``megaformer.train``) nothing is checked and
+signals are forwarded as SIGTERM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+PGID_ENV = "MEGAFORMER_LAUNCHER_PGID"
+"""Environment variable naming the supervisor's process group, which the ranks join."""
+
+STOP_TIMEOUT_S = 600.0
+"""Default of ``MEGAFORMER_STOP_TIMEOUT_S``: how long the ranks may take to save and exit."""
+
+EXIT_CODE_STOP_TIMEOUT = 1
+"""The supervisor's exit status when the ranks did not end within the stop timeout."""
+
+LAUNCH_MODULE = "deepspeed.launcher.launch"
+"""DeepSpeed's per-node launcher; its children are the ranks."""
+
+
+def join_launcher_group() -> bool:
+    """In a rank started under the supervisor: join its process group and ignore SIGINT (the
+    supervisor forwards a Ctrl-C as the run's stop signal). Returns whether it joined; outside a
+    supervised launch (``torchrun``, one plain process) it does nothing."""
+    pgid = os.environ.get(PGID_ENV)
+    if not pgid:
+        return False
+    try:
+        os.setpgid(0, int(pgid))
+    except (OSError, ValueError):
+        return False  # the supervisor is gone, or another session: stay where the launcher put us
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return True
+
+
+def _rank_processes(root: int) -> list:
+    """The ranks under ``root``: children of DeepSpeed's ``launch.py`` processes among ``root``
+    and its descendants (each rank's own children, e.g. data-loader workers, are not included)."""
+    import psutil
+
+    try:
+        top = psutil.Process(root)
+        descendants = [top, *top.children(recursive=True)]
+    except psutil.Error:
+        return []
+    ranks = []
+    for proc in descendants:
+        try:
+            if LAUNCH_MODULE in " ".join(proc.cmdline()):
+                ranks += proc.children()
+        except psutil.Error:
+            continue
+    return ranks
+
+
+def _log(message: str) -> None:
+    print(f"[pretrain.sh] {message}", file=sys.stderr, flush=True)
+
+
+class Supervisor:
+    """Run ``command`` in its own process group; forward stop signals to its ranks.
+
+    Args:
+        command: the launcher command line (DeepSpeed's runner with its arguments).
+        stop_signal: the signal the ranks stop on (the run's first ``train.exit_signals``).
+        stop_timeout_s: how long after the first stop signal the ranks may take to end.
+    """
+
+    def __init__(self, command: list[str], stop_signal: signal.Signals, stop_timeout_s: float) -> None:
+        self.command = command
+        self.stop_signal = stop_signal
+        self.stop_timeout_s = stop_timeout_s
+        self.child: subprocess.Popen | None = None
+        self.stop_deadline: float | None = None
+
+    def _forward(self, signum: int, frame: object = None) -> None:
+        received = signal.Signals(signum)
+        sent = received if received == signal.SIGUSR1 else self.stop_signal
+        if self.stop_deadline is None and received != signal.SIGUSR1:
+            self.stop_deadline = time.monotonic() + self.stop_timeout_s
+        if self.child is None or self.child.poll() is not None:
+            return
+        ranks = _rank_processes(self.child.pid)
+        if not ranks:  # not started yet (or on other nodes): end the launcher's group
+            _log(f"{received.name} received before the ranks started: ending the launcher")
+            self._signal_group(signal.SIGTERM)
+            return
+        _log(
+            f"{received.name} received: sending {sent.name} to {len(ranks)} rank(s) "
+            f"(PIDs {', '.join(str(p.pid) for p in ranks)}); they save a checkpoint and exit 75"
+        )
+        for proc in ranks:
+            with contextlib.suppress(Exception):  # a rank that has just exited
+                proc.send_signal(sent)
+
+    def _signal_group(self, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.child.pid, signum)
+
+    def _kill_all(self) -> None:
+        import psutil
+
+        try:
+            left = psutil.Process(self.child.pid).children(recursive=True)
+        except psutil.Error:
+            left = []
+        self._signal_group(signal.SIGKILL)
+        for proc in left:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+
+    def run(self) -> int:
+        """Start the command, wait for it (forwarding signals); returns the exit status."""
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            signal.signal(signum, self._forward)
+        env = {**os.environ, PGID_ENV: str(os.getpgrp())}
+        self.child = subprocess.Popen(self.command, env=env, preexec_fn=os.setpgrp)
+        escalated: float | None = None
+        while True:
+            try:
+                rc = self.child.wait(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            if self.stop_deadline is not None and now > self.stop_deadline and escalated is None:
+                _log(
+                    f"the ranks did not end within {self.stop_timeout_s:g} s of the stop signal "
+                    "(MEGAFORMER_STOP_TIMEOUT_S): ending the launcher"
+                )
+                self._signal_group(signal.SIGTERM)
+                escalated = now
+            elif escalated is not None and now > escalated + 40:
+                self._kill_all()
+                self.child.wait()
+                return EXIT_CODE_STOP_TIMEOUT
+        if escalated is not None:
+            return EXIT_CODE_STOP_TIMEOUT
+        return 128 - rc if rc < 0 else rc
+
+
+def _stop_signal(exit_signals: str) -> signal.Signals:
+    """The first signal of ``train.exit_signals`` (SIGTERM when it is empty)."""
+    names = [n.strip() for n in exit_signals.split(",") if n.strip()]
+    return getattr(signal, names[0]) if names else signal.SIGTERM
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point (see the module docstring); returns the exit status."""
+    args = sys.argv[1:] if argv is None else argv
+    if "--" not in args or args.index("--") == len(args) - 1:
+        print(
+            "usage: python -m megaformer.training.supervisor [CONFIG [key=value ...]] -- LAUNCHER [ARGS ...]",
+            file=sys.stderr,
+        )
+        return 2
+    split = args.index("--")
+    run_args, command = args[:split], args[split + 1 :]
+    config, overrides = (run_args[0], run_args[1:]) if run_args else (None, [])
+    stop_signal = signal.SIGTERM
+    if config is not None:
+        from megaformer.config import ConfigError, load_config
+        from megaformer.training.run_lock import check_run_dir_free
+
+        try:
+            cfg = load_config(config, overrides)  # checked by launch/pretrain.sh already
+            stop_signal = _stop_signal(cfg.train.exit_signals)
+            if os.environ.get("NODE_RANK", "0") in ("", "0"):
+                check_run_dir_free(cfg.output.dir)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return 2
+    timeout_s = float(os.environ.get("MEGAFORMER_STOP_TIMEOUT_S", STOP_TIMEOUT_S))
+    return Supervisor(command, stop_signal, timeout_s).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""One writer per output (issue 39): the OS lock of a run directory or a preprocessing prefix, its
+record, a killed holder, bad lock files (not ours, unreadable: clear errors, nothing deleted), and
+the launcher's supervisor refusing a held run directory before it starts anything."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from data_tools.owner_lock import FORMAT, LockFileError, LockHeldError, OwnerLock, check_free
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = str(REPO / "configs" / "normformer-quickstart.yaml")
+HOLD = textwrap.dedent(
+    """
+    import sys, time
+    from data_tools.owner_lock import OwnerLock
+    OwnerLock(sys.argv[1], sys.argv[2], "wait").acquire()
+    print("held", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def _holder(path: Path, what: str = "a training run") -> subprocess.Popen:
+    """Another process holding ``path``'s lock (until killed)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(path), what], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_record_second_holder_refused_and_release_removes_the_file(tmp_path):
+    path = tmp_path / "run.lock"
+    lock = OwnerLock(str(path), "a training run", "wait, or choose another output.dir").acquire()
+    record = json.loads(path.read_text())
+    assert record["format"] == FORMAT and record["pid"] == os.getpid()
+    assert record["host"] == socket.gethostname() and record["what"] == "a training run"
+    with pytest.raises(LockHeldError) as held:  # a second descriptor, even in this process
+        OwnerLock(str(path), "a training run", "wait, or choose another output.dir").acquire()
+    msg = str(held.value)
+    assert f"held by a training run on host {socket.gethostname()}, PID {os.getpid()}, since " in msg
+    assert "s ago)" in msg and msg.endswith("wait, or choose another output.dir")
+    assert held.value.holder["pid"] == os.getpid()
+    with pytest.raises(LockHeldError, match="PID"):
+        check_free(str(path), "wait")
+    lock.release()
+    assert not path.exists()
+    check_free(str(path), "wait")  # free, and nothing created
+    assert not path.exists()
+    with OwnerLock(str(path), "a training run", "wait"):
+        assert path.exists()
+
+
+def test_slurm_job_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    path = tmp_path / "run.lock"
+    held = pytest.raises(LockHeldError, match=r"PID \d+, Slurm job 4242, since")
+    with OwnerLock(str(path), "a training run", "wait"), held:
+        check_free(str(path), "wait")
+
+
+def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
+    path = tmp_path / "run.lock"
+    proc = _holder(path)
+    with pytest.raises(LockHeldError, match=f"PID {proc.pid}"):
+        check_free(str(path), "wait")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert json.loads(path.read_text())["pid"] == proc.pid  # its record stays, its lock does not
+    check_free(str(path), "wait")
+    with OwnerLock(str(path), "a training run", "wait"):
+        assert json.loads(path.read_text())["pid"] == os.getpid()
+
+
+def test_a_file_that_is_not_ours_is_refused_and_kept(tmp_path):
+    path = tmp_path / "run.lock"
+    path.write_text("some other program's lock\n")
+    for attempt in (lambda: check_free(str(path), "wait"), OwnerLock(str(path), "x", "wait").acquire):
+        with pytest.raises(LockFileError, match=r"run\.lock: not a megaformer lock file .*some other"):
+            attempt()
+    assert path.read_text() == "some other program's lock\n"
+
+
+def test_a_foreign_file_locked_by_another_process_is_named_as_such(tmp_path):
+    path = tmp_path / "run.lock"
+    path.write_text("pid 1\n")
+    script = (
+        "import fcntl, sys, time; f = open(sys.argv[1]); fcntl.flock(f, fcntl.LOCK_EX); "
+        "print('held', flush=True); time.sleep(600)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        with pytest.raises(LockHeldError, match="locked by another process, and it is not a megaformer lock"):
+            OwnerLock(str(path), "x", "wait").acquire()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert path.read_text() == "pid 1\n"
+
+
+def test_an_unreadable_lock_file_is_a_clear_error(tmp_path):
+    path = tmp_path / "run.lock"
+    path.mkdir()  # something that cannot be opened as a file (root passes permission checks)
+    (path / "keep").write_text("x")
+    for attempt in (lambda: check_free(str(path), "wait"), OwnerLock(str(path), "x", "wait").acquire):
+        with pytest.raises(
+            LockFileError, match=r"run\.lock: cannot open the lock file .*nothing was changed"
+        ):
+            attempt()
+    assert (path / "keep").read_text() == "x"
+
+
+def test_hold_run_dir_on_rank_0_only(tmp_path, monkeypatch):
+    from megaformer.config import load_config
+    from megaformer.training.run_lock import RunDirBusyError, check_run_dir_free, hold_run_dir, lock_path
+
+    out = tmp_path / "run"
+    cfg = load_config(CONFIG, [f"output.dir={out}"])
+    monkeypatch.setenv("RANK", "1")
+    with hold_run_dir(cfg) as lock:
+        assert lock is None and not out.exists()
+    monkeypatch.delenv("RANK")
+    with hold_run_dir(cfg) as lock:
+        assert lock.locked and os.path.isfile(lock_path(str(out)))
+        with pytest.raises(
+            RunDirBusyError, match=r"output\.dir: .*run\.lock is held by a training run on host"
+        ):
+            check_run_dir_free(str(out))
+        with pytest.raises(RunDirBusyError, match=r"or launch into another output\.dir"), hold_run_dir(cfg):
+            pass
+    check_run_dir_free(str(out))
+    assert not os.path.exists(lock_path(str(out)))
+
+
+def _supervise(out: Path, command: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    args = [
+        sys.executable,
+        "-m",
+        "megaformer.training.supervisor",
+        CONFIG,
+        f"output.dir={out}",
+        "--",
+    ]
+    return subprocess.run(
+        [*args, *command],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_supervisor_refuses_a_held_run_dir_before_starting_anything(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    proc = _holder(out / "run.lock")
+    try:
+        marker = tmp_path / "started"
+        started = time.monotonic()
+        result = _supervise(out, ["touch", str(marker)])
+        assert time.monotonic() - started < 30
+        assert result.returncode == 2 and not marker.exists()
+        assert f"held by a training run on host {socket.gethostname()}, PID {proc.pid}" in result.stderr
+        assert "launch into another output.dir" in result.stderr
+        # node 1 of a multi-node job does not check: node 0 (its own job's rank 0) may hold it
+        assert _supervise(out, ["touch", str(marker)], {"NODE_RANK": "1"}).returncode == 0
+        assert marker.exists()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert _supervise(out, ["sh", "-c", "exit 75"]).returncode == 75  # the launcher's code passed on
+
+
+FAKE_LAUNCH = textwrap.dedent(
+    """
+    # Stands in for DeepSpeed's per-node launcher (the supervisor finds it by its module name in
+    # the command line): two "ranks" that save on SIGTERM and exit 75, the first code passed on.
+    import subprocess, sys
+    rank = '''
+    import os, signal, sys, time
+    os.environ.get("MEGAFORMER_LAUNCHER_PGID") and os.setpgid(0, int(os.environ["MEGAFORMER_LAUNCHER_PGID"]))
+    def stop(signum, frame):
+        open(sys.argv[1], "w").write(signal.Signals(signum).name)
+        sys.exit(75)
+    signal.signal(signal.SIGTERM, stop)
+    print("ready", flush=True)
+    time.sleep(60)
+    sys.exit(0)
+    '''
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", rank, f"{sys.argv[1]}.{i}"], stdout=subprocess.PIPE)
+        for i in range(2)
+    ]
+    for r in ranks:
+        r.stdout.readline()
+    print("ranks ready", flush=True)
+    sys.exit(max(r.wait() for r in ranks))
+    """
+)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_supervisor_forwards_a_stop_signal_to_every_rank(tmp_path, signum):
+    out = tmp_path / "run"
+    saved = tmp_path / "saved"
+    command = [sys.executable, "-c", FAKE_LAUNCH, str(saved), "deepspeed.launcher.launch"]
+    args = [
+        sys.executable,
+        "-m",
+        "megaformer.training.supervisor",
+        CONFIG,
+        f"output.dir={out}",
+        "--",
+        *command,
+    ]
+    proc = subprocess.Popen(
+        args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    assert proc.stdout.readline().strip() == "ranks ready"
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 75, err
+    assert f"{signum.name} received: sending SIGTERM to 2 rank(s)" in err
+    assert [Path(f"{saved}.{i}").read_text() for i in range(2)] == ["SIGTERM", "SIGTERM"]
+
+
+def test_two_preprocesses_into_one_prefix_the_second_refuses(tmp_path, gpt2_flags):
+    """A preprocessing run holds ``PREFIX.lock`` while it writes; a second one into the same
+    prefix exits 2 naming it, writes nothing and deletes nothing."""
+    doc = tmp_path / "in.jsonl"
+    doc.write_text('{"text": "one short document"}\n{"text": "and another"}\n')
+    prefix = tmp_path / "out" / "corpus"
+    command = [
+        sys.executable,
+        "-m",
+        "data_tools.preprocess",
+        "--input",
+        str(doc),
+        "--output-prefix",
+        str(prefix),
+    ]
+    command += [*gpt2_flags, "--append-eod"]
+    (tmp_path / "out").mkdir()
+    proc = _holder(tmp_path / "out" / "corpus.lock", "a preprocessing run")
+    try:
+        second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2, second.stderr
+        assert (
+            f"corpus.lock is held by a preprocessing run on host {socket.gethostname()}, PID {proc.pid}"
+            in (second.stderr)
+        )
+        assert "choose another --output-prefix" in second.stderr and "Traceback" not in second.stderr
+        assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["corpus.lock"]
+    finally:
+        proc.kill()
+        proc.wait()
+    first = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    names = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert "corpus.lock" not in names and "corpus_text_document.idx" in names  # released, removed
