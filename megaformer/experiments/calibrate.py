@@ -50,6 +50,7 @@ import dataclasses
 import json
 import math
 import platform
+import shutil
 import statistics
 import time
 from collections.abc import Sequence
@@ -358,6 +359,9 @@ def calibrate(
             print(f"[{tag}] round {r + 1}/{rounds}: {name}", flush=True)
             summary = launch_run(runs[name], out, args, nproc, tag)
             measured, eval_s, wall = measure_launch(summary, warmup)
+            # Its final save was timed (a run's one-time cost holds it); the checkpoint itself is
+            # of no use (222 MB a launch at the quickstart size): only its time is kept.
+            shutil.rmtree(out / "checkpoints", ignore_errors=True)
             per_launch[name].append(
                 {
                     "round": r,
@@ -512,14 +516,15 @@ def anomalous_rounds(
     return set(bad[: max(0, len(score) - 2)])
 
 
-def warn_if_noisy(timings: dict[str, Timing], names: list[str], tag: str = "calibrate") -> None:
-    """Print a warning when a config's step time, or its ratio to the first config's, has a relative
+def noise_warnings(timings: dict[str, Timing], names: list[str]) -> list[str]:
+    """One line per config whose step time, or its ratio to the first config's, has a relative
     standard error above :data:`NOISE_WARNING`: step counts from it may be tilted by that much.
 
     With the step-interleaved job (``ratio_sem`` measured on paired turns), what can tilt a
     comparison is the ratio alone; the level's error (every config's alike) only moves where the
     spend limit falls, for all runs alike, and is not warned about."""
     base = timings[names[0]]
+    out = []
     for name in names:
         t = timings[name]
         rel = t.step_seconds_sem / t.step_seconds
@@ -534,14 +539,20 @@ def warn_if_noisy(timings: dict[str, Timing], names: list[str], tag: str = "cali
             kept = t.interleaved.get("rounds_kept") or len(
                 [x for x in t.rounds if not x.get("anomalous_round")]
             )
-            print(
-                f"[{tag}] calibration: WARNING {name}: step time {t.step_seconds:.4g} s ± {rel:.1%} "
+            out.append(
+                f"{name}: step time {t.step_seconds:.4g} s ± {rel:.1%} "
                 + (f"(ratio to {names[0]} ± {ratio:.1%}) " if ratio else "")
                 + f"over {kept} rounds, above {NOISE_WARNING:.0%}: this machine's noise can tilt the step "
                 "counts by that much; calibrate with more --calibration-rounds (or --interleaved-rounds), "
-                "or on a quieter machine",
-                flush=True,
+                "or on a quieter machine"
             )
+    return out
+
+
+def warn_if_noisy(timings: dict[str, Timing], names: list[str], tag: str = "calibrate") -> None:
+    """Print :func:`noise_warnings` (the comparison's table, JSON and plot repeat them)."""
+    for line in noise_warnings(timings, names):
+        print(f"[{tag}] calibration: WARNING {line}", flush=True)
 
 
 def load_or_calibrate(

@@ -47,7 +47,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from megaformer.config import ConfigError, load_config, to_dict
-from megaformer.experiments.calibrate import Timing
+from megaformer.experiments.calibrate import Timing, noise_warnings
 from megaformer.experiments.launcher import launch_run
 from megaformer.experiments.provenance import differences, run_request
 from megaformer.experiments.seeds import PAPER_EFFECT, seed_groups, seed_summary, seed_table
@@ -223,9 +223,16 @@ def markdown_table(rows: list[dict], baseline_best_ppl: float, budget: float) ->
     return "\n".join(lines) + "\n"
 
 
-def plot(runs: dict[str, dict], path: str, budget: float, groups: dict[str, list[str]] | None = None) -> None:
+def plot(
+    runs: dict[str, dict],
+    path: str,
+    budget: float,
+    groups: dict[str, list[str]] | None = None,
+    warning: int = 0,
+) -> None:
     """Validation perplexity against device-hours (the paper's Fig. 2), one line per run; the runs of
-    a seed group (:func:`~.seeds.seed_groups`) share a colour, one line style per seed. Stars: where
+    a seed group (:func:`~.seeds.seed_groups`) share a colour, one line style per seed; ``warning``
+    > 0: that many calibration noise warnings, said in the figure's title. Stars: where
     a run first reaches the baseline's best perplexity (the grey dashed line). Left, the whole run
     (log scale); right, the last 60 % of the budget on a range that shows where the curves end (a run
     ending above 1.5× the best final perplexity, e.g. one on the unigram plateau, is left above it,
@@ -280,6 +287,12 @@ def plot(runs: dict[str, dict], path: str, budget: float, groups: dict[str, list
         Line2D([], [], color="grey", linestyle="--", label=f"baseline's best ({names[0]}): {best:.1f}"),
     ]
     axes[1].legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
+    if warning:
+        fig.suptitle(
+            f"Caveat: the calibration was noisy ({warning} warning(s) in comparison.md): the step counts "
+            "may be tilted",
+            color="darkred",
+        )
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
@@ -445,7 +458,9 @@ def compare(
     best_ppl = _ppl(min(loss for _, _, loss in runs[names[0]]["curve"]))
     groups, over_seeds = seed_rows(rows, loaded, effect)
     seeds_md = seed_table(over_seeds)
-    table = markdown_table(rows, best_ppl, budget) + (f"\n{seeds_md}" if seeds_md else "")
+    measured = [n for n in names if timings[n].measured_as in ("", n)] or list(names)
+    noisy = noise_warnings(timings, measured)
+    table = _caveat(noisy) + markdown_table(rows, best_ppl, budget) + (f"\n{seeds_md}" if seeds_md else "")
     (root / "comparison.md").write_text(table, encoding="utf-8")
     record = {
         "budget_device_hours": budget,
@@ -456,14 +471,26 @@ def compare(
         "code_version": code,
         "effect": effect,
         "final_eval_batches": final_eval_batches,
+        "calibration_warnings": noisy,
         "rows": rows,
         "seed_groups": over_seeds,
     }
     (root / "comparison.json").write_text(json.dumps(record, indent=2))
     # the plot's x: calibrated device-hours, the budget's own units (the wall-clock is in the JSON)
     shown = {n: {**r, "curve": r["costed"]} for n, r in runs.items()}
-    plot(shown, str(root / "valid_ppl_vs_device_hours.png"), budget, groups)
+    plot(shown, str(root / "valid_ppl_vs_device_hours.png"), budget, groups, warning=len(noisy))
     return rows
+
+
+def _caveat(warnings: list[str]) -> str:
+    """The calibration's noise warnings as a block above the table ('' without any)."""
+    if not warnings:
+        return ""
+    head = (
+        f"> **Caveat: the calibration was noisy** ({len(warnings)} warning(s)); the step counts may be "
+        "tilted by as much:"
+    )
+    return "\n".join([head, ">", *(f"> - {w}" for w in warnings), "", ""])
 
 
 def add_calibration_args(parser: argparse.ArgumentParser) -> None:

@@ -734,15 +734,25 @@ def _summary(
     raw, summary = summary, null_non_finite(summary, _missing_reasons(loop, summary))
     if layout.is_main:
         atomic_write_json(os.path.join(cfg.output.dir, "summary.json"), summary, allow_nan=False)
+        ran = loop.last_step - start_step
+        steps = (
+            f"{loop.last_step} steps"
+            if start_step == 0
+            else f"{ran} steps in this launch (steps {start_step + 1}–{loop.last_step}; the run has "
+            f"{loop.last_step} of {loop.total})"
+        )
+        if math.isfinite(valid_loss):
+            valid = f"valid loss {valid_loss:.4f} (ppl {raw['final_valid_ppl']:.2f})"
+        else:  # not measured (stopped before any validation of this launch) or diverged: no "nan"
+            valid = "valid loss: " + summary.get("missing", {}).get("final_valid_loss", "not measured")
         log(
             layout,
-            f"{'stopped' if loop.stopped else 'done'}: {loop.last_step} steps in {elapsed:.1f} s | "
+            f"{'stopped' if loop.stopped else 'done'}: {steps} in {elapsed:.1f} s | "
             f"{raw['tokens_per_s']:,.0f} tokens/s | "
             f"{raw['tflops_per_device']:.3g} TFLOP/s per device"
             + (f" (MFU {raw['mfu']:.1%})" if raw["mfu"] is not None else "")
             + f" | {raw['tokens']:,} tokens, {raw['device_hours']:.3g} device-hours | "
-            f"valid loss {valid_loss:.4f} (ppl {raw['final_valid_ppl']:.2f}) vs unigram entropy "
-            f"{raw['unigram_entropy']:.4f} nats",
+            f"{valid} vs unigram entropy {raw['unigram_entropy']:.4f} nats",
         )
         log(layout, f"TensorBoard: tensorboard --logdir {summary['tensorboard_dir']}")
         log(layout, f"plots (PNG): python -m megaformer.tools.plot {os.path.abspath(cfg.output.dir)}")

@@ -95,6 +95,8 @@ def test_sigterm_saves_at_the_next_step_and_resumes_exactly(lifecycle_reference,
     text = log.read_text()
     stopped = int(text.split("stopping at step ")[1].split("/")[0])
     assert 5 <= stopped < 12 and "Traceback" not in text
+    # nothing was validated in this launch: said, not printed as "nan" (issue 39)
+    assert "valid loss: no validation ran in this launch" in text and "(ppl nan)" not in text
     assert (out / "checkpoints" / "latest").read_text() == f"global_step{stopped}"
     proc = run_pretrain(CONFIG, _overrides(gutenberg_prefix, out))
     assert proc.returncode == 0, proc.stderr[-3000:]

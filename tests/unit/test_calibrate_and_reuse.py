@@ -44,6 +44,7 @@ def test_calibration_takes_medians_over_interleaved_rounds(monkeypatch, tmp_path
 
     def fake_launch(config, out, args, nproc, tag):
         launched.append(out.name)
+        (out / "checkpoints" / "global_step30").mkdir(parents=True)  # what a launch's final save leaves
         return {"name": out.name, "drift": 1.0 + 0.05 * (len(launched) - 1)}
 
     def fake_measure(summary, warmup):
@@ -54,6 +55,7 @@ def test_calibration_takes_medians_over_interleaved_rounds(monkeypatch, tmp_path
     monkeypatch.setattr(cal, "measure_launch", fake_measure)
     timings = cal.calibrate({"a": "a.yaml", "b": "b.yaml"}, [], tmp_path, 2, rounds=4, warmup=10, measure=20)
     assert launched == ["a", "b", "b", "a", "b", "a", "a", "b"]
+    assert not list(tmp_path.glob("*/checkpoints"))  # timed, then thrown away: launches keep none
     ratio = timings["b"].step_seconds / timings["a"].step_seconds
     assert ratio == pytest.approx(1.1, rel=1e-9)  # a linear drift cancels: 1.1 exactly
     first_always = (0.11 * statistics.fmean([1.05, 1.15, 1.25, 1.35])) / (

@@ -322,3 +322,38 @@ def test_plot_survives_a_diverged_run(tmp_path):
     }
     cmp.plot(runs, str(tmp_path / "p.png"), 1.0)
     assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_a_noisy_calibration_is_said_in_the_table_the_json_and_the_plot(monkeypatch, tmp_path):
+    """A calibration whose ratio error is above 1 % (the console warned) leaves a caveat above
+    comparison.md's table, the warnings in comparison.json, and a red title on the plot."""
+    import json
+
+    from megaformer.experiments import calibrate as cal
+    from megaformer.experiments import compare as cmp
+
+    paths = ["configs/cpu-compare/pre_ln.yaml", "configs/cpu-compare/normformer.yaml"]
+    names = ["pre_ln", "normformer"]
+    timings = {
+        "pre_ln": Timing(0.1, 0.5, 1.0, [], 0.001, "pre_ln", 1.0, 0.0),
+        "normformer": Timing(0.1, 0.5, 1.0, [], 0.001, "normformer", 1.0, 0.19),  # ±19 %
+    }
+    monkeypatch.setattr(cal, "calibrate_runs", lambda *a, **k: (timings, {"rounds": []}, "c" * 16))
+    final = {"pre_ln": 5.0, "normformer": 4.9}
+    monkeypatch.setattr(
+        cmp,
+        "train_one",
+        lambda config, out, *a: {**_summary(final[out.name], 1.0), "tensorboard_dir": out.name},
+    )
+    monkeypatch.setattr(cmp, "valid_curve", lambda tb: [(1, 0.5, final[tb] + 0.5), (2, 1.0, final[tb])])
+    titles = []
+    real_plot = cmp.plot
+    monkeypatch.setattr(cmp, "plot", lambda *a, **k: titles.append(k.get("warning")) or real_plot(*a, **k))
+    (tmp_path / "out").mkdir()
+    cmp.compare(paths, names, BUDGET, str(tmp_path / "out"), [], nproc=2)
+    table = (tmp_path / "out" / "comparison.md").read_text()
+    assert table.startswith("> **Caveat: the calibration was noisy** (1 warning(s))")
+    assert "normformer: step time" in table and "± 19.0%" in table
+    record = json.loads((tmp_path / "out" / "comparison.json").read_text())
+    assert len(record["calibration_warnings"]) == 1 and titles == [1]
+    assert (tmp_path / "out" / "valid_ppl_vs_device_hours.png").stat().st_size > 10_000
