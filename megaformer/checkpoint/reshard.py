@@ -70,11 +70,30 @@ class ReshardError(CheckpointReadError):
 
 
 def resolve_tag_dir(ckpt_dir: str, tag: str | None = None) -> str:
-    """The directory holding the ``mp_rank_XX_model_states.pt`` files.
+    """The directory holding the ``mp_rank_XX_model_states.pt`` files, from what a user passes:
+    a run directory (``output.dir``, or an ``import_fairseq --output`` directory: both hold
+    ``checkpoints/``), its ``checkpoints/`` directory (the tag ``latest`` names, or ``tag``), or one
+    ``global_stepN`` directory.
 
     Raises:
-        ReshardError: no such directory, or no ``latest`` file to pick the tag from.
+        ReshardError: no such path (said as such, with what to pass), no checkpoint there, or no
+            ``latest`` file to pick the tag from.
     """
+    if not os.path.exists(ckpt_dir):
+        raise ReshardError(
+            f"{ckpt_dir}: no such file or directory; pass a run directory, its checkpoints/ directory "
+            "or one global_stepN directory"
+        )
+    nested = os.path.join(ckpt_dir, "checkpoints")
+    holds_checkpoint = glob.glob(os.path.join(ckpt_dir, "*model_states.pt")) or os.path.isfile(
+        os.path.join(ckpt_dir, "latest")
+    )
+    if (
+        not holds_checkpoint
+        and os.path.isdir(nested)
+        and (tag is None or not os.path.isdir(os.path.join(ckpt_dir, tag)))
+    ):
+        ckpt_dir = nested  # a run directory: its checkpoints/
     if tag is not None:
         path = os.path.join(ckpt_dir, tag)
     elif glob.glob(os.path.join(ckpt_dir, "*model_states.pt")):
@@ -84,7 +103,7 @@ def resolve_tag_dir(ckpt_dir: str, tag: str | None = None) -> str:
         if not os.path.isfile(latest):
             raise ReshardError(
                 f"{ckpt_dir}: neither mp_rank_XX_model_states.pt files nor a 'latest' file; pass a "
-                "run's checkpoints/ directory, a global_stepN directory, or --tag"
+                "run directory, its checkpoints/ directory, a global_stepN directory, or --tag"
             )
         from megaformer.training.ckpt_integrity import resolve_latest
 

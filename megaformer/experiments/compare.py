@@ -493,6 +493,15 @@ def _caveat(warnings: list[str]) -> str:
     return "\n".join([head, ">", *(f"> - {w}" for w in warnings), "", ""])
 
 
+def remove_if_empty(root: Path) -> None:
+    """Remove ``root`` when it holds directories only (what a refused comparison made before its
+    refusal); a directory with any file (a launch's log, a run) is kept for the user to read."""
+    if root.is_dir() and not any(p.is_file() or p.is_symlink() for p in root.rglob("*")):
+        for d in sorted((p for p in root.rglob("*")), key=lambda p: len(p.parts), reverse=True):
+            d.rmdir()
+        root.rmdir()
+
+
 def add_calibration_args(parser: argparse.ArgumentParser) -> None:
     """The calibration and run-order options shared by ``compare`` and ``sweep``."""
     parser.add_argument("--calibration-rounds", type=int, default=4, help="interleaved rounds (>= 2)")
@@ -585,6 +594,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.budget_device_hours <= 0:
         print(f"error: --budget-device-hours={args.budget_device_hours}: must be > 0", file=sys.stderr)
         return 2
+    existed = Path(args.output_dir).exists()
     try:
         rows = compare(
             args.configs,
@@ -601,6 +611,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             -1 if args.final_eval == "sample" else 0,
         )
     except (RuntimeError, ValueError, ConfigError) as e:
+        if not existed:
+            remove_if_empty(Path(args.output_dir))  # a refusal leaves nothing behind
         print(f"error: {e}", file=sys.stderr)
         return 2
     print((Path(args.output_dir) / "comparison.md").read_text())

@@ -520,6 +520,18 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def row_name(checkpoint: str | None, hf_model: str | None) -> str:
+    """The table's name of a model: an export's own directory (``--hf-model DIR``: ``DIR``'s name,
+    not its parent's), a run's directory for a checkpoint given as the run, its ``checkpoints/`` or
+    one ``global_stepN`` (``RUN``, with ``@global_stepN`` for a step other than ``latest``'s)."""
+    if hf_model:
+        return Path(hf_model).resolve().name
+    path = Path(checkpoint).resolve()
+    if path.name.startswith("global_step"):
+        return f"{path.parent.parent.name}@{path.name}" if path.parent.name == "checkpoints" else path.name
+    return path.parent.name if path.name == "checkpoints" else path.name
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; prints the table; 0, or 2 for a bad checkpoint, task or file."""
     from megaformer.training.safe_load import CheckpointReadError
@@ -547,7 +559,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, CheckpointReadError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    name = args.name or Path(args.checkpoint or args.hf_model).resolve().parent.name
+    name = args.name or row_name(args.checkpoint, args.hf_model)
     row = {
         "model": name,
         "params": params,

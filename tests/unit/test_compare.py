@@ -357,3 +357,19 @@ def test_a_noisy_calibration_is_said_in_the_table_the_json_and_the_plot(monkeypa
     record = json.loads((tmp_path / "out" / "comparison.json").read_text())
     assert len(record["calibration_warnings"]) == 1 and titles == [1]
     assert (tmp_path / "out" / "valid_ppl_vs_device_hours.png").stat().st_size > 10_000
+
+
+def test_a_refused_comparison_leaves_nothing_behind(tmp_path, capsys):
+    """A bad override is refused (exit 2, naming it) and the output directory it would have
+    written is not left behind (issue 39: compare left empty directories when it refused)."""
+    from megaformer.experiments.compare import main
+
+    out = tmp_path / "cmp"
+    code = main(["configs/cpu-compare/pre_ln.yaml", "--budget-device-hours", "0.01", "--output-dir", str(out),
+                 "--set", "train.nosuchkey=1"])  # fmt: skip
+    assert code == 2 and "train.nosuchkey" in capsys.readouterr().err
+    assert not out.exists()
+    out.mkdir()  # a directory the user made is theirs: kept
+    assert main(["configs/cpu-compare/pre_ln.yaml", "--budget-device-hours", "0.01", "--output-dir", str(out),
+                 "--set", "train.nosuchkey=1"]) == 2  # fmt: skip
+    assert out.is_dir()

@@ -275,3 +275,30 @@ def test_gpt2_vocab_reorders_the_embedding_to_gpt2_ids(tmp_path, reference, caps
     (lone / "model.pt").write_bytes((FIXTURE / "model.pt").read_bytes())
     with pytest.raises(FairseqImportError, match=r"--vocab gpt2: no dict\.txt beside"):
         import_fairseq(str(lone / "model.pt"), str(tmp_path / "o4"), vocab="gpt2")
+
+
+def test_tools_take_the_import_directory_its_checkpoints_or_one_step(tmp_path):
+    """Every tool that reads a checkpoint resolves it through resolve_tag_dir: the directory
+    import_fairseq wrote (a run directory: it holds checkpoints/), its checkpoints/ directory and the
+    global_step0 inside it are one checkpoint; a mistyped path is answered as such (issue 39)."""
+    from megaformer.checkpoint.reshard import ReshardError, resolve_tag_dir
+
+    import_fairseq(str(FIXTURE / "model_cfg.pt"), str(tmp_path / "imported"))
+    step = tmp_path / "imported" / "checkpoints" / "global_step0"
+    for given in (tmp_path / "imported", tmp_path / "imported" / "checkpoints", step):
+        assert resolve_tag_dir(str(given)) == str(step), given
+    assert resolve_tag_dir(str(tmp_path / "imported"), "global_step0") == str(step)
+    with pytest.raises(ReshardError, match=r"imported2: no such file or directory; pass a run directory"):
+        resolve_tag_dir(str(tmp_path / "imported2"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ReshardError, match=r"neither mp_rank_XX_model_states.pt files nor a 'latest' file"):
+        resolve_tag_dir(str(tmp_path / "empty"))
+
+
+def test_zero_shot_names_rows_after_the_model_not_its_folder():
+    from megaformer.tools.zero_shot import row_name
+
+    assert row_name(None, "/x/exports/nf-125m") == "nf-125m"  # was "exports", the parent's name
+    assert row_name("/x/runs/nf", None) == "nf"
+    assert row_name("/x/runs/nf/checkpoints", None) == "nf"
+    assert row_name("/x/runs/nf/checkpoints/global_step450", None) == "nf@global_step450"
