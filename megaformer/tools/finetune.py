@@ -2,6 +2,7 @@
 
     python -m megaformer.tools.finetune --checkpoint RUN/checkpoints --task rte --data data/glue
         [--lr 1e-5 1e-4 ...] [--epochs 10] [--batch-size N] [--out DIR] [--device cuda]
+        [--random-init [--init-seed S]] [--no-save-best]
     python -m megaformer.tools.finetune --table DIR [DIR ...]     # one Table 3 from several runs
 
 What the NormFormer paper (Shleifer et al. 2021, Sec. 3, "Fine-Tuning") does: "We fine-tune both the
@@ -44,11 +45,24 @@ out of attention.
 That is ample for the paper's 125M models (fine-tuning RTE for 10 epochs is minutes on one GPU); no
 process group is made. Only masked-LM checkpoints (``model.objective: mlm``) are accepted.
 
-**Outputs** (``--out``, default ``RUN/finetune/``): ``<task>.json`` (every learning rate's per-epoch
-validation metrics, the best per learning rate and over the grid, the hyperparameters and the data
-used) and ``table3.md``, rebuilt from every ``*.json`` there: the paper's Table 3 layout (Model, Size,
-λ_resid, PPL, CoLA, MNLI, MRPC, QNLI, QQP, RTE, SST-2, Avg; accuracy, as the paper reports) and the
-same runs in GLUE's own metrics (Matthews for CoLA, F1/accuracy for MRPC, Pearson/Spearman for STS-B).
+**Outputs** (``--out``, default ``RUN/finetune/``, ``RUN/finetune-random-init/`` with
+``--random-init``): ``<task>.json`` (every learning rate's per-epoch validation metrics, the best per
+learning rate and over the grid with the accuracy's 95% Wilson interval and the best model's
+predictions, the hyperparameters, the data used, and ``recipe_differences``: every setting that
+differs from the paper's recipe, :func:`recipe_differences`); ``<task>_best/`` (the best model by the
+task's metric over the grid and the epochs, fairseq's ``checkpoint_best.pt``, as a megaformer
+checkpoint every tool reads, with the classification head: :func:`save_best`,
+:func:`load_classifier`); and ``table3.md``, rebuilt from every ``*.json`` there: the paper's Table 3
+layout (Model, Size, λ_resid, PPL, CoLA, MNLI, MRPC, QNLI, QQP, RTE, SST-2, Avg; accuracy, as the
+paper reports; ``†`` on a run that differs from the recipe), the same runs in GLUE's own metrics
+(Matthews for CoLA, F1/accuracy for MRPC, Pearson/Spearman for STS-B), the accuracies with their
+intervals beside the majority class, and the list of differences from the recipe.
+
+**The random-initialisation control** (``--random-init``): the checkpoint's architecture, but the
+weights its pretraining started from (the trainer's initialisation with the run's ``train.seed``, or
+``--init-seed``), fine-tuned exactly as the pretrained weights are. What pretraining adds is the
+difference between the two; a model that only reaches the control's accuracy has learnt nothing from
+pretraining that the task uses.
 """
 
 from __future__ import annotations
@@ -213,11 +227,13 @@ def finetune_one(
     hp: FinetuneConfig,
     device: str = "cpu",
     log=print,
+    keeper: BestModel | None = None,
 ) -> dict[str, Any]:
     """Fine-tune from ``full`` at peak rate ``lr``; validate after every epoch.
 
     Args:
         train, valid: ``(token rows, labels)`` (:func:`~megaformer.data.glue.encode_example`).
+        keeper: offered the model after every epoch's validation (it keeps a copy of the best).
 
     Returns:
         ``{"lr", "updates", "warmup", "epochs": [{"epoch", "update", "train_loss", "metrics"}],
@@ -250,7 +266,10 @@ def finetune_one(
             update += 1
             if update >= total:
                 break
-        metrics = score(task, np.asarray(valid[1]), predict(model, valid[0], hp.batch_size, device))
+        outputs = predict(model, valid[0], hp.batch_size, device)
+        metrics = score(task, np.asarray(valid[1]), outputs)
+        if keeper is not None:
+            keeper.offer(model, metrics, outputs, lr=lr, epoch=epoch, update=update)
         history.append(
             {"epoch": epoch, "update": update, "train_loss": float(np.mean(losses)), "metrics": metrics}
         )
@@ -266,6 +285,208 @@ def finetune_one(
 
 def _rank_value(value: float) -> float:
     return -math.inf if value is None or math.isnan(value) else value
+
+
+def accuracy_interval(accuracy: float, n: int, level: float = 0.95) -> dict[str, Any]:
+    """The binomial confidence interval of an accuracy measured on ``n`` examples: Wilson's score
+    interval (Wilson 1927; ``scipy.stats.binomtest(k, n).proportion_ci(level, method="wilson")``),
+    which keeps its coverage near ``level`` at small ``n`` and near 0 or 1, where the normal
+    approximation does not.
+
+    It is the sampling error of the validation set alone: the best accuracy over a grid of learning
+    rates and epochs is also selected on that set, so it is biased upwards by more than this
+    interval says.
+
+    Args:
+        accuracy: the fraction correct, ``k / n``.
+        n: validation examples (> 0).
+        level: confidence level.
+
+    Returns:
+        ``{"low", "high"}`` (fractions), ``"correct"`` (k), ``"n"``, ``"level"``, ``"method": "wilson"``.
+
+    Raises:
+        ValueError: ``n < 1`` or ``accuracy * n`` not within 1e-6 of an integer in ``[0, n]``.
+    """
+    from scipy import stats
+
+    correct = round(accuracy * n) if n >= 1 else -1
+    if n < 1 or not 0 <= correct <= n or abs(accuracy * n - correct) > 1e-6:
+        raise ValueError(f"accuracy {accuracy!r} on n={n} examples is not a count k/n with 0 <= k <= n")
+    ci = stats.binomtest(correct, n).proportion_ci(confidence_level=level, method="wilson")
+    return {
+        "low": float(ci.low),
+        "high": float(ci.high),
+        "correct": correct,
+        "n": n,
+        "level": level,
+        "method": "wilson",
+    }
+
+
+class BestModel:
+    """The best fine-tuned model seen so far by the task's selection metric (fairseq's
+    ``checkpoint_best.pt``, ``--best-checkpoint-metric accuracy --maximize-best-checkpoint-metric``;
+    STS-B: Pearson), over every learning rate and epoch it is offered, with ties going to the first
+    (as :func:`_best` picks). It keeps a CPU copy of the weights: ``lm_state`` (the encoder in
+    :func:`~megaformer.checkpoint.reshard.consolidate`'s naming, vocabulary rows cut to
+    ``vocab_size``) and ``head_state`` (the :class:`ClassificationHead`'s ``state_dict``), so memory
+    grows by one fp32 model (500 MB at 125M parameters)."""
+
+    def __init__(self, task: GlueTask) -> None:
+        self.task = task
+        self.value: float | None = None
+        self.lm_state: dict[str, torch.Tensor] | None = None
+        self.head_state: dict[str, torch.Tensor] | None = None
+        self.info: dict[str, Any] = {}
+        self.predictions: str | None = None
+
+    def offer(
+        self, model: SentenceClassifier, metrics: dict[str, float], outputs: np.ndarray, **where: Any
+    ) -> bool:
+        """Keep ``model`` if its ``metrics[task.selection_metric]`` beats the best so far (NaN never
+        does, but the first offer is always kept); ``outputs``: its validation outputs ``float[N, C]``
+        (for a classification task the argmax is kept as ``predictions``, a string of one digit
+        per validation example, for paired comparisons of models); ``where``: ``lr``,
+        ``epoch``, ``update``. Returns whether it was kept."""
+        from megaformer.model import vocab_param_names
+
+        value = _rank_value(metrics[self.task.selection_metric])
+        if self.value is not None and value <= self.value:
+            return False
+        config = model.lm.config
+        vocab = set(vocab_param_names(config))
+        self.lm_state = {
+            n: (p.detach().cpu()[: config.vocab_size] if n in vocab else p.detach().cpu()).clone()
+            for n, p in model.lm.named_parameters()
+        }
+        self.head_state = {n: t.detach().cpu().clone() for n, t in model.head.state_dict().items()}
+        self.value = value
+        self.info = {**where, "metrics": dict(metrics), "selected_by": self.task.selection_metric}
+        if not self.task.is_regression:
+            # One digit per validation example, its predicted class (GLUE tasks have <= 3 classes).
+            self.predictions = "".join(str(int(i)) for i in np.asarray(outputs).argmax(axis=-1))
+        return True
+
+
+BEST_TAG = "checkpoint_best"  # fairseq's name for the best checkpoint
+
+
+def best_checkpoint_dir(out: str, task: GlueTask) -> str:
+    """Where :func:`save_best` writes ``task``'s best model: ``OUT/<task>_best`` (e.g. ``sst-2_best``),
+    a checkpoints directory like a run's (``latest`` naming the tag ``checkpoint_best``)."""
+    return os.path.join(out, f"{task.name.lower()}_best")
+
+
+def save_best(out: str, keeper: BestModel, run_config: dict[str, Any], doc: dict[str, Any]) -> str:
+    """Write the best model in megaformer's checkpoint format (DeepSpeed's layout at TP = 1, with a
+    manifest: :func:`~megaformer.checkpoint.reshard.write_module_checkpoint`), so that every tool
+    reading a run's checkpoints reads it: ``export_hf`` (the encoder and the pretrained LM head, as
+    ``MegaformerForMaskedLM``), ``evaluate``, ``reshard``, ``train.init_from``, and this tool again
+    (``--checkpoint``). The classification head and the selection travel in the same file as the
+    client-state entries ``classification_head`` (tensors) and ``finetune`` (task, lr, epoch,
+    metrics, initialisation, source checkpoint), read back by :func:`load_classifier`.
+
+    Args:
+        out: the output directory; the checkpoint goes to :func:`best_checkpoint_dir`.
+        keeper: holding the best model (:class:`BestModel`, after :func:`run_grid`).
+        run_config: the source checkpoint's run config (its ``model`` is the architecture); saved
+            with ``parallel.tp_size = pp_size = 1``.
+        doc: the ``<task>.json`` document (task, model, best).
+
+    Returns:
+        The tag directory written (``OUT/<task>_best/checkpoint_best``).
+    """
+    import copy
+
+    from megaformer.checkpoint.reshard import split, write_module_checkpoint
+
+    assert keeper.lm_state is not None and keeper.head_state is not None, "nothing was offered"
+    config = ModelConfig(**run_config["model"])
+    run = copy.deepcopy(run_config)
+    run.setdefault("parallel", {}).update(tp_size=1, pp_size=1)
+    provenance = {
+        "finetune": {
+            "tool": "megaformer.tools.finetune",
+            "task": doc["task"],
+            **{k: keeper.info[k] for k in ("selected_by", "lr", "epoch", "update", "metrics")},
+            "init": doc["model"]["init"],
+            "init_seed": doc["model"].get("init_seed"),
+            "source_checkpoint": doc["model"]["checkpoint"],
+            "hyperparameters": doc["hyperparameters"],
+        },
+        "classification_head": keeper.head_state,
+    }
+    shards = split(keeper.lm_state, config, 1)
+    return write_module_checkpoint(
+        best_checkpoint_dir(out, GLUE_TASKS[doc["task"]]),
+        BEST_TAG,
+        shards,
+        run,
+        doc["model"]["step"],
+        provenance,
+    )
+
+
+def load_classifier(
+    ckpt_dir: str, tag: str | None = None, device: str = "cpu", trust_code: bool = False
+) -> tuple[SentenceClassifier, GlueTask, dict[str, Any]]:
+    """The fine-tuned model :func:`save_best` wrote, ready to predict (evaluation mode).
+
+    Args:
+        ckpt_dir: ``OUT/<task>_best`` or its ``checkpoint_best`` directory.
+
+    Returns:
+        ``(model, task, finetune)``: the encoder and the classification head on ``device``, the GLUE
+        task, and the ``finetune`` entry saved with it (lr, epoch, metrics, initialisation, source).
+
+    Raises:
+        ConfigError: a checkpoint without a classification head (a pretraining checkpoint: give it
+            to ``--checkpoint`` to fine-tune it instead).
+        ReshardError / CheckpointReadError / CheckpointError: see :func:`load_masked_lm`.
+    """
+    from megaformer.checkpoint.reshard import consolidate, resolve_tag_dir
+    from megaformer.data.glue import glue_task
+    from megaformer.training.ckpt_integrity import NEEDS_WEIGHTS, verify
+    from megaformer.training.ds_adapter import model_states_name
+    from megaformer.training.safe_load import load_weights
+
+    tag_dir = resolve_tag_dir(ckpt_dir, tag)
+    verify(tag_dir, needs=NEEDS_WEIGHTS)
+    state = load_weights(os.path.join(tag_dir, model_states_name(0)), trust_code)
+    head, info = state.get("classification_head"), state.get("finetune")
+    if not isinstance(head, dict) or not isinstance(info, dict):
+        raise ConfigError(
+            f"{tag_dir}: no classification head; not a model saved by megaformer.tools.finetune "
+            "(OUT/<task>_best). To fine-tune this checkpoint, pass it to --checkpoint"
+        )
+    full, run_config, _ = consolidate(tag_dir, trust_code=trust_code)
+    task = glue_task(info["task"])
+    model = build_classifier(
+        {k: v.float() for k, v in full.items()},
+        ModelConfig(**run_config["model"]),
+        task,
+        FinetuneConfig(),
+        device,
+    )
+    model.head.load_state_dict({k: v.to(device) for k, v in head.items()}, strict=True)
+    return model.eval(), task, info
+
+
+def initial_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """The weights a run of ``config`` with ``train.seed = seed`` starts from, before any update:
+    the trainer's initialisation (:class:`~megaformer.model.NormFormerLM` draws every full tensor
+    from ``seed`` and the parameter's name, the same at any TP degree), in
+    :func:`~megaformer.checkpoint.reshard.consolidate`'s naming (vocabulary rows cut to
+    ``vocab_size``). The random-initialisation control of ``--random-init``."""
+    from megaformer.model import vocab_param_names
+
+    lm = NormFormerLM(config, tp_group=None, seed=seed)
+    vocab = set(vocab_param_names(config))
+    return {
+        n: (p.detach()[: config.vocab_size] if n in vocab else p.detach()).clone().float()
+        for n, p in lm.named_parameters()
+    }
 
 
 def require_masked_lm(config: ModelConfig, checkpoint: str) -> None:
@@ -286,7 +507,7 @@ def load_masked_lm(
     ckpt_dir: str, tag: str | None = None, trust_code: bool = False
 ) -> tuple[dict[str, torch.Tensor], ModelConfig, dict[str, Any]]:
     """The checkpoint's full fp32 weights (any (tp, pp, dp) layout, weights-only unpickling unless
-    ``trust_code``), its model config and ``{"tag_dir", "step", "params"}``.
+    ``trust_code``), its model config and ``{"tag_dir", "step", "params", "run_config"}``.
 
     Raises:
         ConfigError: not a masked LM (:func:`require_masked_lm`).
@@ -302,7 +523,12 @@ def load_masked_lm(
     config = ModelConfig(**run_config["model"])
     require_masked_lm(config, tag_dir)
     params = sum(t.numel() for t in full.values())  # unpadded vocabulary: the paper's |θ|
-    info = {"tag_dir": os.path.abspath(tag_dir), "step": int(extra.get("step") or 0), "params": params}
+    info = {
+        "tag_dir": os.path.abspath(tag_dir),
+        "step": int(extra.get("step") or 0),
+        "params": params,
+        "run_config": run_config,
+    }
     return {k: v.float() for k, v in full.items()}, config, info
 
 
@@ -324,18 +550,27 @@ def _best(runs: list[dict], metric: str) -> dict[str, Any]:
     return {"selected_by": metric, "lr": lr, "epoch": entry["epoch"], "metrics": entry["metrics"]}
 
 
-def run_grid(full, config, task, train, valid, lrs, hp, device="cpu", log=print) -> dict[str, Any]:
+def run_grid(
+    full, config, task, train, valid, lrs, hp, device="cpu", log=print, keeper: BestModel | None = None
+) -> dict[str, Any]:
     """:func:`finetune_one` at every learning rate of ``lrs``; the best on validation by the paper's
-    metric (``best``: accuracy, Pearson for STS-B) and by GLUE's main metric (``best_glue``)."""
+    metric (``best``: accuracy, Pearson for STS-B) and by GLUE's main metric (``best_glue``), each
+    with the accuracy's 95% binomial interval (:func:`accuracy_interval`) for a classification task.
+    ``keeper`` (None: one is made) ends holding the weights of ``best``'s (lr, epoch)."""
+    keeper = keeper if keeper is not None else BestModel(task)
     runs = []
     for lr in lrs:
         log(f"{task.name}: lr {lr:g}")
-        runs.append(finetune_one(full, config, task, train, valid, lr, hp, device, log))
-    return {
-        "runs": runs,
-        "best": _best(runs, task.selection_metric),
-        "best_glue": _best(runs, task.metrics[0]),
-    }
+        runs.append(finetune_one(full, config, task, train, valid, lr, hp, device, log, keeper))
+    best, best_glue = _best(runs, task.selection_metric), _best(runs, task.metrics[0])
+    assert (keeper.info["lr"], keeper.info["epoch"]) == (best["lr"], best["epoch"])  # one rule for both
+    n = len(valid[0])
+    for entry in (best, best_glue):
+        if "accuracy" in entry["metrics"]:
+            entry["accuracy_ci95"] = accuracy_interval(entry["metrics"]["accuracy"], n)
+    if keeper.predictions is not None:
+        best["predictions"] = keeper.predictions  # per validation example, for paired comparisons
+    return {"runs": runs, "best": best, "best_glue": best_glue}
 
 
 def _fmt(value: float | None, scale: float = 100.0, digits: int = 1) -> str:
@@ -359,7 +594,8 @@ def _table3_row(name: str, by_task: dict[str, dict]) -> str:
     values = []
     for t in TABLE3_TASKS:
         value = by_task[t]["best"]["metrics"]["accuracy"] if t in by_task else None
-        cells.append(_fmt(value))
+        marked = t in by_task and recipe_differences(by_task[t])
+        cells.append(_fmt(value) + (DIFFERS if marked else ""))
         if value is not None and not math.isnan(value):
             values.append(value)
     avg = _fmt(float(np.mean(values)), 100, 2) if values else "–"
@@ -371,7 +607,73 @@ def _glue_cell(result: dict | None) -> str:
     if result is None:
         return "–"
     best = result["best_glue"]
-    return "/".join(_fmt(best["metrics"][m]) for m in GLUE_TASKS[result["task"]].metrics)
+    cell = "/".join(_fmt(best["metrics"][m]) for m in GLUE_TASKS[result["task"]].metrics)
+    return cell + (DIFFERS if recipe_differences(result) else "")
+
+
+DIFFERS = "†"  # marks a table cell whose run differs from the paper's recipe
+
+
+def _lrs(values: Sequence[float]) -> str:
+    return "{" + ", ".join(f"{v:g}" for v in values) + "}"
+
+
+def recipe_differences(doc: dict[str, Any]) -> list[str]:
+    """What a ``<task>.json`` run did differently from the paper's recipe (RoBERTa-base's GLUE
+    fine-tuning, the module docstring's table, from pretrained weights, on GLUE's whole training and
+    development sets): one phrase per setting, empty when it followed the recipe. Read from the
+    document alone, so results written before this function existed are judged too.
+
+    Checked: the initialisation, the learning-rate grid, the epochs, the batch size, updates cut by
+    ``--max-steps``, fewer training or validation examples than GLUE's, inputs reaching the model's
+    ``seq_len`` (roberta-base has 512 positions), and every other hyperparameter of
+    :class:`FinetuneConfig`. Not listed (every run shares it): fp32 instead of fairseq's ``--fp16``.
+    """
+    task = GLUE_TASKS[doc["task"]]
+    hp, data, recipe = doc["hyperparameters"], doc["data"], FinetuneConfig()
+    out = []
+    if doc["model"].get("init") == "random":
+        out.append(f"random initialisation, not pretrained (seed {doc['model'].get('init_seed')})")
+    grid = hp.get("lr_grid")
+    if grid is not None and sorted(grid) != sorted(PAPER_LR_GRID):
+        out.append(f"learning rates {_lrs(grid)} (recipe: {_lrs(PAPER_LR_GRID)})")
+    if hp["epochs"] != recipe.epochs:
+        out.append(f"{hp['epochs']} epochs (recipe: {recipe.epochs})")
+    if hp["batch_size"] != task.batch_size:
+        out.append(f"batch size {hp['batch_size']} (recipe: {task.batch_size})")
+    full_updates = hp["epochs"] * math.ceil(data["train_examples"] / hp["batch_size"])
+    if hp.get("max_steps") and hp["max_steps"] < full_updates:
+        out.append(f"{hp['max_steps']} updates per learning rate (--max-steps; the epochs': {full_updates})")
+    if data["train_examples"] < task.train_size:
+        out.append(f"{data['train_examples']:,} of GLUE's {task.train_size:,} training examples")
+    if data["valid_examples"] < task.dev_size:
+        out.append(f"{data['valid_examples']:,} of GLUE's {task.dev_size:,} validation examples")
+    cut = data.get("truncated_to_seq_len") or {}
+    if cut.get("train") or cut.get("valid"):
+        out.append(
+            f"{cut.get('train', 0):,} training / {cut.get('valid', 0):,} validation inputs reach "
+            f"seq_len {cut.get('seq_len')} and may be cut (roberta-base: 512 positions)"
+        )
+    for field in dataclasses.fields(FinetuneConfig):
+        if field.name in ("epochs", "batch_size", "max_steps", "seed") or field.name not in hp:
+            continue
+        want = getattr(recipe, field.name)
+        got = hp[field.name]
+        if (list(got) if isinstance(got, list | tuple) else got) != (
+            list(want) if isinstance(want, tuple) else want
+        ):
+            out.append(f"{field.name} {got} (recipe: {want})")
+    return out
+
+
+def _interval(doc: dict[str, Any]) -> dict[str, Any] | None:
+    """The best accuracy's 95% interval: as saved, or computed for a document written before it was."""
+    best = doc["best"]
+    if "accuracy" not in best["metrics"] or best["metrics"]["accuracy"] is None:
+        return None
+    return best.get("accuracy_ci95") or accuracy_interval(
+        best["metrics"]["accuracy"], doc["data"]["valid_examples"]
+    )
 
 
 def render_tables(results: list[dict[str, Any]]) -> str:
@@ -390,6 +692,7 @@ def render_tables(results: list[dict[str, Any]]) -> str:
         "Best validation accuracy over the learning-rate grid and the epochs, per task (the paper:",
         '"we report fine-tuned accuracy on GLUE in Table 3"). PPL: the run\'s final validation',
         "perplexity on masked tokens (summary.json), – if unknown. Avg over the tasks present.",
+        f"{DIFFERS}: the run differs from the paper's recipe (listed below the tables).",
         "",
     ]
     glue = list(GLUE_TASKS)
@@ -413,6 +716,52 @@ def render_tables(results: list[dict[str, Any]]) -> str:
             for t in glue
         ]
         out.append(f"| {name} | " + " | ".join(cells) + " |")
+    out += [
+        "",
+        "## Accuracy with its 95% interval",
+        "",
+        "| Model | Task | accuracy (%) | 95% interval (Wilson) | correct / n | majority class (%) |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for name, by_task in rows.items():
+        for t in glue:
+            ci = _interval(by_task[t]) if t in by_task else None
+            if ci is None:
+                continue
+            majority = by_task[t]["data"].get("valid_majority")
+            out.append(
+                f"| {name} | {t} | {100 * ci['correct'] / ci['n']:.1f} | "
+                f"[{100 * ci['low']:.1f}, {100 * ci['high']:.1f}] | {ci['correct']} / {ci['n']} | "
+                f"{_fmt(majority)} |"
+            )
+    out += [
+        "",
+        "The interval is the validation set's sampling error of the selected (lr, epoch) only; the",
+        "selection over the grid on the same set biases the best accuracy upwards beyond it. Majority",
+        "class: the accuracy of always predicting the validation set's most common label.",
+        "",
+        "## Settings that differ from the paper's recipe",
+        "",
+    ]
+    differences = [
+        (name, t, recipe_differences(by_task[t]))
+        for name, by_task in rows.items()
+        for t in glue
+        if t in by_task
+    ]
+    if any(d for _, _, d in differences):
+        out += ["| Model | Task | differs from the recipe |", "|---|---|---|"]
+        out += [f"| {name} | {t} | {'; '.join(d)} |" for name, t, d in differences if d]
+    else:
+        out.append("None: every run followed the recipe.")
+    out += [
+        "",
+        "The recipe: the NormFormer paper's learning rates 1e-5, 1e-4, 3e-4, 1e-3, 3e-3, 6e-3 and",
+        "roberta-base's other fine-tuning settings (fairseq examples/roberta/README.glue.md: 10 epochs,",
+        "batch 16 or 32 by task, Adam (0.9, 0.98), eps 1e-6, weight decay 0.1, 6% warmup, dropout 0.1),",
+        "from pretrained weights, on GLUE's whole training and development sets. Every run here is",
+        "fp32 (fairseq: fp16).",
+    ]
     return "\n".join(out) + "\n"
 
 
@@ -471,6 +820,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-valid-examples", type=int, default=0, help="use the first N validation rows (0: all)"
     )
     p.add_argument("--seed", type=int, default=1, help="head init, dropout and data order")
+    p.add_argument(
+        "--random-init",
+        action="store_true",
+        help="the control: fine-tune the checkpoint's architecture from the trainer's random "
+        "initialisation instead of its weights (the table row gets ' (random init)')",
+    )
+    p.add_argument(
+        "--init-seed",
+        type=int,
+        default=None,
+        help="with --random-init: the initialisation's seed; None: the checkpoint run's train.seed "
+        "(the very weights its pretraining started from)",
+    )
+    p.add_argument(
+        "--no-save-best",
+        action="store_true",
+        help="do not write OUT/<task>_best (the best model by the task's metric, a checkpoint "
+        "every tool reads)",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None, help="output directory; None: RUN/finetune")
     p.add_argument(
@@ -499,6 +867,8 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--{key.replace('_', '-')} must be >= {1 if key == 'epochs' else 0}")
     if any(lr <= 0 for lr in args.lr):
         p.error("--lr values must be > 0")
+    if args.init_seed is not None and not args.random_init:
+        p.error("--init-seed is the seed of --random-init's weights; add --random-init, or drop --init-seed")
     if str(args.device).startswith("cuda") and not torch.cuda.is_available():
         p.error(f"--device {args.device}: this torch sees no CUDA device; use --device cpu")
 
@@ -514,9 +884,14 @@ def _tokenizer(args: argparse.Namespace):
     )
 
 
-def finetune_task(args: argparse.Namespace, log=print) -> dict[str, Any]:
-    """The command's work (after its flags are checked); returns the ``<task>.json`` document.
-    Bad input (task, data, checkpoint) is raised before any training."""
+def finetune_task(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], BestModel, dict[str, Any]]:
+    """The command's work (after its flags are checked). Bad input (task, data, checkpoint) is
+    raised before any training.
+
+    Returns:
+        ``(doc, keeper, run_config)``: the ``<task>.json`` document, the best model
+        (:class:`BestModel`) and the checkpoint's run config (for :func:`save_best`).
+    """
     from megaformer.data.glue import glue_task, read_glue_file, task_files
 
     task = glue_task(args.task)
@@ -525,6 +900,12 @@ def finetune_task(args: argparse.Namespace, log=print) -> dict[str, Any]:
     train_rows = read_glue_file(train_path, task, args.max_train_examples)
     valid_rows = read_glue_file(valid_path, task, args.max_valid_examples)
     full, config, info = load_masked_lm(args.checkpoint, args.tag, args.trust_checkpoint_code)
+    init_seed = None
+    if args.random_init:
+        # The control: the same architecture, none of the pretraining.
+        saved_seed = (info["run_config"].get("train") or {}).get("seed", 1234)
+        init_seed = int(args.init_seed if args.init_seed is not None else saved_seed)
+        full = initial_weights(config, init_seed)
     encode = _tokenizer(args).encode
     train = encode_split(train_rows, encode, config.seq_len)
     valid = encode_split(valid_rows, encode, config.seq_len)
@@ -535,38 +916,52 @@ def finetune_task(args: argparse.Namespace, log=print) -> dict[str, Any]:
         seed=args.seed,
     )
     run_dir = os.path.dirname(os.path.dirname(info["tag_dir"]))
+    weights = (
+        f"random initialisation (seed {init_seed}) of {info['tag_dir']}'s architecture"
+        if args.random_init
+        else f"{info['tag_dir']} (step {info['step']})"
+    )
     log(
         f"# {task.name}: {len(train[0])} train / {len(valid[0])} valid examples ({train[2]} / {valid[2]} "
-        f"at seq_len {config.seq_len}, longer ones cut), {info['tag_dir']} "
-        f"(step {info['step']}), device {args.device}, lr grid {args.lr}"
+        f"at seq_len {config.seq_len}, longer ones cut), {weights}, device {args.device}, lr grid {args.lr}"
     )
     start = time.perf_counter()
-    grid = run_grid(full, config, task, train[:2], valid[:2], args.lr, hp, args.device, log)
-    return {
+    keeper = BestModel(task)
+    grid = run_grid(full, config, task, train[:2], valid[:2], args.lr, hp, args.device, log, keeper)
+    name = args.name or os.path.basename(run_dir) + (" (random init)" if args.random_init else "")
+    majority = None
+    if not task.is_regression:
+        majority = float(max(np.bincount(np.asarray(valid[1], dtype=np.int64))) / len(valid[1]))
+    doc = {
         "tool": "megaformer.tools.finetune",
         "task": task.name,
         "model": {
-            "name": args.name or os.path.basename(run_dir),
+            "name": name,
             "checkpoint": info["tag_dir"],
-            "step": info["step"],
+            "init": "random" if args.random_init else "pretrained",
+            "init_seed": init_seed,
+            "step": 0 if args.random_init else info["step"],
             "params": info["params"],
             "norm_scheme": config.norm_scheme,
             "normformer": [k for k in ("post_attn_ln", "head_scale", "ffn_ln") if getattr(config, k)],
             "resid_scale": config.resid_scale,
         },
-        "ppl": args.ppl if args.ppl is not None else _run_ppl(run_dir),
+        "ppl": args.ppl if args.ppl is not None else (None if args.random_init else _run_ppl(run_dir)),
         "data": {
             "train": os.path.abspath(train_path),
             "valid": os.path.abspath(valid_path),
             "train_examples": len(train[0]),
             "valid_examples": len(valid[0]),
             "truncated_to_seq_len": {"train": train[2], "valid": valid[2], "seq_len": config.seq_len},
+            "valid_majority": majority,
         },
         "hyperparameters": {**dataclasses.asdict(hp), "lr_grid": list(args.lr)},
         "device": args.device,
         "seconds": time.perf_counter() - start,
         **grid,
     }
+    doc["recipe_differences"] = recipe_differences(doc)
+    return doc, keeper, info["run_config"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -581,12 +976,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(render_tables(collect_results(args.table)))
         return 0
     try:
-        doc = finetune_task(args)
+        doc, keeper, run_config = finetune_task(args)
     except (GlueDataError, ConfigError, CheckpointReadError, DataToolsError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out = args.out or os.path.join(os.path.dirname(os.path.dirname(doc["model"]["checkpoint"])), "finetune")
+    run_dir = os.path.dirname(os.path.dirname(doc["model"]["checkpoint"]))
+    # The control's results go beside the pretrained model's, not over them.
+    out = args.out or os.path.join(run_dir, "finetune-random-init" if args.random_init else "finetune")
     os.makedirs(out, exist_ok=True)
+    if not args.no_save_best:
+        doc["best"]["checkpoint"] = os.path.abspath(save_best(out, keeper, run_config, doc))
     path = os.path.join(out, f"{doc['task'].lower()}.json")
     with open(path, "w", encoding="utf-8") as f:
         json.dump(_finite(doc), f, indent=2, allow_nan=False)
@@ -594,11 +993,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     with open(os.path.join(out, "table3.md"), "w", encoding="utf-8") as f:
         f.write(table)
     best = doc["best"]
+    ci = best.get("accuracy_ci95")
+    interval = f" (95% interval [{ci['low']:.4f}, {ci['high']:.4f}], {ci['correct']}/{ci['n']})" if ci else ""
     print(
-        f"{doc['task']}: best {best['selected_by']} {best['metrics'][best['selected_by']]:.4f} "
-        f"at lr {best['lr']:g}, "
-        f"epoch {best['epoch']}; wrote {path} and {os.path.join(out, 'table3.md')}"
+        f"{doc['task']}: best {best['selected_by']} {best['metrics'][best['selected_by']]:.4f}{interval} "
+        f"at lr {best['lr']:g}, epoch {best['epoch']}; wrote {path} and {os.path.join(out, 'table3.md')}"
+        + (f"; best model {best['checkpoint']}" if "checkpoint" in best else "")
     )
+    if doc["recipe_differences"]:
+        print("differs from the paper's recipe: " + "; ".join(doc["recipe_differences"]))
     return 0
 
 
