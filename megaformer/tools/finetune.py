@@ -676,6 +676,57 @@ def _interval(doc: dict[str, Any]) -> dict[str, Any] | None:
     )
 
 
+def paired_difference(a: dict[str, Any], b: dict[str, Any], level: float = 0.95) -> dict[str, Any] | None:
+    """Accuracy of ``a`` minus ``b``'s on the same validation examples, paired example by example.
+
+    Both are ``<task>.json`` documents of one classification task whose best entries carry
+    ``predictions`` and whose data carry the same ``valid_labels`` (the same examples in the same
+    order); None otherwise (other tasks or examples, or documents written before predictions were
+    kept). With ``n`` examples, ``only_a`` of them right only in ``a`` and ``only_b`` only in ``b``:
+
+    - difference ``d = (only_a - only_b) / n``;
+    - its ``level`` interval: the Wald interval for paired proportions (Agresti 2013, Categorical
+      Data Analysis, Sec. 10.1), ``d ± z · sqrt((only_a + only_b) - (only_a - only_b)² / n) / n``,
+      which uses the correlation of the two models' errors (an unpaired interval would be wider);
+    - McNemar's exact test: the two-sided binomial p of ``only_a`` among the ``only_a + only_b``
+      discordant examples at 1/2 (1.0 when there are none).
+
+    The same caveat as :func:`accuracy_interval`: each model's best is selected on this set.
+
+    Returns:
+        ``{"n", "accuracy_a", "accuracy_b", "difference", "low", "high", "only_a", "only_b",
+        "mcnemar_p", "level"}`` (fractions), or None when the two cannot be paired.
+    """
+    from scipy import stats
+
+    labels = a["data"].get("valid_labels")
+    pa, pb = a["best"].get("predictions"), b["best"].get("predictions")
+    if a["task"] != b["task"] or not labels or labels != b["data"].get("valid_labels") or not pa or not pb:
+        return None
+    assert len(pa) == len(pb) == len(labels), "predictions and labels of one validation set"
+    right_a = np.frombuffer(pa.encode(), np.uint8) == np.frombuffer(labels.encode(), np.uint8)
+    right_b = np.frombuffer(pb.encode(), np.uint8) == np.frombuffer(labels.encode(), np.uint8)
+    n = len(labels)
+    only_a, only_b = int(np.sum(right_a & ~right_b)), int(np.sum(right_b & ~right_a))
+    d = (only_a - only_b) / n
+    z = float(stats.norm.ppf(0.5 + level / 2))
+    half = z * math.sqrt(max(0.0, (only_a + only_b) - (only_a - only_b) ** 2 / n)) / n
+    discordant = only_a + only_b
+    p = float(stats.binomtest(only_a, discordant, 0.5).pvalue) if discordant else 1.0
+    return {
+        "n": n,
+        "accuracy_a": float(right_a.mean()),
+        "accuracy_b": float(right_b.mean()),
+        "difference": d,
+        "low": d - half,
+        "high": d + half,
+        "only_a": only_a,
+        "only_b": only_b,
+        "mcnemar_p": p,
+        "level": level,
+    }
+
+
 def render_tables(results: list[dict[str, Any]]) -> str:
     """Markdown: the paper's Table 3 layout (accuracy, best over learning rates and epochs), then the
     same runs in GLUE's metrics and the learning rate each task chose. ``results``: the
@@ -739,6 +790,36 @@ def render_tables(results: list[dict[str, Any]]) -> str:
         "The interval is the validation set's sampling error of the selected (lr, epoch) only; the",
         "selection over the grid on the same set biases the best accuracy upwards beyond it. Majority",
         "class: the accuracy of always predicting the validation set's most common label.",
+    ]
+    pairs = [
+        (t, x, y, paired_difference(rows[x][t], rows[y][t]))
+        for t in glue
+        for i, x in enumerate(rows)
+        for y in list(rows)[i + 1 :]
+        if t in rows[x] and t in rows[y]
+    ]
+    pairs = [(t, x, y, d) for t, x, y, d in pairs if d is not None]
+    if pairs:
+        out += [
+            "",
+            "## Paired differences on the same validation examples",
+            "",
+            "| Task | A | B | A − B (points) | 95% interval (paired Wald) | right only in A / only in B | "
+            "McNemar exact p |",
+            "|---|---|---|---:|---:|---:|---:|",
+        ]
+        out += [
+            f"| {t} | {x} | {y} | {100 * d['difference']:+.1f} | "
+            f"[{100 * d['low']:+.1f}, {100 * d['high']:+.1f}] | {d['only_a']} / {d['only_b']} | "
+            f"{d['mcnemar_p']:.3g} |"
+            for t, x, y, d in pairs
+        ]
+        out += [
+            "",
+            "Each model's best (lr, epoch), compared example by example; an interval that contains 0",
+            "does not resolve the two at this validation set's size.",
+        ]
+    out += [
         "",
         "## Settings that differ from the paper's recipe",
         "",
@@ -954,6 +1035,8 @@ def finetune_task(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], 
             "valid_examples": len(valid[0]),
             "truncated_to_seq_len": {"train": train[2], "valid": valid[2], "seq_len": config.seq_len},
             "valid_majority": majority,
+            # One digit per validation example, its label: what paired comparisons check.
+            "valid_labels": None if task.is_regression else "".join(str(int(y)) for y in valid[1]),
         },
         "hyperparameters": {**dataclasses.asdict(hp), "lr_grid": list(args.lr)},
         "device": args.device,

@@ -431,3 +431,39 @@ def test_the_best_model_is_the_first_best_and_nan_never_beats_it():
     assert not keeper.offer(model, {"accuracy": math.nan}, outputs, lr=2.0, epoch=2)
     assert (keeper.info["lr"], keeper.info["epoch"], keeper.predictions) == (1.0, 2, "01")
     assert keeper.lm_state["tied_modules.embed.token.weight"].shape[0] == MLM_VOCAB_SIZE  # padding cut
+
+
+def test_paired_difference_of_two_models_on_the_same_examples():
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 2, 872)
+    pred_a = np.where(rng.random(872) < 0.8, labels, 1 - labels)  # ~80% right
+    pred_b = np.where(rng.random(872) < 0.7, labels, 1 - labels)  # ~70% right
+
+    def doc(name, preds):
+        d = _doc()
+        d["model"]["name"] = name
+        d["data"]["valid_labels"] = "".join(map(str, labels))
+        d["best"]["predictions"] = "".join(map(str, preds))
+        d["best"]["metrics"]["accuracy"] = float(np.mean(preds == labels))
+        return d
+
+    a, b = doc("pretrained", pred_a), doc("random init", pred_b)
+    got = ft.paired_difference(a, b)
+    right_a, right_b = pred_a == labels, pred_b == labels
+    diff = right_a.astype(float) - right_b.astype(float)  # per example: -1, 0 or 1
+    half = stats.norm.ppf(0.975) * diff.std() / math.sqrt(872)  # the Wald interval of a mean
+    assert got["difference"] == pytest.approx(diff.mean()) and got["n"] == 872
+    assert (got["low"], got["high"]) == (pytest.approx(diff.mean() - half), pytest.approx(diff.mean() + half))
+    only_a, only_b = int(np.sum(right_a & ~right_b)), int(np.sum(right_b & ~right_a))
+    assert (got["only_a"], got["only_b"]) == (only_a, only_b)
+    assert got["mcnemar_p"] == pytest.approx(stats.binomtest(only_a, only_a + only_b).pvalue)
+    assert got["accuracy_a"] == a["best"]["metrics"]["accuracy"]
+    assert ft.paired_difference(b, a)["difference"] == pytest.approx(-got["difference"])
+    assert ft.paired_difference(a, a)["mcnemar_p"] == 1.0 and ft.paired_difference(a, a)["high"] == 0.0
+    other = doc("other set", pred_b)
+    other["data"]["valid_labels"] = "".join(map(str, 1 - labels))
+    assert ft.paired_difference(a, other) is None and ft.paired_difference(a, _doc()) is None
+    table = ft.render_tables([a, b])
+    line = next(x for x in table.splitlines() if x.startswith("| SST-2 | pretrained | random init |"))
+    assert f"| {100 * got['difference']:+.1f} | [{100 * got['low']:+.1f}, {100 * got['high']:+.1f}] |" in line
+    assert "## Paired differences" not in ft.render_tables([_doc()])
