@@ -45,6 +45,7 @@ stage_wheels() {
     cp "${found[@]}" "$dest/"
   done
   if ! git check-ignore -q "$dest/x.whl"; then
+    mkdir -p "$(dirname "$(git rev-parse --git-path info/exclude)")"
     echo "/.whl/" >>"$(git rev-parse --git-path info/exclude)"
     echo "[gpu_check] added /.whl/ to $(git rev-parse --git-path info/exclude): git ignores it, a device call carries it"
   fi
