@@ -412,3 +412,13 @@ def test_the_probe_runs_on_this_cpu_and_finds_compiled_equal_to_eager():
     assert result["attention"]["states_equal"] and result["block"]["states_equal"]
     assert all(r["bitwise"] for r in result["dropout"].values())
     assert not result["block"]["compile_failures"]
+
+
+def test_a_case_that_outlives_its_time_is_killed_and_recorded():
+    """bench/gpu.py's _spawn with the budget's timeout: the case's process group is killed (inductor's
+    compile workers with it) and the row says why, with the time it took."""
+    from bench.gpu import _spawn
+
+    row = _spawn("configs/paper/125m-normformer.yaml", 1, "none", 2, True, timeout_s=2)
+    assert row["error"].startswith("timeout: stopped after 2 s"), row
+    assert 2 <= row["wall_s"] < 30 and row["recipe"] == "125m-normformer"
