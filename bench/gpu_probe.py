@@ -21,7 +21,9 @@ same :class:`~megaformer.parallel.rng.DropoutRNG` seed:
   close, not bitwise: 7.2e-7 on the CPU; a different mask moves a dropped element by its own size,
   far above the tolerance), and the states left equal (the same number of draws). fp32, not the
   recipes' bf16: there eager rounds after every operation and inductor once per kernel, so the two
-  differ by bf16 roundings that a tolerance could not tell from a wrong mask.
+  differ by bf16 roundings that a tolerance could not tell from a wrong mask. A negative control
+  shows the comparison can fail: the eager block with another dropout seed must differ by more
+  than 10× the tolerance.
 
 On a CPU (``--device cpu``, the ``--smoke`` path of ``scripts/gpu_check.sh``) the shapes are tiny and
 the dtype fp32, to check this script. Prints one ``RESULT {json}`` line (``--json``) or a summary;
@@ -127,7 +129,9 @@ def probe_attention(device, dtype, shape) -> dict:
 
 
 def probe_block(device, dtype, model_config, batch: int, seq: int) -> dict:
-    """One NormFormer block eager against compiled (``compile_blocks``), two micro-batches."""
+    """One NormFormer block eager against compiled (``compile_blocks``), two micro-batches; and, as
+    a negative control, eager against eager with another dropout seed (other masks): the comparison
+    must tell those apart, by more than 10× its tolerance."""
     import torch
 
     from megaformer.model import compile_blocks
@@ -137,8 +141,8 @@ def probe_block(device, dtype, model_config, batch: int, seq: int) -> dict:
     torch._dynamo.reset()
     failures: list[str] = []
 
-    def run(compiled: bool):
-        rng = DropoutRNG(5, device=device)
+    def run(compiled: bool, dropout_seed: int = 5):
+        rng = DropoutRNG(dropout_seed, device=device)
         block = NormFormerBlock(model_config, 0, None, seed=3, dropout_rng=rng).to(device=device, dtype=dtype)
         block.train()
         if compiled:
@@ -157,6 +161,7 @@ def probe_block(device, dtype, model_config, batch: int, seq: int) -> dict:
         return names, tensors + [p.grad for p in block.parameters()], rng.state_dict()
 
     names, eager, eager_states = run(compiled=False)
+    _, other_masks, _ = run(compiled=False, dropout_seed=6)
     _, compiled, compiled_states = run(compiled=True)
     diffs = {}
     for name, g, w in zip(names, compiled, eager, strict=True):
@@ -164,16 +169,18 @@ def probe_block(device, dtype, model_config, batch: int, seq: int) -> dict:
     worst = max(diffs, key=diffs.get)
     states = _states_equal(compiled_states, eager_states)
     tol = TOLERANCE[str(dtype).removeprefix("torch.")]
+    control = _max_rel(other_masks[0], eager[0])  # the output under other masks
     return {
         "dtype": str(dtype).removeprefix("torch."),
         "shape": [batch, seq, model_config.hidden_size],
+        "other_masks_output_max_rel_diff": control,
         "compile_failures": failures,
         "states_equal": states,
         "max_rel_diff": diffs[worst],
         "worst_tensor": worst,
         "output_max_rel_diff": diffs["output"],
         "tolerance": tol,
-        "ok": not failures and states and diffs[worst] <= tol,
+        "ok": not failures and states and diffs[worst] <= tol and control > 10 * tol,
     }
 
 
@@ -247,7 +254,11 @@ def summary(result: dict) -> str:
         if "error" in r:
             lines.append(f"  {part}: error {r['error']}")
             continue
-        extra = f", worst {r['worst_tensor']}" if part == "block" else f", bitwise {r['bitwise']}"
+        extra = (
+            f", worst {r['worst_tensor']}; other masks: {r['other_masks_output_max_rel_diff']:.2e}"
+            if part == "block"
+            else f", bitwise {r['bitwise']}"
+        )
         lines.append(
             f"  {part} {r['dtype']} {r['shape']}: max rel diff {r['max_rel_diff']:.2e}{extra}, "
             f"states equal {r['states_equal']}, {'ok' if r['ok'] else 'NOT OK'}"

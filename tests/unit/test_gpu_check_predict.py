@@ -412,6 +412,8 @@ def test_the_probe_runs_on_this_cpu_and_finds_compiled_equal_to_eager():
     assert result["attention"]["states_equal"] and result["block"]["states_equal"]
     assert all(r["bitwise"] for r in result["dropout"].values())
     assert not result["block"]["compile_failures"]
+    # the comparison can fail: other masks move the block's output far beyond the tolerance
+    assert result["block"]["other_masks_output_max_rel_diff"] > 10 * result["block"]["tolerance"]
 
 
 def test_a_case_that_outlives_its_time_is_killed_and_recorded():
