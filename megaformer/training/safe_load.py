@@ -80,21 +80,31 @@ def _qualified(obj: Any) -> str:
     return f"{obj.__module__}.{obj.__qualname__}"
 
 
+def referenced_globals(path: str) -> list[str] | None:
+    """The globals outside torch's defaults that ``path``'s pickle refers to, from its opcodes only
+    (``torch.serialization.get_unsafe_globals_in_checkpoint``: nothing in the file runs); None when
+    the file cannot be scanned (a legacy non-zip file, torch < 2.5, a damaged file)."""
+    scan = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)
+    if scan is None:  # torch < 2.5: the load's own error names the first one
+        return None
+    try:
+        return list(scan(path))
+    except (RuntimeError, ValueError, OSError, pickle.UnpicklingError):
+        return None
+
+
 def unsafe_globals(path: str, extra_globals: Sequence[Any] = ()) -> list[str]:
     """The globals ``path``'s pickle refers to that the weights-only load would refuse.
 
-    Reads the pickle's opcodes only (``torch.serialization.get_unsafe_globals_in_checkpoint``):
-    nothing in the file runs. A legacy (non-zip) file cannot be scanned: ``[]``, and the load itself
-    refuses what it must. ``extra_globals``: types this caller allows besides :func:`allowed_globals`.
+    Reads the pickle's opcodes only (:func:`referenced_globals`): nothing in the file runs, and
+    DeepSpeed is not imported (its allowed classes are known by name). A file that cannot be
+    scanned: ``[]``, and the load itself refuses what it must. ``extra_globals``: types this caller
+    allows besides :func:`allowed_globals`.
     """
-    scan = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)
-    if scan is None:  # torch < 2.5: the load's own error names the first one
-        return []
-    try:
-        names = scan(path)
-    except (RuntimeError, ValueError, OSError, pickle.UnpicklingError):
-        return []
-    allowed = {_qualified(g) for g in [*allowed_globals(), *extra_globals]}
+    from megaformer.training.ds_adapter import CHECKPOINT_DATA_CLASS_NAMES
+
+    names = referenced_globals(path) or []
+    allowed = set(CHECKPOINT_DATA_CLASS_NAMES) | {_qualified(g) for g in extra_globals}
     return sorted(n for n in names if n not in allowed)
 
 
@@ -148,14 +158,20 @@ def load_weights(
             :data:`allowed_globals` (named), and ``trust_code`` is off. Nothing of it was unpickled.
         CheckpointReadError: the file is truncated or damaged (names it and the way out).
     """
+    from megaformer.training.ds_adapter import CHECKPOINT_DATA_CLASS_NAMES
+
     if trust_code:
         warn_trusted(path)
     else:
         bad = unsafe_globals(path, extra_globals)
         if bad:
             raise UntrustedCheckpointError(path, bad)
+    names = referenced_globals(path)
+    # DeepSpeed (seconds to import, a banner on stdout) only for a file that names its classes, or
+    # one that could not be scanned
+    ds = names is None or any(n in CHECKPOINT_DATA_CLASS_NAMES for n in names)
     try:
-        with torch.serialization.safe_globals([*allowed_globals(), *extra_globals]):
+        with torch.serialization.safe_globals([*(allowed_globals() if ds else []), *extra_globals]):
             return _torch_load(path, weights_only=not trust_code, mmap=mmap)
     except pickle.UnpicklingError as e:
         if not trust_code and "weights_only" in str(e):

@@ -106,3 +106,10 @@ def test_checkpoint_data_classes_still_exist_where_checkpoints_name_them(cls):
     import importlib
 
     assert getattr(importlib.import_module(cls.__module__), cls.__qualname__) is cls
+
+
+def test_checkpoint_data_class_names_are_the_classes_names():
+    """The names safe_load allows without importing DeepSpeed are the classes' own (issue 39: tools
+    that only read weights do not import DeepSpeed)."""
+    names = tuple(f"{c.__module__}.{c.__qualname__}" for c in ds_adapter.checkpoint_data_classes())
+    assert names == ds_adapter.CHECKPOINT_DATA_CLASS_NAMES

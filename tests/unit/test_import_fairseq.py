@@ -302,3 +302,25 @@ def test_zero_shot_names_rows_after_the_model_not_its_folder():
     assert row_name("/x/runs/nf", None) == "nf"
     assert row_name("/x/runs/nf/checkpoints", None) == "nf"
     assert row_name("/x/runs/nf/checkpoints/global_step450", None) == "nf@global_step450"
+
+
+def test_reading_weights_does_not_import_deepspeed(tmp_path):
+    """A tool that only reads weights (generate, evaluate, zero_shot, export_hf) does not import
+    DeepSpeed (seconds of start-up and its banner) unless the file names one of its classes
+    (issue 39): checked in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    import_fairseq(str(FIXTURE / "model_cfg.pt"), str(tmp_path / "imported"))
+    code = (
+        "import sys\n"
+        "from megaformer.tools.generate import load_for_generation\n"
+        f"load_for_generation({str(tmp_path / 'imported')!r}, None, False)\n"
+        "print('deepspeed' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (
+        out.stdout.strip().splitlines()[-1] == "False"
+        and "Setting accelerator" not in out.stdout + out.stderr
+    )
