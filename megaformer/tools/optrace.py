@@ -652,10 +652,20 @@ class FusedBlock:
     regions: list[Region]
     extern_bytes: int = 0
     extra_attention_flops: float = 0.0
+    copy_bytes: int = 0
+    """The part of ``extern_bytes`` that ATen's generic (non-vectorised) elementwise kernel moves:
+    the attention operator's ``.contiguous()`` layout copies (the rest, the dropout masks, are
+    vectorised kernels)."""
 
     @property
     def region_bytes(self) -> int:
         return sum(r.nbytes for r in self.regions)
+
+    @property
+    def norm_region_bytes(self) -> int:
+        """Bytes of the regions that compute a LayerNorm (its statistics or their gradient, a row
+        reduction), the kernels the H200 profiles show run slowest (:func:`block_costs`)."""
+        return sum(r.nbytes for r in self.regions if is_norm_region(r))
 
     @property
     def memory_bytes(self) -> int:
@@ -932,7 +942,15 @@ def fuse(trace: BlockTrace, *, column_reductions_fuse: bool = True) -> FusedBloc
     if m.get("attention_dropout", 0.0) > 0.0:
         more, attn_bytes, flops = _attention_dropout_terms(trace)
         regions, extern = regions + more, extern + attn_bytes
+        return FusedBlock(regions, extern, flops, attn_bytes)
     return FusedBlock(regions, extern, flops)
+
+
+def is_norm_region(region: Region) -> bool:
+    """Whether a fused region computes a LayerNorm forward or backward (a row reduction over the
+    features): inductor generates it as a reduction kernel (``triton_red_`` / ``triton_per_``
+    with ``native_layer_norm`` in its name in the H200 profiles)."""
+    return any("layer_norm" in op for op in region.ops)
 
 
 # --- into the step-time model ------------------------------------------------------------------------
@@ -959,17 +977,25 @@ def block_costs(
     one micro-batch, one rank of ``cfg`` on ``dev``.
 
     Each traced GEMM at ``_gemm(dev, M, K, N, q)`` (its own shape, forward and backward alike); the
-    attention kernel's FLOPs at ``peak × attention_fraction``, halved where the kernel is causal (the
-    formula halves always; the MLM's bidirectional attention does all of its FLOPs); the memory ops'
-    bytes at ``dev.memory_bytes_per_s``; each collective at ``collective_time`` over the TP group's
-    link (``_link``).
+    attention kernels' FLOPs, halved where the kernel is causal (the formula halves always; the
+    MLM's bidirectional attention does all of its FLOPs), forward and backward each at its own rate
+    with or without attention dropout (:meth:`~megaformer.tools.steptime.DeviceSpec.attention_flops_per_s`:
+    on the H200 the dropout kernels run at 41 % / 74 % of the no-dropout ones); the eager memory
+    ops' bytes at the rates of the compiled block's kernel classes (ATen's LayerNorm forward and
+    backward kernels at ``fused_norm``, the other elementwise and reduction kernels at ``fused``:
+    an assumption the eager H200 rows test, their step times being in no fit); each collective at
+    ``collective_time`` over the TP group's link (``_link``).
 
     ``compiled`` (the block as ``train.compile`` runs it on a GPU, :func:`compiles`): the memory-bound
-    bytes are :func:`fuse`'s estimate of inductor's fusion (regions plus megaformer's opaque
-    operators), and the attention term adds the forward the compiled attention dropout reruns in
-    backward (``column_reductions_fuse``: :func:`fuse`'s). A CPU device (``dev.cpu``) runs CPU
-    kernels the fake-CUDA trace does not show (the math attention with dropout, ``bernoulli_``
-    dropout, compute-bound GeLU): the formula's ``_block_costs`` then, compiled or not.
+    bytes are :func:`fuse`'s estimate of inductor's fusion, each kind at its kernel class's rate
+    (:meth:`~megaformer.tools.steptime.DeviceSpec.bytes_per_s`): the regions that compute a
+    LayerNorm (:func:`is_norm_region`) at ``fused_norm``, the other regions at ``fused``, the
+    attention operator's layout copies at ``copy`` (ATen's non-vectorised kernel), the dropout
+    masks at ``stream``; and the attention term adds the forward the compiled attention dropout
+    reruns in backward, at the forward rate (``column_reductions_fuse``: :func:`fuse`'s). A CPU
+    device (``dev.cpu``) runs CPU kernels the fake-CUDA trace does not show (the math attention
+    with dropout, ``bernoulli_`` dropout, compute-bound GeLU): the formula's ``_block_costs`` then,
+    compiled or not.
 
     Raises:
         as :func:`trace_block`.
@@ -980,14 +1006,29 @@ def block_costs(
         return steptime._block_costs(cfg, dev, q, gpus_per_node)
     trace = trace_block(cfg, q, gpu_for(dev))
     compute = sum(steptime._gemm(dev, m, k, n, q) for m, k, n in trace.gemms)
-    attention = sum((0.5 if op.detail == "causal" else 1.0) * op.flops for op in trace.of_kind("attention"))
-    memory = trace.memory_bytes
+    dropout = dict(trace.key.model).get("attention_dropout", 0.0) > 0.0
+    fwd_flops = bwd_flops = 0.0  # causal halved
+    for op in trace.of_kind("attention"):
+        flops = (0.5 if op.detail == "causal" else 1.0) * op.flops
+        if "backward" in op.name:
+            bwd_flops += flops
+        else:
+            fwd_flops += flops
     if compiled:
         fused = fuse(trace, column_reductions_fuse=column_reductions_fuse)
-        memory = fused.memory_bytes
-        attention += (0.5 if trace.attention_causal else 1.0) * fused.extra_attention_flops
-    attention /= dev.peak_tflops * 1e12 * dev.attention_fraction
-    memory /= dev.memory_bytes_per_s
+        fwd_flops += (0.5 if trace.attention_causal else 1.0) * fused.extra_attention_flops
+        pointwise = fused.region_bytes - fused.norm_region_bytes
+        memory = (
+            pointwise / dev.bytes_per_s("fused")
+            + fused.norm_region_bytes / dev.bytes_per_s("fused_norm")
+            + fused.copy_bytes / dev.bytes_per_s("copy")
+            + (fused.extern_bytes - fused.copy_bytes) / dev.bytes_per_s("stream")
+        )
+    else:  # eager: ATen's LayerNorm kernels at the LayerNorm class's rate, the rest at the fused one
+        norm = sum(op.nbytes for op in trace.of_kind("memory") if "layer_norm" in op.name)
+        memory = norm / dev.bytes_per_s("fused_norm") + (trace.memory_bytes - norm) / dev.bytes_per_s("fused")
+    attention = fwd_flops / dev.attention_flops_per_s(backward=False, dropout=dropout)
+    attention += bwd_flops / dev.attention_flops_per_s(backward=True, dropout=dropout)
     tp = cfg.parallel.tp_size
     bw, lat = steptime._link(dev, tp, gpus_per_node)
     comm = sum(

@@ -96,6 +96,7 @@ default on CUDA) the memory-bound bytes are the trace's estimate of inductor's f
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -155,6 +156,15 @@ class DeviceSpec:
     loss_per_s: float = math.inf
     adamw_small_per_s: float = math.inf
     adamw_large_elems: float = math.inf
+    attention_fwd_fraction: float = math.nan
+    attention_bwd_fraction: float = math.nan
+    attention_dropout_fwd_fraction: float = math.nan
+    attention_dropout_bwd_fraction: float = math.nan
+    fused_fraction: float = math.nan
+    fused_norm_fraction: float = math.nan
+    copy_fraction: float = math.nan
+    host_step_s: float = 0.0
+    host_per_tensor_s: float = 0.0
 
     @property
     def matmul_flops(self) -> float:
@@ -164,22 +174,133 @@ class DeviceSpec:
     def memory_bytes_per_s(self) -> float:
         return self.hbm_gbs * 1e9 * self.hbm_fraction
 
+    def attention_flops_per_s(self, *, backward: bool, dropout: bool) -> float:
+        """FLOP/s (causal FLOPs halved) of the fused attention kernel in one direction, with or
+        without dropout inside the kernel: ``peak × attention_[dropout_]{fwd,bwd}_fraction``, or
+        ``peak × attention_fraction`` where those are not set (NaN: the CPU, the formula)."""
+        name = f"attention_{'dropout_' if dropout else ''}{'bwd' if backward else 'fwd'}_fraction"
+        fraction = getattr(self, name)
+        return self.peak_tflops * 1e12 * (self.attention_fraction if math.isnan(fraction) else fraction)
 
+    def bytes_per_s(self, kind: str) -> float:
+        """HBM bytes per second of a class of memory-bound kernel: ``stream`` (vectorised
+        elementwise kernels: ATen's contiguous copies, ``add_``, dropout, fused AdamW;
+        ``hbm_fraction``), ``fused`` (inductor's generated pointwise / column-reduction kernels and
+        the fused loss; ``fused_fraction``), ``fused_norm`` (inductor's kernels that compute a
+        LayerNorm; ``fused_norm_fraction``), ``copy`` (ATen's non-vectorised elementwise kernel:
+        strided and dtype-converting copies; ``copy_fraction``), each a fraction of ``hbm_gbs``;
+        an unset (NaN) fraction falls back to ``hbm_fraction``.
+
+        Raises:
+            ValueError: an unknown ``kind``.
+        """
+        fractions = {
+            "stream": self.hbm_fraction,
+            "fused": self.fused_fraction,
+            "fused_norm": self.fused_norm_fraction,
+            "copy": self.copy_fraction,
+        }
+        if kind not in fractions:
+            raise ValueError(f"kind={kind!r}: use one of {', '.join(fractions)}")
+        fraction = fractions[kind]
+        return self.hbm_gbs * 1e9 * (self.hbm_fraction if math.isnan(fraction) else fraction)
+
+
+H200_FIT = {
+    "matmul_fraction": 0.760,
+    "hbm_fraction": 0.762,
+    "attention_fwd_fraction": 0.372,
+    "attention_bwd_fraction": 0.251,
+    "attention_dropout_fwd_fraction": 0.152,
+    "attention_dropout_bwd_fraction": 0.186,
+    "fused_fraction": 0.669,
+    "fused_norm_fraction": 0.246,
+    "copy_fraction": 0.276,
+    "host_step_s": 0.0112,
+    "host_per_tensor_s": 4.37e-05,
+}
+"""The step-time model's GPU constants fitted once to the committed H200 profiles and measurements
+(``bench/steptime_h200.py``, which derives each from ``bench/results/gpu/2026-11-26-h200*/``, writes
+``bench/results/gpu/steptime_h200_fit.json`` and checks these values against it; a test repeats that
+check). Fractions of the datasheet peak (989 TFLOP/s, 4,800 GB/s):
+
+- ``matmul_fraction``: the profiles' GEMM device time (``aten::mm`` + ``aten::addmm``) against the
+  model's GEMM FLOPs (125M Pre-LN / NormFormer, 1.3B NormFormer).
+- ``attention_*``: the fused attention kernels' causal FLOPs over their device time, forward and
+  backward: with dropout, cuDNN's dropout kernels in the 125M and 1.3B profiles (192 forwards per
+  96 micro-batch blocks: the compiled operator's rerun, counted by the model); without, the 355M
+  recipe's (no dropout) cuDNN kernels in the first loan's profile.
+- ``hbm_fraction`` (``stream``): DeepSpeed's per-parameter fp32 ``add_`` and the fused AdamW in the
+  1.3B profile, bytes over time.
+- ``copy_fraction``: ATen's non-vectorised ``elementwise_kernel`` (the attention operator's four
+  ``.contiguous()`` copies per block and micro-batch) and ``unrolled_elementwise_kernel`` (the BF16
+  optimizer's bf16 -> fp32 gradient copies), bytes over time.
+- ``fused_fraction``, ``fused_norm_fraction``: least squares over the three profiles of the device
+  time not in the kernels above (the Triton kernels of the compiled blocks, the fused loss) against
+  the model's bytes of the fused regions without / with a LayerNorm and of the loss.
+- ``host_step_s``, ``host_per_tensor_s``: the measured step less the profile's device time (the GPU
+  idle while the host works: kernel launches and DeepSpeed's per-parameter Python at the step
+  boundary), least squares against the parameter tensors of the model.
+
+Held out of every fit: the step times of the 355M rows, 1.3B Pre-LN, the two eager 125M rows and the
+two 125M rows without attention dropout (only the three profiled rows' step times enter, through the
+host term)."""
+
+# The H200's kernel-class constants, carried to the other GPUs where they are fractions of HBM or a
+# host property (an assumption: not measured there); the attention dropout kernels as the same
+# fraction of each GPU's own no-dropout kernels as on the H200.
+_MEMORY_FIT = {
+    k: H200_FIT[k] for k in ("hbm_fraction", "fused_fraction", "fused_norm_fraction", "copy_fraction")
+}
+_HOST_FIT = {k: H200_FIT[k] for k in ("host_step_s", "host_per_tensor_s")}
+_DROPOUT_FWD = H200_FIT["attention_dropout_fwd_fraction"] / H200_FIT["attention_fwd_fraction"]
+_DROPOUT_BWD = H200_FIT["attention_dropout_bwd_fraction"] / H200_FIT["attention_bwd_fraction"]
+
+
+def _gpu(
+    name: str, peak: float, matmul: float, attention: tuple[float, float], hbm_gbs: float, links: tuple
+) -> DeviceSpec:
+    """A GPU's :class:`DeviceSpec`: ``attention`` = (forward, backward) no-dropout fractions."""
+    fwd, bwd = attention
+    return DeviceSpec(
+        name,
+        peak,
+        matmul,
+        (fwd + 2 * bwd) / 3,
+        hbm_gbs,
+        _MEMORY_FIT["hbm_fraction"],
+        *links,
+        attention_fwd_fraction=fwd,
+        attention_bwd_fraction=bwd,
+        attention_dropout_fwd_fraction=fwd * _DROPOUT_FWD,
+        attention_dropout_bwd_fraction=bwd * _DROPOUT_BWD,
+        **{k: v for k, v in _MEMORY_FIT.items() if k != "hbm_fraction"},
+        **_HOST_FIT,
+    )
+
+
+_H200_ATTENTION = (H200_FIT["attention_fwd_fraction"], H200_FIT["attention_bwd_fraction"])
 DEVICE_SPECS = {
-    "v100-32gb": DeviceSpec(
-        "V100-SXM2-32GB fp16", PEAK_TFLOPS["V100"], 0.80, 0.30, 900, 0.85, 130, 5, 6.25, 10
+    "v100-32gb": _gpu(
+        "V100-SXM2-32GB fp16", PEAK_TFLOPS["V100"], 0.80, (0.30, 0.30), 900, (130, 5, 6.25, 10)
     ),
-    "a100-40gb": DeviceSpec(
-        "A100-SXM4-40GB bf16", PEAK_TFLOPS["A100"], 0.80, 0.50, 1555, 0.85, 230, 5, 25, 8
+    "a100-40gb": _gpu("A100-SXM4-40GB bf16", PEAK_TFLOPS["A100"], 0.80, (0.50, 0.50), 1555, (230, 5, 25, 8)),
+    "a100-80gb": _gpu("A100-SXM4-80GB bf16", PEAK_TFLOPS["A100"], 0.80, (0.50, 0.50), 2039, (230, 5, 25, 8)),
+    "h100-80gb": _gpu(
+        "H100-SXM5-80GB bf16",
+        PEAK_TFLOPS["H100"],
+        H200_FIT["matmul_fraction"],
+        _H200_ATTENTION,
+        3350,
+        (360, 4, 50, 8),
     ),
-    "a100-80gb": DeviceSpec(
-        "A100-SXM4-80GB bf16", PEAK_TFLOPS["A100"], 0.80, 0.50, 2039, 0.85, 230, 5, 25, 8
-    ),
-    "h100-80gb": DeviceSpec(
-        "H100-SXM5-80GB bf16", PEAK_TFLOPS["H100"], 0.70, 0.35, 3350, 0.85, 360, 4, 50, 8
-    ),
-    "h200-141gb": DeviceSpec(
-        "H200-SXM-141GB bf16", PEAK_TFLOPS["H200"], 0.72, 0.35, 4800, 0.85, 360, 4, 50, 8
+    "h200-141gb": _gpu(
+        "H200-SXM-141GB bf16",
+        PEAK_TFLOPS["H200"],
+        H200_FIT["matmul_fraction"],
+        _H200_ATTENTION,
+        4800,
+        (360, 4, 50, 8),
     ),
 }
 """The GPUs, with their sources:
@@ -313,11 +434,13 @@ class StepTime:
     peak_flops: float
     steps: int
     counted: str = "formula (eager kernels)"
+    host: float = 0.0
 
     @property
     def total(self) -> float:
         return (
-            self.compute
+            self.host
+            + self.compute
             + self.memory
             + self.attention
             + self.tp_comm
@@ -530,10 +653,13 @@ def _busiest_stage(
                     else 2.0 * n * v / tp / dev.exp_per_s
                 )
                 memory += max(n * 16.0 * v / tp / dev.memory_bytes_per_s, loss)
-            else:
-                memory += n * loss_bytes_per_logit(cfg, q) * v / tp / dev.memory_bytes_per_s
+            else:  # fused (inductor's kernels) or eager (ATen's), both at the fused class's rate
+                memory += n * loss_bytes_per_logit(cfg, q) * v / tp / dev.bytes_per_s("fused")
             tpc += collective_time("allreduce", act, tp, tp_bw, tp_lat)
-        row = (compute + attention + memory + tpc, compute, attention, memory, tpc, stage.params)
+        params = stage.params
+        if first and last and m.tie_embeddings:  # the tied output layer is the embedding's tensor
+            params -= v * d // tp
+        row = (compute + attention + memory + tpc, compute, attention, memory, tpc, params)
         best = row if best is None or row[0] > best[0] else best
     return (*best, act)
 
@@ -568,11 +694,18 @@ def _optimizer_time(
     """The optimizer step and gradient accumulation (memory-bound), seconds (module docstring).
     ``immediate``: the BF16 optimizer's ``immediate_grad_update`` (the same 10Ψ accumulation per
     micro-batch, inside backward; no bf16 gradients left to zero)."""
-    accum = gas * 10.0 * params if bf16_low_zero else (gas - 1) * 3.0 * q * params
+    # The BF16 optimizer adds each bf16 gradient into its fp32 one parameter by parameter,
+    # ``hp_grad.add_(lp.grad.to(float32))`` (deepspeed/runtime/bf16_optimizer.py, _update_hp_grad):
+    # a dtype-converting copy (read 2, write 4: ATen's non-vectorised kernel on a GPU) and the add
+    # (read 4 + 4, write 4), 18 bytes per parameter per micro-batch.
+    convert = gas * 6.0 * params if bf16_low_zero else 0.0
+    accum = gas * 12.0 * params if bf16_low_zero else (gas - 1) * 3.0 * q * params
     zeroing = (4.0 if (bf16_low_zero and immediate) else q + 4.0) * params
     opt_bytes = accum + 28.0 * part + (6.0 * part if q == 2 else 0.0) + zeroing
-    return opt_bytes / dev.memory_bytes_per_s + max(
-        0.0, part / dev.adamw_per_s - 28.0 * part / dev.memory_bytes_per_s
+    return (
+        opt_bytes / dev.memory_bytes_per_s
+        + convert / dev.bytes_per_s("copy")
+        + max(0.0, part / dev.adamw_per_s - 28.0 * part / dev.memory_bytes_per_s)
     )
 
 
@@ -618,6 +751,35 @@ def _dp_comm(
     return reduce + gather, (max(0.0, reduce - backward_mb) if overlap else reduce) + gather
 
 
+@functools.lru_cache(maxsize=64)
+def _tensors_per_layer(model: Any) -> tuple[int, int]:
+    """(parameter tensors of one block, of the embedding + final norm + untied output) of ``model``
+    (a :class:`~megaformer.config.schema.ModelConfig`), counted on a tiny model with the same
+    switches: a 1-layer and a 2-layer :class:`~megaformer.model.NormFormerLM`."""
+    import torch
+
+    from megaformer.model.lm import NormFormerLM
+
+    tiny = replace(
+        model,
+        hidden_size=8 * model.num_attention_heads,
+        ffn_hidden_size=16,
+        seq_len=8,
+    )
+    with torch.device("meta"):
+        counts = [sum(1 for _ in NormFormerLM(replace(tiny, num_layers=n)).parameters()) for n in (1, 2)]
+    return counts[1] - counts[0], 2 * counts[0] - counts[1]
+
+
+def param_tensors(cfg: RunConfig) -> int:
+    """Parameter tensors on one rank of the busiest pipeline stage (its share of the blocks,
+    rounded up, plus the embedding, final norm and output layer): the loops of DeepSpeed's optimizer
+    and gradient accumulation go parameter by parameter (:func:`predict`'s host term)."""
+    m = cfg.model
+    per_block, rest = _tensors_per_layer(m)
+    return per_block * math.ceil(m.num_layers / cfg.parallel.pp_size) + rest
+
+
 def predict(
     cfg: RunConfig, dev: DeviceSpec, world: int, gpus_per_node: int = 8, counts: str = "auto"
 ) -> StepTime:
@@ -654,9 +816,12 @@ def predict(
     optimizer = _optimizer_time(dev, params, part, gas, q, bf16_low_zero, immediate_grad_update(cfg))
     dp_total, dp_exposed = _dp_comm(cfg, dev, params, plan, q, t_mb, world, gpus_per_node)
 
+    host = dev.host_step_s + dev.host_per_tensor_s * param_tensors(cfg)
+
     tokens = t.global_batch_size * m.seq_len
     flops = model_flops_per_token(m, m.padded_vocab_size(par.tp_size)) * tokens
     return StepTime(
+        host=host,
         compute=gas * compute,
         memory=gas * memory,
         attention=gas * attention,
@@ -689,6 +854,7 @@ def describe(st: StepTime, dev: DeviceSpec) -> str:
         ("PP p2p", st.pp_p2p),
         (f"DP communication (exposed; {st.dp_comm_total:.3g} s before overlap)", st.dp_comm),
         ("optimizer + grad accumulation", st.optimizer),
+        ("host (GPU idle: launches, DeepSpeed's per-parameter steps)", st.host),
     ]
     lines = [
         f"predicted step on {dev.name} ({st.micro_batches} micro-batches of {st.micro_batch:.4g} s; "
