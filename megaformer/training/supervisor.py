@@ -159,6 +159,8 @@ class Supervisor:
             signal.signal(signum, self._forward)
         env = {**os.environ, PGID_ENV: str(os.getpgrp())}
         self.child = subprocess.Popen(self.command, env=env, preexec_fn=os.setpgrp)
+        if self.stop_deadline is not None:  # a stop signal came while it was being started
+            self._signal_group(signal.SIGTERM)
         escalated: float | None = None
         while True:
             try:

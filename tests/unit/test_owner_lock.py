@@ -271,3 +271,38 @@ def test_two_preprocesses_into_one_prefix_the_second_refuses(tmp_path, gpt2_flag
     assert first.returncode == 0, first.stderr
     names = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert "corpus.lock" not in names and "corpus_text_document.idx" in names  # released, removed
+
+
+def test_supervisor_ends_a_stop_the_ranks_do_not_answer(tmp_path):
+    """Ranks that ignore the stop signal: after MEGAFORMER_STOP_TIMEOUT_S the launcher's group is
+    ended and the supervisor exits 1 (the documented code), not waiting for ever."""
+    saved = tmp_path / "saved"
+    deaf = FAKE_LAUNCH.replace(
+        "signal.signal(signal.SIGTERM, stop)", "signal.signal(signal.SIGTERM, signal.SIG_IGN)"
+    )
+    deaf = deaf.replace("time.sleep(60)", "time.sleep(8)")
+    command = [sys.executable, "-c", deaf, str(saved), "deepspeed.launcher.launch"]
+    args = [
+        sys.executable,
+        "-m",
+        "megaformer.training.supervisor",
+        CONFIG,
+        f"output.dir={tmp_path / 'run'}",
+        "--",
+    ]
+    proc = subprocess.Popen(
+        [*args, *command],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "MEGAFORMER_STOP_TIMEOUT_S": "1"},
+    )
+    assert proc.stdout.readline().strip() == "ranks ready"
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err
+    assert "did not end within 1 s of the stop signal (MEGAFORMER_STOP_TIMEOUT_S)" in err
+    assert time.monotonic() - started < 30
