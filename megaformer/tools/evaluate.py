@@ -44,12 +44,20 @@ def available_samples(prefix: str, seq_len: int) -> int:
     return max(tokens - 1, 0) // seq_len
 
 
-def samples_loss(model: torch.nn.Module, samples, n: int, batch_size: int, device: str) -> tuple[float, int]:
+def samples_loss(
+    model: torch.nn.Module, samples, n: int, batch_size: int, device: str, label: str = "evaluate"
+) -> tuple[float, int]:
     """``(mean next-token loss in nats, predicted tokens)`` of ``model`` over ``samples[0..n-1]``
-    (each ``int64[seq_len + 1]``), accumulated in fp64."""
+    (each ``int64[seq_len + 1]``), accumulated in fp64; a progress bar (stderr, in tokens) named
+    ``label``."""
+    from tqdm import tqdm
+
     total, count = 0.0, 0
-    with torch.no_grad():
+    seq_len = len(samples[0]) - 1 if n else 0
+    bar = tqdm(total=n * seq_len, unit="tok", unit_scale=True, desc=label, file=sys.stderr, leave=False)
+    with torch.no_grad(), bar:
         for start in range(0, n, batch_size):
+            bar.update(min(batch_size, n - start) * seq_len)
             rows = [np.asarray(samples[i], dtype=np.int64) for i in range(start, min(start + batch_size, n))]
             batch = torch.from_numpy(np.stack(rows)).to(device)
             logits = model(batch[:, :-1]).float()  # (B, T, V_pad), padding at -inf
@@ -126,6 +134,7 @@ def dataset_loss(
     max_samples: int = 0,
     batch_size: int = 8,
     device: str = "cpu",
+    label: str = "evaluate",
 ) -> dict:
     """Mean next-token loss of ``model`` (a TP = 1 :class:`~megaformer.model.NormFormerLM`) on ``prefix``.
 
@@ -141,7 +150,7 @@ def dataset_loss(
     if max_samples:
         n = min(n, max_samples)
     samples = ordered_samples(prefix, seq_len, n, key="--data-prefix")
-    loss, count = samples_loss(model, samples, n, batch_size, device)
+    loss, count = samples_loss(model, samples, n, batch_size, device, label)
     return {"data_prefix": prefix, "samples": n, "tokens": count, "loss": loss, "ppl": math.exp(loss)}
 
 

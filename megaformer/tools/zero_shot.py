@@ -4,7 +4,8 @@ Table 2 (NormFormer, Sec. 2.2).
     python -m megaformer.tools.zero_shot --checkpoint RUN/checkpoints \\
         --task hellaswag=hellaswag_val.jsonl --task piqa=piqa_valid.jsonl \\
         --task winogrande=winogrande_xl_dev.jsonl --task storycloze=storycloze_2016_val.jsonl \\
-        --task openbookqa=openbookqa_test.jsonl [--ppl-data-prefix data/valid_text_document] [--json out.json]
+        --task openbookqa=openbookqa_test.jsonl [--json out.json] \\
+        [--ppl-data-prefix data/processed/gutenberg_text_document] [--ppl-max-tokens 262144]
     python -m megaformer.tools.zero_shot --checkpoint RUN/checkpoints --tasks arc_easy,my_task.yaml \\
         [--num-fewshot 5] [--include-path DIR]
 
@@ -505,6 +506,13 @@ def _parser() -> argparse.ArgumentParser:
         help="lm_eval's bootstrap draws for standard errors without a closed form; 0: no standard errors",
     )
     p.add_argument("--ppl-data-prefix", default=None, help="dataset for the PPL column (--checkpoint)")
+    p.add_argument(
+        "--ppl-max-tokens",
+        type=int,
+        default=262_144,
+        help="read at most this many tokens of --ppl-data-prefix, from its start (0: all of it: the "
+        "bundled 4.9M-token corpus takes tens of minutes on a CPU)",
+    )
     p.add_argument("--limit", type=int, default=None, help="score only the first N items of each task")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -540,6 +548,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.num_fewshot is not None and args.num_fewshot < 0:
         p.error(f"--num-fewshot {args.num_fewshot}: a count of examples, 0 or more")
+    if args.ppl_max_tokens < 0:
+        p.error(f"--ppl-max-tokens {args.ppl_max_tokens}: a number of tokens, 0 (all) or more")
     try:
         tasks = _parse_tasks(args.task or [])
         specs = args.tasks if args.tasks is not None else ([] if tasks else list(DEFAULT_TASKS))
@@ -663,7 +673,17 @@ def _model(args) -> tuple[object, int, float | None]:
     if args.ppl_data_prefix:
         from megaformer.tools.evaluate import dataset_loss
 
-        ppl = dataset_loss(lm.model, args.ppl_data_prefix, lm.config.seq_len, device=args.device)["ppl"]
+        seq_len = lm.config.seq_len
+        cap = max(args.ppl_max_tokens // seq_len, 1) if args.ppl_max_tokens else 0  # samples; 0: all
+        result = dataset_loss(
+            lm.model, args.ppl_data_prefix, seq_len, max_samples=cap, device=args.device, label="PPL"
+        )
+        print(
+            f"PPL {result['ppl']:.2f} over the first {result['tokens']:,} tokens of {args.ppl_data_prefix} "
+            "(--ppl-max-tokens; 0: all)",
+            file=sys.stderr,
+        )
+        ppl = result["ppl"]
     return lm, params, ppl
 
 

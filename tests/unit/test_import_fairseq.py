@@ -324,3 +324,33 @@ def test_reading_weights_does_not_import_deepspeed(tmp_path):
         out.stdout.strip().splitlines()[-1] == "False"
         and "Setting accelerator" not in out.stdout + out.stderr
     )
+
+
+def test_zero_shot_ppl_reads_at_most_its_token_cap(tmp_path, capsys):
+    """zero_shot's PPL column reads the first --ppl-max-tokens tokens of its dataset (the bundled
+    4.9M-token corpus took over 10 minutes without a word), says how many, and shows progress."""
+    import argparse
+
+    import numpy as np
+
+    from data_tools.indexed_dataset import IndexedDatasetWriter
+    from megaformer.tools.zero_shot import _model
+
+    import_fairseq(str(FIXTURE / "model_cfg.pt"), str(tmp_path / "imported"))
+    config = load_for_generation(str(tmp_path / "imported"), None, False)[1]
+    prefix = tmp_path / "text_text_document"
+    rng = np.random.default_rng(0)
+    with IndexedDatasetWriter(str(prefix), np.uint16) as writer:
+        for _ in range(20):
+            writer.add_document(rng.integers(0, config.vocab_size, size=200))
+    args = argparse.Namespace(
+        hf_model=None, checkpoint=str(tmp_path / "imported"), tag=None, batch_size=4, device="cpu",
+        trust_checkpoint_code=False, ppl_data_prefix=str(prefix), ppl_max_tokens=600,
+    )  # fmt: skip
+    _, _, capped = _model(args)
+    said = capsys.readouterr().err
+    seq_len = config.seq_len
+    assert f"over the first {600 // seq_len * seq_len:,} tokens" in said and "PPL" in said
+    _, _, whole = _model(argparse.Namespace(**{**vars(args), "ppl_max_tokens": 0}))
+    assert f"over the first {(20 * 200 - 1) // seq_len * seq_len:,} tokens" in capsys.readouterr().err
+    assert capped != whole and capped > 1
