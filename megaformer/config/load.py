@@ -31,6 +31,7 @@ from megaformer.config.schema import (
     ACTIVATIONS,
     BUDGET_SKIP_STEPS,
     COMPILE_AUTO,
+    FUSED_KERNELS,
     HEAD_SCALE_POSITIONS,
     INITS,
     NORM_SCHEMES,
@@ -312,6 +313,7 @@ def check_model_config(m: ModelConfig) -> None:
     )
     _one_of("model.norm_scheme", m.norm_scheme, NORM_SCHEMES)
     _one_of("model.objective", m.objective, OBJECTIVES, " ('clm', the causal LM, is the default)")
+    _one_of("model.fused_kernels", m.fused_kernels, FUSED_KERNELS, " ('auto', on for CUDA, is the default)")
     if m.objective == "mlm":
         from megaformer.data.mlm import MLM_VOCAB_SIZE  # lazy: the config loader imports no data code
 

@@ -28,6 +28,8 @@ INITS = ("legacy", "gpt2", "fairseq")
 HEAD_SCALE_POSITIONS = ("before_out_proj", "after_out_proj")
 # model.objective: the causal LM (the default), or RoBERTa's masked LM (megaformer.data.mlm).
 OBJECTIVES = ("clm", "mlm")
+# model.fused_kernels: Triton kernels for NormFormer's extra LayerNorms (megaformer.model.kernels).
+FUSED_KERNELS = ("auto", "on", "off")
 # Switches defined on a Pre-LN layer only: NormFormer's operations and the '+ 3 More LN' ablation
 # (paper Sec. 2, Table 4).
 PRE_LN_ONLY = ("post_attn_ln", "head_scale", "ffn_ln", "resid_scale", "qkv_ln")
@@ -103,6 +105,15 @@ class ModelConfig:
     """Dropout on the attention probabilities (probability)."""
     layernorm_eps: float = 1e-5
     """Epsilon of every LayerNorm."""
+    fused_kernels: str = "auto"
+    """Triton kernels for NormFormer's extra operations (megaformer.model.kernels): FFN_LN fused with
+    the activation (forward and backward; under TP the statistics are still reduced across the
+    group, exactly as the eager sharded LayerNorm), and POSTATTN_LN fused with its dropout and
+    residual add. The same function as the eager path (the reference and the fallback) up to
+    rounding; the dropout masks are eager's. 'auto' (default): on where the block's tensors are on
+    a CUDA device and Triton imports (not on fake CUDA), eager elsewhere (the CPU); 'on': always
+    (needs Triton; on a CPU only under Triton's interpreter, TRITON_INTERPRET=1, as the tests run
+    it); 'off': the eager operations. Blocks without post_attn_ln / ffn_ln have nothing to fuse."""
     position_offset: int = 0
     """Sinusoidal position index of the first token: token t uses row t + position_offset of a table
     of seq_len + position_offset rows. fairseq numbers positions from padding_idx + 1 = 2

@@ -58,7 +58,10 @@ equals the same layer built inside the whole model, at any TP degree.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
+import sys
+import warnings
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -92,6 +95,16 @@ from megaformer.parallel.utils import (
     tp_rank,
     tp_world_size,
 )
+
+_FUSED_FALLBACK_SAID: set = set()  # (device, dtype) whose kernel check failed, already warned about
+
+
+def fused_kernels_available() -> bool:
+    """Whether ``model.fused_kernels='auto'`` may use the Triton kernels: Triton is installed and
+    this is not a fake-CUDA dry run (tensors without values; :mod:`megaformer.fakecuda`)."""
+    if "megaformer.fakecuda.runtime" in sys.modules:
+        return False
+    return importlib.util.find_spec("triton") is not None
 
 
 def deepnorm_alpha(num_layers: int) -> float:
@@ -645,6 +658,60 @@ class NormFormerBlock(nn.Module):
 
         return torch.utils.checkpoint.checkpoint(run, q, k, v, use_reentrant=False, preserve_rng_state=False)
 
+    def _fused_kernels(self, x: torch.Tensor):
+        """:mod:`megaformer.model.kernels` when ``model.fused_kernels`` puts this call on the Triton
+        kernels (``on``; ``auto`` with ``x`` on a real CUDA device and Triton installed), else None
+        (the eager operations, the reference). A Python decision on the device and the config, so a
+        compiled graph fixes it at trace time."""
+        setting = self.config.fused_kernels
+        if (
+            setting == "off"
+            or self.norm_scheme != "pre_ln"
+            or (self.post_attn_ln is None and self.ffn_ln is None)
+        ):
+            return None
+        if setting == "auto" and (x.device.type != "cuda" or not fused_kernels_available()):
+            return None
+        if not fused_kernels_available():
+            raise RuntimeError(
+                "model.fused_kernels='on' needs Triton (pip install triton; requirements-dev.txt pins the "
+                "version) and real tensors (not a fake-CUDA dry run); or set model.fused_kernels='auto'"
+            )
+        from megaformer.model import kernels  # imports Triton; only where the kernels run
+
+        if setting == "auto":
+            # Once per device and dtype (a constant when compiled): kernels that fail to build or
+            # disagree with eager on this device leave the block on the eager path, said once.
+            why = kernels.self_check(x.device.type, x.device.index, x.dtype)
+            if why is not None:
+                if (x.device, x.dtype) not in _FUSED_FALLBACK_SAID:
+                    _FUSED_FALLBACK_SAID.add((x.device, x.dtype))
+                    warnings.warn(
+                        f"model.fused_kernels='auto': the Triton kernels failed their check on {x.device} "
+                        f"({x.dtype}), the blocks run eager: {why}",
+                        stacklevel=2,
+                    )
+                return None
+        if x.device.type == "cpu" and not kernels.interpreted():
+            raise RuntimeError(
+                "model.fused_kernels='on' with CPU tensors: Triton runs on a CPU only in its interpreter; "
+                "set TRITON_INTERPRET=1 before megaformer.model.kernels is imported (tests), or use "
+                "model.fused_kernels='auto' (eager on a CPU)"
+            )
+        return kernels
+
+    def _fused_post_attn_residual(self, kernels, a: torch.Tensor, x: torch.Tensor, p: float, region: str):
+        """``x + dropout(POSTATTN_LN(a))`` in one kernel (:func:`kernels.layer_norm_dropout_residual`),
+        the dropout mask drawn from the same generator state as eager's ``F.dropout``."""
+        a = a.contiguous()  # the layout of eager's LayerNorm output, whose mask F.dropout draws
+        keep, scale = None, 1.0
+        if self.training and p > 0.0:
+            keep, scale = self.dropout_rng.keep_mask(a, p, region)
+        ln = self.post_attn_ln
+        weight = sequence_region_param(ln.weight, self.tp_group, self.sequence_parallel)
+        bias = sequence_region_param(ln.bias, self.tp_group, self.sequence_parallel)
+        return kernels.layer_norm_dropout_residual(a, x, weight, bias, keep=keep, scale=scale, eps=ln.eps)
+
     def activation(self, x: torch.Tensor) -> torch.Tensor:
         """GELU (erf form) or squared ReLU (So et al. 2021, the paper's 2.7B model)."""
         if self.config.activation == "relu2":
@@ -665,13 +732,29 @@ class NormFormerBlock(nn.Module):
             f = _dropout(f, p, self.training, self.dropout_rng, region)
             return self.ln2(self.alpha * h + f if self.alpha != 1.0 else h + f)
         a = self.attention(x)  # (B, T, d)  [(B, T/tp, d) with sequence parallelism, throughout]
-        if self.post_attn_ln is not None:
-            a = self.post_attn_ln(a)
-        h = x + _dropout(a, p, self.training, self.dropout_rng, region)  # (B, T, d)
+        fused = self._fused_kernels(x)
+        if self.post_attn_ln is not None and fused is not None:
+            h = self._fused_post_attn_residual(fused, a, x, p, region)  # one kernel, same function
+        else:
+            if self.post_attn_ln is not None:
+                a = self.post_attn_ln(a)
+            h = x + _dropout(a, p, self.training, self.dropout_rng, region)  # (B, T, d)
 
-        f = self.activation(self.fc1(self.ln2(h)))  # (B, T, ffn/tp), the whole sequence
-        if self.ffn_ln is not None:
-            f = self.ffn_ln(f)  # statistics over the full ffn width, reduced across TP ranks
+        u = self.fc1(self.ln2(h))  # (B, T, ffn/tp), the whole sequence
+        if self.ffn_ln is not None and fused is not None:
+            f = fused.layer_norm_activation(
+                u,
+                self.ffn_ln.weight,
+                self.ffn_ln.bias,
+                activation=self.config.activation,
+                normalized_size=self.ffn_ln.normalized_size,
+                eps=self.ffn_ln.eps,
+                tp_group=self.tp_group,
+            )
+        else:
+            f = self.activation(u)
+            if self.ffn_ln is not None:
+                f = self.ffn_ln(f)  # statistics over the full ffn width, reduced across TP ranks
         f = _dropout(self.fc2(f), p, self.training, self.dropout_rng, region)  # (B, T, d)
         if self.resid_scale is not None:
             # ResScale weights only the FFN residual (as fairseq)

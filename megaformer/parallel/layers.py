@@ -518,13 +518,34 @@ def _merged_statistics(
     """
     local_var, local_mean = torch.var_mean(xf, dim=-1, correction=0)  # (...) each, one pass
     local_m2 = local_var * xf.shape[-1]
+    return merge_shard_statistics(local_mean, local_m2, xf.shape[-1], normalized_size, eps, group)
+
+
+def merge_shard_statistics(
+    local_mean: torch.Tensor,
+    local_m2: torch.Tensor,
+    shard_size: int,
+    normalized_size: int,
+    eps: float,
+    group: ProcessGroup | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token ``(mean, rstd)`` over the full, sharded last dimension from this rank's shard
+    statistics: ``local_mean`` and ``local_m2`` (the sum of squared deviations from the shard's
+    mean), fp32, of ``shard_size`` values each (every rank the same count).
+
+    One all-gather of the ``[2, ...]`` per-shard values, then the merge of Chan, Golub & LeVeque
+    (1979) with equal counts (see :func:`_merged_statistics`); with one rank, the shard is the row.
+    ``rstd = 1 / sqrt(M2 / normalized_size + eps)`` (the biased variance, as LayerNorm, Ba et al.
+    2016). Used by :func:`sharded_layer_norm` and by the Triton kernels of
+    :mod:`megaformer.model.kernels`, which compute the shard statistics themselves.
+    """
     if tp_world_size(group) == 1:
         mean, m2 = local_mean, local_m2
     else:
         stats = mappings.all_gather_stacked(torch.stack([local_mean, local_m2]), group)  # (tp, 2, ...)
         means, m2s = stats.unbind(1)  # (tp, ...) each
         mean = means.mean(dim=0)
-        m2 = m2s.sum(dim=0) + xf.shape[-1] * (means - mean).square().sum(dim=0)
+        m2 = m2s.sum(dim=0) + shard_size * (means - mean).square().sum(dim=0)
     rstd = torch.rsqrt(m2 / normalized_size + eps)
     return mean, rstd
 

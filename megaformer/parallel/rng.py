@@ -146,6 +146,17 @@ class DropoutRNG:
         )
         return x * keep * rng_ops.dropout_scale(p, x.dtype, x.device.type)
 
+    def keep_mask(self, x: torch.Tensor, p: float, region: str) -> tuple[torch.Tensor, float]:
+        """The keep mask ``F.dropout(x, p, training=True)`` would draw from ``region``'s state, and
+        the factor it gives the kept values: ``(bool[x.shape] laid out as x, scale)``. Advances the
+        state as that dropout would, so a caller that applies ``x * keep * scale`` itself (a fused
+        kernel: :func:`megaformer.model.kernels.layer_norm_dropout_residual`) draws eager's masks.
+        ``p`` in ``(0, 1)``."""
+        keep, self._states[region] = rng_ops.dropout_keep(
+            x.shape, x.stride(), x.dtype, x.device, p, self._state_for(region, x.device)
+        )
+        return keep, rng_ops.dropout_scale(p, x.dtype, x.device.type)
+
     def attention(
         self,
         q: torch.Tensor,
