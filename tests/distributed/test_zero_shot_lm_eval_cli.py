@@ -86,3 +86,29 @@ def test_plain_lm_eval_where_it_reads_entry_points(lifecycle_reference, tmp_path
     ckpt, task = lifecycle_reference / "checkpoints", write_task(tmp_path / "task")
     direct = _lm_eval([sys.executable, "-m", "lm_eval"], ckpt, task, tmp_path / "lm_eval")
     _same(direct, _zero_shot(ckpt, task, tmp_path / "ours.json", monkeypatch))
+
+
+def test_plain_lm_eval_on_the_hugging_face_export(lifecycle_reference, tmp_path, monkeypatch):
+    """lm_eval's own command line, unpatched, on the Hugging Face export of the same checkpoint
+    (``--model hf --model_args pretrained=EXPORT,trust_remote_code=True``; docs/evaluate.md): the
+    same accuracies as ``zero_shot`` on the checkpoint (issue 39 item 10)."""
+    from megaformer.tools.export_hf import main as export
+
+    ckpt, task = lifecycle_reference / "checkpoints", write_task(tmp_path / "task")
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert export(["--checkpoint", str(ckpt), "--output", str(tmp_path / "export")]) == 0
+    out = tmp_path / "lm_eval_hf"
+    cmd = [
+        sys.executable, "-m", "lm_eval", "--model", "hf",
+        "--model_args", f"pretrained={tmp_path / 'export'},trust_remote_code=True,dtype=float32",
+        "--tasks", str(task), "--num_fewshot", "1", "--batch_size", "8", "--device", "cpu",
+        "--output_path", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=dict(os.environ, **OFFLINE), capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "|tiny_qa|" in proc.stdout.replace(" ", "")
+    (path,) = glob.glob(str(out / "**" / "results_*.json"), recursive=True)
+    direct = json.loads(Path(path).read_text())
+    _same(direct, _zero_shot(ckpt, task, tmp_path / "ours.json", monkeypatch))
