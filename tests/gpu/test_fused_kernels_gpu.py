@@ -75,14 +75,16 @@ def test_post_attn_kernel_on_the_gpu_as_accurate_as_eager(dtype):
         assert _err(o, e) <= 2 * _err(r, e) + 1e-5, (what, _err(o, e), _err(r, e))
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_block_with_kernels_equals_the_eager_block_on_the_gpu(compiled):
-    from megaformer.model import NormFormerBlock
+@pytest.mark.parametrize(("setting", "compiled"), [("on", False), ("auto", True)])
+def test_block_with_kernels_equals_the_eager_block_on_the_gpu(setting, compiled):
+    """``on`` eager, and ``auto`` compiled (the recipes' path on a GPU: the self check runs at trace
+    time and must pass, so the kernels are what ran)."""
+    from megaformer.model import NormFormerBlock, kernels
 
     shape = {"vocab_size": 50304, "hidden_size": D, "num_layers": 12, "num_attention_heads": 12}
     config = ModelConfig(**shape, seq_len=256, hidden_dropout=0.1)
     eager = NormFormerBlock(dataclasses.replace(config, fused_kernels="off"), layer_index=3, seed=5).cuda()
-    fused = NormFormerBlock(dataclasses.replace(config, fused_kernels="on"), layer_index=3, seed=5).cuda()
+    fused = NormFormerBlock(dataclasses.replace(config, fused_kernels=setting), layer_index=3, seed=5).cuda()
     fused.load_state_dict(eager.state_dict())
     if compiled:
         fused.compile(fullgraph=True, dynamic=False)
@@ -96,6 +98,8 @@ def test_block_with_kernels_equals_the_eager_block_on_the_gpu(compiled):
         y = block(xi)
         y.backward(grad)
         outs.append([y.detach(), xi.grad] + [p.grad for p in block.parameters()])
+    if setting == "auto":
+        assert kernels._SELF_CHECKS.get(("cuda", x.device.index, torch.float32), "not run") is None
     for o, r in zip(outs[1], outs[0]):
         scale = float(r.abs().max()) or 1.0
         assert _err(o, r) <= 1e-4 * scale, (_err(o, r), scale)
