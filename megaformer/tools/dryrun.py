@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from typing import Any
@@ -46,8 +47,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*", help="section.key=value, as for the launcher")
-    parser.add_argument("--nodes", type=int, default=1)
-    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument(
+        "--nodes", type=int, default=None, help="default: the recipe header's layout, else 1 (said)"
+    )
+    parser.add_argument(
+        "--gpus-per-node", type=int, default=None, help="default: the recipe header's layout, else 8 (said)"
+    )
     parser.add_argument("--gpu", type=gpu_name, default="a100-80gb", help="a100-80gb, h100-80gb, ...")
     parser.add_argument("--rank", type=int, default=None, help="default: the busiest stage's rank 0")
     parser.add_argument("--steps", type=int, default=2)
@@ -234,7 +239,8 @@ def run(args: argparse.Namespace) -> dict:
     layout = f"tp {tp} × pp {cfg.parallel.pp_size} × dp {plan.dp}; stage {stage}, dp {dp_rank}, tp {tp_rank}"
     print(
         f"[dryrun] {args.config}: rank {rank} of {world} ({layout}) on fake {args.gpu}: two steps at full "
-        f"size (the shipped recipes: 16 s to 3 minutes on a 2-core machine)...",
+        f"size (the shipped recipes at their headers' layouts: 16 s to 3 minutes on a quiet 2-core machine; "
+        "fewer GPUs than a recipe's layout put more of the model on each rank and take longer)...",
         flush=True,
     )
     started = time.perf_counter()
@@ -282,8 +288,47 @@ def _jsonable(obj: Any) -> Any:
     return str(obj)
 
 
+_HEADER_WORLD = re.compile(r"(\d+) nodes? × (\d+) ")
+
+
+def header_world(path: str) -> tuple[int, int] | None:
+    """``(nodes, gpus_per_node)`` of the layout a recipe's header comment names first ("32 nodes × 8
+    V100 32GB (world 256)", "world 8 = 1 node × 8 A100 80GB"), or None (no such line, or not a
+    readable file). Only the leading comment block is read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if not line.startswith("#"):
+                    break
+                found = _HEADER_WORLD.search(line)
+                if found:
+                    return int(found[1]), int(found[2])
+    except OSError:
+        return None
+    return None
+
+
+def default_layout(args: argparse.Namespace) -> str:
+    """Fill ``args.nodes`` / ``args.gpus_per_node`` left unset from the recipe's header
+    (:func:`header_world`; else 1 × 8); return the sentence that says which it took."""
+    if args.nodes is not None and args.gpus_per_node is not None:
+        return ""
+    found = header_world(args.config)
+    nodes, per_node = found or (1, 8)
+    args.nodes = nodes if args.nodes is None else args.nodes
+    args.gpus_per_node = per_node if args.gpus_per_node is None else args.gpus_per_node
+    source = "the layout its header names" if found else "no layout in its header: the default"
+    return (
+        f"[dryrun] {args.nodes} node(s) × {args.gpus_per_node} GPUs ({source}; --nodes / --gpus-per-node "
+        "to dry-run another)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    said = default_layout(args)
+    if said:
+        print(said, flush=True)
     from megaformer.fakecuda.build import ShimUnavailableError
 
     try:

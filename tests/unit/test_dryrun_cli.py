@@ -32,7 +32,10 @@ def dryrun(*args: str) -> subprocess.CompletedProcess:
     ("args", "message"),
     [
         ((PAPER_125M, "--gpu", "b200"), "unknown GPU 'b200'; use one of v100-32gb"),
-        (("configs/normformer-2.7b-3d-a100.yaml", "--gpus-per-node", "6"), "world size 6 is not divisible"),
+        (
+            ("configs/normformer-2.7b-3d-a100.yaml", "--nodes", "1", "--gpus-per-node", "6"),
+            "world size 6 is not divisible",
+        ),
         ((PAPER_125M, "--gpus-per-node", "8", "--rank", "9"), "--rank 9 is outside the world of 8"),
         ((PAPER_125M, "--nodes", "0"), "--nodes 0 --gpus-per-node 8: both must be ≥ 1"),
         ((PAPER_125M, "train.zero_stage=0"), "data_types.grad_accum_dtype='fp32' with train.precision=bf16"),
@@ -90,3 +93,27 @@ def test_the_preflight_refuses_it_before_any_process_group():
 def test_a_json_without_accumulation_dtype_is_left_alone():
     cfg = load_config(PAPER_125M, ["train.zero_stage=0"])
     check_engine_combination(cfg, {"zero_optimization": {"reduce_bucket_size": 1}})
+
+
+def test_the_default_layout_is_the_recipe_headers_and_said():
+    """Without --nodes / --gpus-per-node the dry run takes the layout the recipe's header names (the
+    3D recipes: 32 nodes × 8; issue 39: it dry-ran one node of 8, 598 s for the 1.3B 3D recipe), and
+    says so; a config without one gets 1 × 8, said as the default."""
+    import argparse
+
+    from megaformer.tools.dryrun import default_layout, header_world
+
+    assert header_world("configs/normformer-1.3b-3d-v100.yaml") == (32, 8)
+    assert header_world("configs/paper/1.3b-normformer.yaml") == (2, 8)
+    assert header_world("configs/paper/125m-normformer.yaml") == (1, 8)
+    assert header_world("configs/normformer-quickstart.yaml") is None
+    args = argparse.Namespace(config="configs/normformer-2.7b-3d-a100.yaml", nodes=None, gpus_per_node=None)
+    assert "32 node(s) × 8 GPUs (the layout its header names" in default_layout(args)
+    assert (args.nodes, args.gpus_per_node) == (32, 8)
+    args = argparse.Namespace(config="configs/normformer-quickstart.yaml", nodes=None, gpus_per_node=4)
+    assert "no layout in its header: the default" in default_layout(args) and (
+        args.nodes,
+        args.gpus_per_node,
+    ) == (1, 4)
+    args = argparse.Namespace(config="configs/normformer-2.7b-3d-a100.yaml", nodes=2, gpus_per_node=8)
+    assert default_layout(args) == "" and args.nodes == 2  # both given: nothing to say
