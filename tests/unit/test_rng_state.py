@@ -129,3 +129,19 @@ def test_dropout_rng_refuses_states_of_another_device_type():
     with pytest.raises(GeneratorDeviceError, match="serves cpu"):
         rng.load_state_dict(before, device_type="cuda")
     assert all(torch.equal(rng.state_dict()[r], before[r]) for r in before)  # nothing changed
+
+
+def test_cpu_generator_states_resume_on_a_cuda_dropout_rng_reseeded(tmp_path):
+    """The reverse (a CPU checkpoint resumed on GPUs), without a GPU: the dropout states become
+    CUDA Philox states from the seed and step, the same on every such resume."""
+    tag_dir = str(tmp_path / "global_step8")
+    save_rng_state(tag_dir, 0, LAYOUT, DropoutRNG(7), CPU)
+    states = []
+    for _ in range(2):
+        rng = DropoutRNG(7, device="cuda")  # builds Philox states; draws nothing here
+        restored, message = load_rng_state(tag_dir, 0, LAYOUT, rng, CPU)
+        assert not restored and "saved on cpu" in message and "runs on cuda" in message
+        assert all(s.numel() == 16 for s in rng.state_dict().values())
+        states.append(rng.state_dict())
+    assert all(torch.equal(states[0][r], states[1][r]) for r in states[0])
+    assert not torch.equal(states[0]["sharded"], DropoutRNG(7, device="cuda").state_dict()["sharded"])
