@@ -218,6 +218,7 @@ def fit() -> dict:
     docstring), with each profile's categories and the model's counts."""
     dev = steptime.DEVICE_SPECS[GPU]
     peak, hbm = dev.peak_tflops * 1e12, dev.hbm_gbs * 1e9
+    optrace.trace_blocks([config(r) for _, r, _ in PROFILES] + [config(NO_DROPOUT_PROFILE[1])], 2)
     profiled = []
     for path, recipe, step_s in PROFILES:
         cfg = config(recipe)
@@ -318,21 +319,30 @@ def measured_rows() -> list[dict]:
     return rows
 
 
+def _row_config(row: dict):
+    return load_config(os.path.join(REPO, "configs", "paper", f"{row['recipe']}.yaml"), row["overrides"])
+
+
 def predict_row(row: dict) -> steptime.StepTime:
-    cfg = load_config(os.path.join(REPO, "configs", "paper", f"{row['recipe']}.yaml"), row["overrides"])
-    return steptime.predict(cfg, steptime.DEVICE_SPECS[GPU], 1, 1)
+    """The model's step for a measured row: its recipe and overrides, one process on one H200."""
+    return steptime.predict(_row_config(row), steptime.DEVICE_SPECS[GPU], 1, 1)
 
 
 def rows() -> list[dict]:
     """:func:`measured_rows` with the model's prediction for those of today's program."""
     out = []
+    today = [r for r in measured_rows() if r["program"] == "today"]
+    optrace.trace_blocks([_row_config(r) for r in today], 2)  # one child process for all the traces
     for row in measured_rows():
-        rec = {k: row[k] for k in ("recipe", "overrides", "micro_batch", "step_s", "source", "program")}
+        rec = {
+            k: row[k] for k in ("recipe", "overrides", "micro_batch", "step_s", "mfu", "source", "program")
+        }
         rec["blocks"] = "eager" if "train.compile=false" in row["overrides"] else "compiled"
         rec["extra"] = [o for o in row["overrides"] if o.startswith("model.")]
         if row["program"] == "today":
             st = predict_row(row)
             rec["predicted_step_s"] = st.total
+            rec["predicted_mfu"] = st.mfu
             rec["error"] = st.total / row["step_s"] - 1.0
             rec["terms"] = {k: v for k, v in st.as_dict().items() if k in TERMS}
         out.append(rec)

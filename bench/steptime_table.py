@@ -28,6 +28,7 @@ sys.path.insert(0, REPO)
 
 from data_tools.files import atomic_write_json  # noqa: E402
 from megaformer.config import load_config  # noqa: E402
+from megaformer.tools import optrace  # noqa: E402
 from megaformer.tools.plan import DEVICES, _with, make_plan  # noqa: E402
 from megaformer.tools.steptime import DEVICE_SPECS, predict  # noqa: E402
 
@@ -63,7 +64,9 @@ def v100_overrides(path: str) -> list[str]:
     return []
 
 
-def cell(path: str, gpu: str, nodes: int) -> dict:
+def cell_config(path: str, gpu: str, nodes: int) -> tuple[object | None, str]:
+    """The config of one cell (``path`` at its layout for ``gpu`` on ``nodes`` nodes) and its note;
+    None where dp exceeds the global batch."""
     overrides = v100_overrides(path) if gpu == "v100-32gb" else []
     cfg = load_config(os.path.join(REPO, path), overrides)
     if not DEVICES[gpu].bf16 and cfg.train.precision == "bf16":
@@ -71,15 +74,31 @@ def cell(path: str, gpu: str, nodes: int) -> dict:
     world = nodes * GPUS_PER_NODE
     t, par = cfg.train, cfg.parallel
     dp = world // (par.tp_size * par.pp_size)
-    note = ""
     if t.global_batch_size < dp:
-        return {"path": path, "gpu": gpu, "nodes": nodes, "world": world, "note": f"dp {dp} > batch"}
+        return None, f"dp {dp} > batch"
     micro = t.micro_batch_size
     while t.global_batch_size % (micro * dp):
         micro -= 1
     if micro != t.micro_batch_size:
-        note = f"micro-batch {micro}"
-        cfg = _with(cfg, micro_batch_size=micro)
+        return _with(cfg, micro_batch_size=micro), f"micro-batch {micro}"
+    return cfg, ""
+
+
+def prefetch_traces() -> None:
+    """Every cell's block trace in one fake-CUDA child per (GPU kind, TP size), not one per cell."""
+    for gpu in GPUS:
+        cfgs = [cell_config(p, gpu, n)[0] for p in recipes() for n in NODES]
+        optrace.trace_blocks([c for c in cfgs if c is not None], 2, optrace.gpu_for(DEVICE_SPECS[gpu]))
+
+
+def cell(path: str, gpu: str, nodes: int) -> dict:
+    cfg, note = cell_config(path, gpu, nodes)
+    world = nodes * GPUS_PER_NODE
+    if cfg is None:
+        return {"path": path, "gpu": gpu, "nodes": nodes, "world": world, "note": note}
+    t, par = cfg.train, cfg.parallel
+    dp = world // (par.tp_size * par.pp_size)
+    micro = t.micro_batch_size
     st = predict(cfg, DEVICE_SPECS[gpu], world, GPUS_PER_NODE)
     fits = make_plan(cfg, DEVICES[gpu], world).fits
     return {
@@ -129,17 +148,68 @@ def zero2_comparison() -> tuple[list[dict], list[str]]:
     return rows, lines
 
 
+def _h200_lines() -> dict:
+    """The measured H200 rows beside the model's predictions (``bench/steptime_h200.py``), and
+    NormFormer / Pre-LN per size and block mode, measured and predicted."""
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import steptime_h200
+
+    rows = [r for r in steptime_h200.rows() if "predicted_step_s" in r]
+    lines = [
+        "MEASURED and predicted on one H200 (bench/results/gpu/2026-11-26-h200*; one process, bf16, ZeRO-1, "
+        "4 micro-batches; the model's constants fitted to the profiles, bench/steptime_h200.py):",
+        "",
+        "| recipe | blocks | micro | measured step s | predicted step s | error | measured MFU "
+        "| predicted MFU |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        name = r["recipe"] + "".join(f" ({e})" for e in r["extra"])
+        lines.append(
+            f"| {name} | {r['blocks']} | {r['micro_batch']} | {r['step_s']:.3f} | "
+            f"{r['predicted_step_s']:.3f} | {r['error']:+.1%} | {r['mfu']:.1%} | {r['predicted_mfu']:.1%} |"
+        )
+    ratios, seen = [], set()
+    for r in rows:
+        size, _, kind = r["recipe"].partition("-")
+        key = (size, r["blocks"], tuple(r["extra"]))
+        if kind != "normformer" or key in seen:
+            continue
+        base = next(
+            (
+                b
+                for b in rows
+                if b["recipe"] == f"{size}-baseline" and (size, b["blocks"], tuple(b["extra"])) == key
+            ),
+            None,
+        )
+        if base is None:
+            continue
+        seen.add(key)
+        ratios.append({"size": size, "blocks": r["blocks"], "extra": r["extra"],
+                       "measured": r["step_s"] / base["step_s"],
+                       "predicted": r["predicted_step_s"] / base["predicted_step_s"]})  # fmt: skip
+    lines += ["", "| NormFormer / Pre-LN | blocks | measured | predicted |", "|---|---|---|---|"]
+    for q in ratios:
+        extra = "".join(f" ({e})" for e in q["extra"])
+        lines.append(f"| {q['size']}{extra} | {q['blocks']} | {q['measured']:.3f}× | {q['predicted']:.3f}× |")
+    return {"lines": lines, "rows": rows, "ratios": ratios}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "steptime_table.json"))
     args = parser.parse_args()
+    h200 = _h200_lines()
+    prefetch_traces()
     cells = [cell(p, g, n) for p in recipes() for g in GPUS for n in NODES]
     by = {(c["path"], c["gpu"], c["nodes"]): c for c in cells}
 
     head = " | ".join(f"{g.split('-')[0].upper()} ×{n}" for g in GPUS for n in NODES)
-    lines = [
-        "MFU / tokens/s per GPU (nodes of 8; † = micro-batch lowered to split the batch, "
-        "* = does not fit the planner's 80 % limit)",
+    lines = h200["lines"] + [
+        "",
+        "PREDICTED MFU / tokens/s per GPU (the step-time model; no V100, A100 or H100 was measured; "
+        "nodes of 8; † = micro-batch lowered to split the batch, * = does not fit the planner's 80 % limit)",
         "",
         f"| recipe | {head} |",
         "|---" * (1 + len(GPUS) * len(NODES)) + "|",
@@ -157,7 +227,7 @@ def main() -> int:
         lines.append(f"| {os.path.basename(path)[:-5]} | " + " | ".join(row) + " |")
 
     overhead = {}
-    lines += ["", "NormFormer's predicted step-time overhead over Pre-LN (same layout):", ""]
+    lines += ["", "NormFormer's PREDICTED step-time overhead over Pre-LN (same layout):", ""]
     lines += [f"| size | {head} |", "|---" * (1 + len(GPUS) * len(NODES)) + "|"]
     for size in ("125m", "355m", "1.3b", "2.7b"):
         row = []
@@ -173,8 +243,18 @@ def main() -> int:
                 row.append(f"{ratio:+.1%}")
         lines.append(f"| {size} | " + " | ".join(row) + " |")
 
-    terms = ("compute", "memory", "attention", "tp_comm", "pp_bubble", "pp_p2p", "dp_comm", "optimizer")
-    lines += ["", "Terms on one H100 node (share of the step):", ""]
+    terms = (
+        "compute",
+        "memory",
+        "attention",
+        "tp_comm",
+        "pp_bubble",
+        "pp_p2p",
+        "dp_comm",
+        "optimizer",
+        "host",
+    )
+    lines += ["", "Predicted terms on one H100 node (share of the step):", ""]
     lines += ["| recipe | MFU | " + " | ".join(terms) + " |", "|---" * (2 + len(terms)) + "|"]
     for path in recipes():
         c = by[(path, "h100-80gb", 1)]
@@ -193,6 +273,8 @@ def main() -> int:
             "gpus_per_node": GPUS_PER_NODE,
             "cells": cells,
             "normformer_overhead": overhead,
+            "h200_measured_vs_predicted": h200["rows"],
+            "h200_normformer_ratio": h200["ratios"],
             "bf16_zero1_vs_zero2": zero2,
             "markdown": text,
         },

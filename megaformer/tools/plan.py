@@ -66,6 +66,7 @@ free). Set it for CPU runs whose memory is tight (BENCHMARKS.md, 355M at tp 2 ×
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass, replace
 
@@ -382,9 +383,10 @@ def _with(cfg: RunConfig, **train) -> RunConfig:
 
 def suggest_layout(cfg: RunConfig, device: Device, world: int, gpus_per_node: int) -> Plan | None:
     """The fitting layout with the fewest model-parallel ranks, then the least recomputation, then
-    the largest micro-batch: tp ∈ {1, 2, 4, 8} within a node (heads and FFN divisible), pp
-    dividing the layers, ZeRO 1 (2 without a pipeline), recompute none / selective / full. None if
-    nothing fits."""
+    ``cfg``'s own ZeRO stage (a recipe's choice, e.g. ZeRO-2 for its overlapped reduction, is kept
+    where it fits), then the lower stage, then the largest micro-batch: tp ∈ {1, 2, 4, 8} within a
+    node (heads and FFN divisible), pp dividing the layers, ZeRO 1 (2 without a pipeline), recompute
+    none / selective / full. None if nothing fits."""
     m, t = cfg.model, cfg.train
     precision = t.precision if device.bf16 or t.precision != "bf16" else "fp16"
     options = []
@@ -413,9 +415,76 @@ def suggest_layout(cfg: RunConfig, device: Device, world: int, gpus_per_node: in
                         )
                         plan = make_plan(trial, device, world)
                         if plan.fits:
-                            options.append(((tp * pp, rank, zero, -micro), plan))
+                            options.append(((tp * pp, rank, zero != t.zero_stage, zero, -micro), plan))
                             break
     return min(options, key=lambda o: o[0])[1] if options else None
+
+
+HEADER_LAYOUTS = {"v100-32gb": "V100 overrides", "a100-40gb": "A100 40GB"}
+"""The header lines of a recipe (``configs/paper/*.yaml``) that name its layout for another device:
+``# V100 overrides: k=v ...`` and ``# A100 40GB: add k=v ... (planner: ...)``."""
+
+
+def header_layout(path: str, device_key: str) -> list[str] | None:
+    """The overrides a recipe's header names for ``device_key`` (:data:`HEADER_LAYOUTS`), or None
+    (no such line; not a recipe file)."""
+    label = HEADER_LAYOUTS.get(device_key)
+    if label is None or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        for line in f:
+            if not line.startswith("#"):
+                break
+            head, _, rest = line[1:].strip().partition(":")
+            if head.strip() == label:
+                words = rest.split("(")[0].split()
+                return [w for w in words if "=" in w and "." in w.split("=")[0]] or None
+    return None
+
+
+def recipe_layout(
+    path: str, overrides: list[str], device_key: str, world: int, gpus_per_node: int
+) -> tuple[str, Plan | None, Plan | None]:
+    """What to run ``path`` (with ``overrides``) on ``world`` devices ``device_key`` where its own
+    layout does not fit: ``(how, header plan, planner's plan)``. The recipe header's layout for that
+    device (:func:`header_layout`) is preferred where it fits (``how`` = ``header``); else the
+    planner's search (:func:`suggest_layout`; ``how`` = ``planner``, or ``none`` if nothing fits).
+    Both plans are returned, so the caller can say where they differ."""
+    dev = DEVICES[device_key]
+    cfg = load_config(path, overrides)
+    base = cfg if dev.bf16 or cfg.train.precision != "bf16" else _with(cfg, precision="fp16")
+    found = suggest_layout(base, dev, world, gpus_per_node)
+    extra = header_layout(path, device_key)
+    header = None
+    if extra:
+        try:
+            trial = load_config(path, list(overrides) + extra)
+            header = make_plan(trial, dev, world)
+        except ConfigError:
+            header = None
+    if header is not None and header.fits:
+        return "header", header, found
+    return ("planner" if found else "none"), header, found
+
+
+def _layout_line(how: str, header: Plan | None, found: Plan | None, extra: list[str] | None) -> str:
+    """One device's suggestion for ``main``: the header's layout where it fits, the planner's
+    otherwise, and why they differ where both fit."""
+    if how == "header":
+        added = " ".join(extra or [])
+        line = f"; the recipe header's layout fits: add {added} (peak {header.peak / GIB:.1f} GiB)"
+        if found is not None and layout_overrides(found) != layout_overrides(header):
+            line += (
+                f"\n      (the planner's own search would pick {layout_overrides(found)}: it keeps this "
+                "file's ZeRO stage and precision and takes the largest micro-batch that fits; the header's "
+                "layout is the recipe's own choice for this GPU, its comment says why)"
+            )
+        return line
+    line = ""
+    if header is not None:
+        added = " ".join(extra or [])
+        line = f"; the recipe header's layout ({added}) does NOT fit (peak {header.peak / GIB:.1f} GiB)"
+    return line + "; suggested: " + (layout_overrides(found) if found else "nothing fits this world size")
 
 
 # --- printing --------------------------------------------------------------------------------------
@@ -425,8 +494,9 @@ def _gib(x: float) -> str:
     return f"{x / GIB:7.2f}"
 
 
-def describe(plan: Plan) -> str:
-    """The plan as the table the command prints."""
+def describe(plan: Plan, assumed_mfu: bool = True) -> str:
+    """The plan as the table the command prints; ``assumed_mfu``: with the step time and
+    device-hours at the plan's stated MFU (``plan --predict`` prints the step-time model's instead)."""
     cfg, t, par = plan.cfg, plan.cfg.train, plan.cfg.parallel
     lines = [
         f"{plan.device.name}: {plan.device.memory_gib:.0f} GiB per "
@@ -450,11 +520,14 @@ def describe(plan: Plan) -> str:
         f"peak {plan.peak / GIB:.2f} GiB of {plan.device.memory_gib:.0f}: {verdict} "
         f"(limit {HEADROOM:.0%} of the memory for fragmentation)"
     )
+    if not assumed_mfu:
+        lines.append(f"model FLOPs per step {plan.flops_per_step:.3e}")
+        return "\n".join(lines)
     lines.append(
-        f"model FLOPs per step {plan.flops_per_step:.3e}; at MFU {plan.mfu:.0%} of "
+        f"model FLOPs per step {plan.flops_per_step:.3e}; at an assumed MFU of {plan.mfu:.0%} of "
         f"{plan.device.peak_tflops:.4g} TFLOP/s per device: step {plan.step_time_s:.2f} s, "
         f"{t.steps:,} steps = {plan.device_hours:,.4g} device-hours "
-        f"({plan.device_hours / plan.world:,.1f} h wall)"
+        f"({plan.device_hours / plan.world:,.1f} h wall; --predict for the step-time model's figure)"
     )
     return "\n".join(lines)
 
@@ -499,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(describe(plan))
+    print(describe(plan, assumed_mfu=not args.predict))
     if args.predict:
         print("\n" + _predict(cfg, args.gpu, world, args.gpus_per_node, args.counts))
     if args.gpu != "cpu":
@@ -510,8 +583,10 @@ def main(argv: list[str] | None = None) -> int:
             p = make_plan(trial, dev, world, args.mfu)
             line = f"  {dev.name:16s} peak {p.peak / GIB:6.2f} GiB: {'fits' if p.fits else 'does NOT fit'}"
             if not p.fits:
-                alt = suggest_layout(cfg, dev, world, args.gpus_per_node)
-                line += "; suggested: " + (layout_overrides(alt) if alt else "nothing fits this world size")
+                how, header, found = recipe_layout(
+                    args.config, args.overrides, key, world, args.gpus_per_node
+                )
+                line += _layout_line(how, header, found, header_layout(args.config, key))
             print(line)
     if not plan.fits and args.gpu != "cpu":
         alt = suggest_layout(cfg, device, world, args.gpus_per_node)

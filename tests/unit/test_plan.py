@@ -154,3 +154,42 @@ def test_gpu_aliases_are_accepted_and_an_unknown_one_is_named(capsys):
         planner.main([_path("125m-baseline"), "--gpu", "h1000"])
     err = capsys.readouterr().err
     assert "unknown GPU 'h1000'" in err and "h100-80gb" in err and "(or v100, a100" in err
+
+
+def test_predict_prints_one_device_hours_figure_the_prediction(capsys):
+    """Issue 36: ``plan --predict`` printed 6,072 device-hours at an assumed 40 % MFU beside the
+    model's figure; with --predict it prints one, labelled a prediction, and no assumed MFU."""
+    args = [_path("1.3b-normformer"), "--gpu", "a100", "--nodes", "2", "--gpus-per-node", "8", "--predict"]
+    assert planner.main(args + ["--counts", "formula"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("device-hours") == 1 and "assumed MFU" not in out
+    line = next(x for x in out.splitlines() if "device-hours" in x)
+    assert line.startswith("predicted:") and "a prediction" in out
+    assert planner.main(args[:-1]) == 0  # without --predict: the assumed-MFU figure, named so
+    out = capsys.readouterr().out
+    assert out.count("device-hours") == 1 and "at an assumed MFU of 40%" in out
+
+
+@pytest.mark.parametrize("device", ["a100-40gb", "v100-32gb"])
+@pytest.mark.parametrize("name", RECIPES + MLM_RECIPES)
+def test_the_suggested_layout_for_another_device_is_the_recipe_headers(name, device):
+    """Issue 36: plan suggested an A100-40GB layout for the 1.3B recipe (ZeRO-1, micro-batch 2) that
+    was not its header's (ZeRO-2, micro-batch 4), which it also found to fit. Where a header names a
+    layout for the device and it fits, that is the suggestion."""
+    extra = planner.header_layout(_path(name), device)
+    assert extra, f"{name}: no header line for {device}"
+    world = _layouts(name)["A100" if device.startswith("a100") else "V100"][0]
+    how, header, found = planner.recipe_layout(_path(name), [], device, world, 8)
+    assert how == "header" and header.fits and found is not None and found.fits
+
+
+def test_the_1_3b_a100_40gb_line_names_the_headers_layout(capsys):
+    args = [_path("1.3b-normformer"), "--gpu", "a100", "--nodes", "2", "--gpus-per-node", "8"]
+    planner.main(args)
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("A100-SXM4-40GB"))
+    assert "the recipe header's layout fits: add train.micro_batch_size=4 (peak 28.4 GiB)" in line
+    assert "suggested" not in line
+    # the planner's own search agrees now: it keeps the file's ZeRO-2 (its header says why)
+    cfg = load_config(_path("1.3b-normformer"))
+    found = planner.suggest_layout(cfg, planner.DEVICES["a100-40gb"], 16, 8)
+    assert (found.cfg.train.zero_stage, found.cfg.train.micro_batch_size) == (2, 4)

@@ -277,4 +277,39 @@ def test_gpu_loss_term_counts_the_fused_or_the_eager_passes():
     eager_mem = steptime.predict(eager, spec, 1, 1, counts="formula").memory
     m, t = cfg.model, cfg.train
     logits = t.global_batch_size * m.seq_len * m.padded_vocab_size(1)  # per step, all micro-batches
-    assert eager_mem - fused_mem == pytest.approx(64.0 * logits / spec.memory_bytes_per_s, rel=1e-9)
+    assert eager_mem - fused_mem == pytest.approx(64.0 * logits / spec.bytes_per_s("fused"), rel=1e-9)
+
+
+def test_kernel_class_rates_fall_back_to_the_hbm_and_attention_fractions():
+    """A device without the fitted kernel-class constants (the CPU, the unit devices of
+    optrace.formula_counts) runs every class at ``hbm_fraction`` and attention at
+    ``attention_fraction``; an unknown class is refused by name."""
+    plain = DeviceSpec("plain", 100.0, 0.5, 0.25, 1000.0, 0.8, 1, 1, 1, 1)
+    for kind in ("stream", "fused", "fused_norm", "copy"):
+        assert plain.bytes_per_s(kind) == pytest.approx(800e9)
+    for backward in (False, True):
+        for dropout in (False, True):
+            assert plain.attention_flops_per_s(backward=backward, dropout=dropout) == pytest.approx(25e12)
+    h200 = DEVICE_SPECS["h200-141gb"]
+    assert h200.bytes_per_s("fused_norm") < h200.bytes_per_s("copy") < h200.bytes_per_s("fused")
+    assert h200.attention_flops_per_s(backward=False, dropout=True) < h200.attention_flops_per_s(
+        backward=False, dropout=False
+    )
+    with pytest.raises(ValueError, match="kind='hbm'"):
+        plain.bytes_per_s("hbm")
+
+
+def test_host_term_counts_the_parameter_tensors():
+    """The exposed host time per step grows with the parameter tensors DeepSpeed loops over: a
+    Pre-LN block has 12 (two LayerNorms, qkv, W_O, fc1, fc2: weight and bias each), NormFormer's
+    adds its post-attention LN, HeadScale, FFN LN and ResScale where switched on."""
+    from megaformer.tools.steptime import param_tensors
+
+    base = _cfg("configs/paper/125m-baseline.yaml")
+    assert param_tensors(base) == 12 * 12 + 3  # + word embedding, final LayerNorm weight and bias
+    nf = _cfg("configs/paper/125m-normformer.yaml")
+    assert param_tensors(nf) > param_tensors(base)
+    st = predict(base, DEVICE_SPECS["h200-141gb"], 1, 1, counts="formula")
+    spec = DEVICE_SPECS["h200-141gb"]
+    assert st.host == pytest.approx(spec.host_step_s + spec.host_per_tensor_s * 147)
+    assert predict(base, cpu_device(), 1, counts="formula").host == 0.0
