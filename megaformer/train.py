@@ -38,9 +38,13 @@ def main(argv: list[str] | None = None) -> None:
     (:mod:`megaformer.training.run_lock`)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.check_config:  # before torch and DeepSpeed are imported: a fraction of a second
+        from megaformer.training.resume_rules import check_before_launch
+
         try:
-            load_config(args.config, args.overrides)
-        except ConfigError as e:
+            # the resume / extension / init_from rules too, from the checkpoints' manifests: said
+            # once, here, not by every rank after its start-up
+            check_before_launch(load_config(args.config, args.overrides))
+        except ConfigError as e:  # CheckpointError (a damaged 'latest') is one too
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(2)
         sys.exit(0)

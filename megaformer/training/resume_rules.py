@@ -26,6 +26,7 @@ MAY_CHANGE = frozenset(
         "train.eval_interval",
         "train.save_interval",
         "train.eval_batches",
+        "train.final_eval_batches",
         "train.keep_last_checkpoints",
         "train.exit_signals",
         "train.exit_duration_mins",
@@ -100,11 +101,13 @@ def check_resume_config(saved: dict, cfg: RunConfig, step: int, where: str) -> l
             lines.append(extension_rule(cfg, step, old_steps))
     if refused:
         listed = "; ".join(f"{k}: saved {old!r}, now {new!r}" for k, (old, new) in refused.items())
+        model_changed = any(k.startswith("model.") for k in refused)
         hint = (
             " (to extend the run, add train.extend_steps=true)"
             if "train.steps" in refused and len(refused) == 1
-            else "; resume with the saved values, or start a new run (another output.dir, or "
-            "train.init_from to start from these weights)"
+            else "; resume with the saved values, or start a new run in another output.dir"
+            # train.init_from loads the weights into the same model only: offered where it works
+            + ("" if model_changed else " (train.init_from=... starts one from these weights)")
         )
         raise ConfigError(f"resuming from {where}: the config differs from the saved one in {listed}{hint}")
     allowed = [k for k in changes if k in MAY_CHANGE]
@@ -197,3 +200,76 @@ def _has_latest(cfg: RunConfig) -> bool:
 
     where = os.path.join(cfg.output.dir, "checkpoints") if cfg.train.resume == "auto" else cfg.train.resume
     return os.path.isfile(os.path.join(where, "latest"))
+
+
+def _latest_tag_dir(ckpt_dir: str) -> str | None:
+    """The tag directory ``ckpt_dir/latest`` names, ``ckpt_dir`` itself when it is a tag directory
+    (it holds model-state files), or None where there is no checkpoint."""
+    import glob
+    import os
+
+    from megaformer.training.ckpt_integrity import resolve_latest
+
+    if glob.glob(os.path.join(ckpt_dir, "*model_states.pt")):
+        return ckpt_dir
+    if os.path.isfile(os.path.join(ckpt_dir, "latest")):
+        return resolve_latest(ckpt_dir)
+    nested = os.path.join(ckpt_dir, "checkpoints")  # a run directory
+    return _latest_tag_dir(nested) if os.path.isdir(nested) else None
+
+
+def check_before_launch(cfg: RunConfig) -> list[str]:
+    """The resume and ``train.init_from`` rules, checked before the launcher starts any worker
+    (``launch/pretrain.sh`` runs ``megaformer.train --check-config``): read from the checkpoints'
+    manifests (JSON; no torch, no DeepSpeed: a fraction of a second), so a refusal is said once, in
+    under a second, not by every rank after start-up. What only the workers can check (a
+    checkpoint without a manifest, damaged files, the weights' shapes) stays with them.
+
+    Returns:
+        The log lines of an allowed change (an extension's learning-rate rule).
+
+    Raises:
+        ConfigError: a resume whose config differs in a key that may not change (or a changed
+            ``train.steps`` without ``train.extend_steps``); ``train.init_from`` with another model
+            or a step that leaves nothing to train; ``train.resume`` naming a directory without a
+            checkpoint.
+        CheckpointError: a ``latest`` file that is empty or names no directory.
+    """
+    import os
+
+    from megaformer.training.ckpt_integrity import read_manifest
+
+    t = cfg.train
+    resume_dir = None
+    if t.resume == "auto":
+        own = os.path.join(cfg.output.dir, "checkpoints")
+        resume_dir = own if os.path.isfile(os.path.join(own, "latest")) else None
+    elif t.resume != "none":
+        if not os.path.isfile(os.path.join(t.resume, "latest")):
+            raise ConfigError(
+                f"train.resume='{t.resume}': no DeepSpeed checkpoint there (no 'latest' file); "
+                "use auto, none or a directory written by a previous run's checkpoints/."
+            )
+        resume_dir = t.resume
+    if resume_dir is not None:
+        tag_dir = _latest_tag_dir(resume_dir)
+        body = read_manifest(tag_dir) if tag_dir else None
+        if body is None or not isinstance(body.get("config"), dict):
+            return []  # an older checkpoint: the workers read its config from the weights
+        return check_resume_config(body["config"], cfg, int(body["step"]), tag_dir)
+    if t.init_from:
+        if not os.path.exists(t.init_from):
+            raise ConfigError(
+                f"train.init_from='{t.init_from}': no such file or directory; give a run directory, its "
+                "checkpoints/ directory or one global_stepN"
+            )
+        tag_dir = _latest_tag_dir(t.init_from)
+        body = read_manifest(tag_dir) if tag_dir else None
+        if body is not None and int(body["step"]) >= t.steps:
+            raise ConfigError(
+                f"train.init_from='{t.init_from}' was saved at step {body['step']}, and "
+                f"train.steps={t.steps} leaves nothing to train: set train.steps above {body['step']}"
+            )
+        if body is not None and isinstance(body.get("config"), dict):
+            refuse_other_model(body["config"], cfg)
+    return []

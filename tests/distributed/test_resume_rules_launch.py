@@ -26,6 +26,11 @@ def test_changed_config_refused_and_extension_continues(lifecycle_reference, gut
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "model.hidden_size: saved 64, now 128" in refused.stderr
     assert "train.steps: saved 12, now 16" in refused.stderr and "Traceback" not in refused.stderr
+    # refused before any worker started (issue 39): said once, no launcher, no 'Killing subprocess'
+    assert refused.stderr.count("model.hidden_size: saved 64, now 128") == 1
+    assert (
+        "Killing subprocess" not in refused.stdout + refused.stderr and "[pretrain.sh]" not in refused.stderr
+    )
     extended = run_pretrain(CONFIG, [*common, "train.steps=16", "train.extend_steps=true"])
     assert extended.returncode == 0, extended.stderr[-3000:]
     assert "extending the run from 12 to 16 steps" in extended.stdout

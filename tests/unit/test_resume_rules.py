@@ -155,3 +155,41 @@ def test_a_budget_run_resumes_on_a_machine_of_another_speed():
     assert check_resume_config(saved, slower, 10, "ckpt") == [
         "resume: changed since the checkpoint (allowed): train.budget_machine_factor"
     ]
+
+
+def test_every_rule_is_checked_before_the_launch_from_the_manifests(tmp_path):
+    """check_before_launch (launch/pretrain.sh's --check-config): a changed train.steps without
+    train.extend_steps, a changed model on resume, and train.init_from with another model shape or
+    a spent step count are refused from the checkpoints' manifests, in one process, before any
+    worker starts (issue 39: 12-19 s, once per rank, then the launcher's 'Killing subprocess')."""
+    from megaformer.training.ckpt_integrity import write_manifest
+    from megaformer.training.resume_rules import check_before_launch
+
+    run = tmp_path / "run"
+    tag = run / "checkpoints" / "global_step10"
+    tag.mkdir(parents=True)
+    write_manifest(str(tag), {}, 10, _saved())
+    (run / "checkpoints" / "latest").write_text("global_step10")
+    here = [*BASE, f"output.dir={run}", "train.resume=auto"]
+    said = check_before_launch(load_config(CONFIG, here))  # the same run: only allowed changes
+    assert said == ["resume: changed since the checkpoint (allowed): output.dir, train.resume"]
+    with pytest.raises(ConfigError, match=r"train\.steps: saved 20, now 30 \(to extend the run, add train"):
+        check_before_launch(load_config(CONFIG, [*here, "train.steps=30"]))
+    lines = check_before_launch(load_config(CONFIG, [*here, "train.steps=30", "train.extend_steps=true"]))
+    assert "extending the run from 20 to 30 steps" in lines[0]
+    with pytest.raises(ConfigError) as err:
+        check_before_launch(load_config(CONFIG, [*here, "model.num_layers=6"]))
+    # the suggested fix works: init_from refuses another model, so it is not offered for one
+    assert "model.num_layers: saved 4, now 6" in str(err.value) and "init_from" not in str(err.value)
+    with pytest.raises(
+        ConfigError, match=r"train\.seed: .*train\.init_from=\.\.\. starts one from these weights"
+    ):
+        check_before_launch(load_config(CONFIG, [*here, "train.seed=7"]))
+    fresh = [*BASE, f"output.dir={tmp_path / 'new'}", f"train.init_from={run}"]
+    with pytest.raises(ConfigError, match=r"model\.hidden_size: saved 128, now 256"):
+        check_before_launch(load_config(CONFIG, [*fresh, "model.hidden_size=256"]))
+    with pytest.raises(ConfigError, match=r"saved at step 10, and train\.steps=10 leaves nothing"):
+        check_before_launch(load_config(CONFIG, [*fresh, "train.steps=10"]))
+    with pytest.raises(ConfigError, match=r"no such file or directory"):
+        check_before_launch(load_config(CONFIG, [*BASE, f"train.init_from={tmp_path / 'nope'}"]))
+    assert check_before_launch(load_config(CONFIG, fresh)) == []
