@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -76,6 +77,17 @@ def _assert_none_left(out: Path, within_s: float = 60) -> None:
     assert not left, f"processes of the run still alive after {within_s} s: {[p.cmdline() for p in left]}"
 
 
+@pytest.fixture
+def reap(tmp_path):
+    """Whatever the test's assertions, no process of a run under ``tmp_path`` outlives the test
+    (on the code before issue 39, SIGTERM to the launcher left both ranks training)."""
+    yield
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if f"output.dir={tmp_path}" in " ".join(proc.info["cmdline"] or []):
+                proc.kill()
+
+
 def _ranks(launcher: subprocess.Popen) -> list[psutil.Process]:
     return [
         p
@@ -96,7 +108,7 @@ def _stopped_and_saved(log: Path, out: Path) -> int:
     return step
 
 
-def test_a_live_run_owns_its_directory(gutenberg_prefix, tmp_path):
+def test_a_live_run_owns_its_directory(gutenberg_prefix, tmp_path, reap):
     out, log = tmp_path / "run", tmp_path / "first.log"
     first = _start(_overrides(gutenberg_prefix, out, 60, "train.save_interval=20"), log)
     try:
@@ -128,7 +140,7 @@ def test_a_live_run_owns_its_directory(gutenberg_prefix, tmp_path):
     _assert_none_left(out)
 
 
-def test_kill9_frees_the_directory_and_stop_signals_reach_every_rank(gutenberg_prefix, tmp_path):
+def test_kill9_frees_the_directory_and_stop_signals_reach_every_rank(gutenberg_prefix, tmp_path, reap):
     out = tmp_path / "run"
     overrides = _overrides(gutenberg_prefix, out, 1000)
 
