@@ -74,7 +74,8 @@ def check_run_dir_free(output_dir: str) -> None:
 @contextlib.contextmanager
 def hold_run_dir(cfg: RunConfig) -> Iterator[OwnerLock | None]:
     """On global rank 0 (``RANK``, default 0), hold ``output.dir``'s lock for the block; on other
-    ranks do nothing (yields None). Creates ``output.dir`` if missing (as the run would).
+    ranks do nothing (yields None). Creates ``output.dir`` if missing (as the run would), and
+    removes it again if the block left it empty.
 
     Raises:
         RunDirBusyError: another run holds it, or its ``run.lock`` is not ours or cannot be opened.
@@ -87,6 +88,7 @@ def hold_run_dir(cfg: RunConfig) -> Iterator[OwnerLock | None]:
 
     out = cfg.output.dir
     check_writable(out, "output.dir", "checkpoints, TensorBoard events and summary.json")
+    created = not os.path.isdir(out)
     os.makedirs(out, exist_ok=True)
     lock = OwnerLock(lock_path(out), "a training run", _way_on(out))
     try:
@@ -102,3 +104,6 @@ def hold_run_dir(cfg: RunConfig) -> Iterator[OwnerLock | None]:
         yield lock
     finally:
         lock.release()
+        if created:  # a run refused by its preflight leaves no empty output.dir behind
+            with contextlib.suppress(OSError):
+                os.rmdir(out)  # only if empty

@@ -141,7 +141,7 @@ def test_hold_run_dir_on_rank_0_only(tmp_path, monkeypatch):
         with pytest.raises(RunDirBusyError, match=r"or launch into another output\.dir"), hold_run_dir(cfg):
             pass
     check_run_dir_free(str(out))
-    assert not os.path.exists(lock_path(str(out)))
+    assert not out.exists()  # made for the run, left empty: removed
 
 
 def _supervise(out: Path, command: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
