@@ -15,15 +15,20 @@ layout (tp, pp, dp, ZeRO, precision, recompute, micro-batches) and a :class:`Dev
 ``attention``
     the attention core, the model's count ``3 · 4·b·s²·d / tp`` per block (QKᵀ and PV, as
     :mod:`megaformer.training.flops` counts it, the causal mask not halved) run by a causal fused
-    kernel that skips the masked half: ``0.5 · flops / (peak × attention_fraction)``
-    (FlashAttention-2, Dao 2023, arXiv:2307.08691, Sec. 4.1 counts causal FLOPs halved the same way).
-    Selective recompute adds one attention forward. The CPU with attention dropout runs the math
-    kernel: the full FLOPs at the matmul rate plus ~80 bytes per ``T × T`` element (fp32 scores,
+    kernel that skips the masked half: ``0.5 · flops / (peak × fraction)``
+    (FlashAttention-2, Dao 2023, arXiv:2307.08691, Sec. 4.1 counts causal FLOPs halved the same way),
+    the forward (a third of the FLOPs) and the backward each at its own fraction, with or without
+    dropout in the kernel (:meth:`DeviceSpec.attention_flops_per_s`; on the H200, cuDNN's kernels:
+    :data:`H200_FIT`). Selective recompute adds one attention forward. The CPU with attention dropout
+    runs the math kernel: the full FLOPs at the matmul rate plus ~80 bytes per ``T × T`` element (fp32 scores,
     softmax, mask and their gradients).
 ``memory``
-    memory-bound operations at HBM speed: per token and block, the elements read + written in the
-    forward by LN1, LN2 (2d each), two residual adds (3d each), two hidden dropouts (2d + a 1-byte
-    mask), GeLU on the fc1 output (2f), the head reshapes of q, k, v and the attention output (8d),
+    memory-bound operations at HBM speed (on a GPU each kind of kernel at its measured fraction of
+    HBM, :meth:`DeviceSpec.bytes_per_s`: inductor's fused kernels with and without a LayerNorm,
+    ATen's strided / dtype-converting copies, streaming kernels; :data:`H200_FIT`): per token and
+    block, the elements read + written in the forward by LN1, LN2 (2d each), two residual adds
+    (3d each), two hidden dropouts (2d + a 1-byte mask), GeLU on the fc1 output (2f), the head
+    reshapes of q, k, v and the attention output (8d),
     and NormFormer's post-attention LN (2d), HeadScale (2d), FFN LN (2f), ResScale (2d), qkv_ln (6d); the
     backward of an elementwise op reads its saved input and the output gradient and writes the input
     gradient: 2× the forward's traffic, so 3× in all (4× under full recompute). The d-wide operations run
@@ -43,7 +48,9 @@ layout (tp, pp, dp, ZeRO, precision, recompute, micro-batches) and a :class:`Dev
     DeepSpeed 0.19's buffers as :mod:`megaformer.tools.plan` describes them, at memory speed:
     AdamW reads gradient, weight, m, v and writes weight, m, v in fp32, 28 bytes per parameter of
     this rank's partition (Ψ/dp under ZeRO ≥ 1); the copy to 16-bit weights 6 Ψ/dp; the BF16
-    optimizer's fp32 gradient accumulation 10 Ψ per micro-batch (read bf16 2 + fp32 4, write 4);
+    optimizer's fp32 gradient accumulation 18 Ψ per micro-batch, parameter by parameter as
+    ``hp_grad.add_(lp_grad.to(float32))`` does it (deepspeed/runtime/bf16_optimizer.py): a converting
+    copy (read bf16 2, write fp32 4) at ATen's copy rate and an add (read 4 + 4, write 4);
     autograd's accumulation into ``.grad`` 3·q Ψ per micro-batch after the first; zeroing the
     gradients (q + 4) Ψ (4 Ψ with ``bf16.immediate_grad_update``, which frees the bf16
     gradients). On a CPU the AdamW step runs at its measured parameter rate where that is slower
@@ -76,16 +83,22 @@ layout (tp, pp, dp, ZeRO, precision, recompute, micro-batches) and a :class:`Dev
     (``n − 1``) latencies per bucket; bandwidth: NVLink within a node, the node's network per GPU
     across nodes. What overlap leaves exposed is ``max(0, communication − backward time)``.
 
-Step time = ``m · t_micro + pp_bubble + pp_p2p + dp_comm (exposed) + optimizer``; tokens/s per
+Step time = ``m · t_micro + pp_bubble + pp_p2p + dp_comm (exposed) + optimizer + host``; tokens/s per
 device = ``global batch · s / step / world``; MFU = model FLOPs per token
 (:func:`megaformer.training.flops.model_flops_per_token`, no recompute counted) × tokens per step
 / (world × datasheet peak × step), the definition of :class:`megaformer.training.flops.ComputeMeter`;
 device-hours = ``train.steps × step × world / 3600``.
 
-Not modelled: kernel launch / Python dispatch overhead (small on GPUs for these sizes, a few
-percent on the CPU quickstart), DeepSpeed's per-step bookkeeping, the data loader, evaluation and
-checkpoint time, NCCL's tree algorithm (lower latency at many nodes), network contention between
-data- and tensor-parallel groups, clock throttling.
+``host``
+    the time the GPU waits for the host per step, ``host_step_s + host_per_tensor_s × tensors``
+    (the parameter tensors of the rank, :func:`param_tensors`: DeepSpeed's per-parameter loops at
+    the step boundary; kernel launches): the measured H200 steps less their profiles' device time,
+    1.8–2.9 % of those steps (:data:`H200_FIT`); 0 on the CPU (its measured rates include it).
+
+Not modelled: kernel launch / Python dispatch overhead on the CPU (a few percent on the CPU
+quickstart), the data loader, evaluation and checkpoint time, NCCL's tree algorithm (lower
+latency at many nodes), network contention between data- and tensor-parallel groups, clock
+throttling.
 
 The terms above are the formula (:func:`_block_costs`). On a GPU, where the fake-CUDA shim builds,
 a block's GEMMs, attention kernel, memory-bound bytes and TP collectives are instead counted from
@@ -308,18 +321,24 @@ DEVICE_SPECS = {
 - peaks: :data:`megaformer.training.flops.PEAK_TFLOPS` (dense fp16/bf16 tensor-core TFLOP/s, NVIDIA
   datasheets: V100 SXM2 125, A100 SXM4 312, H100 / H200 SXM 989).
 - HBM GB/s: datasheets (V100 SXM2 900, A100 40GB 1,555, A100 80GB 2,039, H100 SXM5 3,350, H200
-  4,800); 85 % achievable by a streaming kernel (STREAM-like copies on A100 / H100 reach 85–93 %;
-  assumption).
-- matmul_fraction: large bf16 / fp16 cuBLAS GEMMs reach ~80 % of peak on V100 and A100 (NVIDIA's
-  "Matrix Multiplication Background" guide, deep-learning performance docs; Megatron-LM's 52 %
-  end-to-end MFU on A100, Narayanan et al. 2021 Table 1, needs GEMMs well above that), ~70 % on H100
-  SXM (≈ 700 of 989 TFLOP/s under its power limit, as cuBLAS benchmarks report), 72 % on H200
-  (same die, more power headroom; assumption).
-- attention_fraction (causal, forward + backward, head dim 64–128, FLOPs actually done / peak):
-  FlashAttention-2 on A100 ≈ 150–190 of 312 (Dao 2023, Fig. 4–5): 0.5; on H100 torch's SDPA runs
-  FlashAttention-2, ≈ 330–350 of 989 (Shah et al. 2024, FlashAttention-3, arXiv:2407.08608, Fig. 5,
-  their FA2 baseline): 0.35; V100 has no flash kernel, SDPA's memory-efficient kernel (xFormers,
-  cutlass) ≈ 35–40 of 125: 0.30 (assumption).
+  4,800); the fraction each kind of kernel achieves (streaming 76 %, inductor's fused kernels 67 %,
+  those with a LayerNorm 25 %, ATen's strided / converting copies 28 %) measured on the H200
+  (:data:`H200_FIT`) and assumed on the others (the 85 % streaming rate assumed before 2026-11-28 came
+  from STREAM-like copies on A100 / H100 reaching 85–93 %).
+- matmul_fraction: H200 76 %, measured (:data:`H200_FIT`); H100 SXM the same (the same GH100 die and
+  700 W limit; assumption: ~70 % was assumed before, ≈ 700 of 989 TFLOP/s as cuBLAS benchmarks
+  report); large bf16 / fp16 cuBLAS GEMMs reach ~80 % of peak on V100 and A100 (NVIDIA's "Matrix
+  Multiplication Background" guide, deep-learning performance docs; Megatron-LM's 52 % end-to-end MFU
+  on A100, Narayanan et al. 2021 Table 1, needs GEMMs well above that; assumption).
+- attention (causal, head dim 64–128, FLOPs actually done / peak, forward / backward): H200 and H100
+  (the same die) cuDNN's kernels measured on the H200, 37.2 % / 25.1 % without dropout, 15.2 % /
+  18.6 % with it (:data:`H200_FIT`); A100 FlashAttention-2 ≈ 150–190 of 312 TFLOP/s (Dao 2023, Fig.
+  4–5): 0.5 both ways; V100 has no flash kernel, SDPA's memory-efficient kernel (xFormers, cutlass)
+  ≈ 35–40 of 125: 0.30 (assumption); with dropout, A100 and V100 at the H200's ratio of dropout to
+  no-dropout rates (41 % / 74 %; an assumption: their kernels are not cuDNN's). ``attention_fraction``
+  (used where the per-direction ones are not set) is their FLOP-weighted mean.
+- host_step_s, host_per_tensor_s: the H200 machine's (:data:`H200_FIT`), the same on every GPU
+  (a host property; assumption).
 - nvlink_gbs: NCCL all-reduce bus bandwidth within a node, per GPU (nccl-tests on DGX-1 V100
   ≈ 130 of NVLink2's 150 GB/s per direction; DGX A100 ≈ 230 of NVLink3's 300; DGX H100 ≈ 360 of
   NVLink4's 450, without NVLS), latency per ring step a few µs (assumption).
