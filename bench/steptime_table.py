@@ -1,8 +1,12 @@
-"""Predicted MFU and tokens/s per GPU of every recipe on V100 / A100 / H100 at 1, 8 and 64 nodes.
+"""Predicted MFU and tokens/s per GPU of every recipe on V100 / A100 / H100 at 1, 8 and 64 nodes,
+after the measured H200 rows beside the model's predictions.
 
     .venv/bin/python bench/steptime_table.py [--out bench/results/steptime_table.json]
 
-The step-time model (:mod:`megaformer.tools.steptime`) for the eight paper recipes
+First, every measured H200 row of today's program with its prediction and error, and NormFormer /
+Pre-LN measured and predicted (``bench/steptime_h200.py``'s rows: the only measurements; the model's
+GPU constants are fitted to those loans' profiles). Then the predictions: the step-time model
+(:mod:`megaformer.tools.steptime`) for the eight paper recipes
 (``configs/paper/``) and the three layout recipes (``configs/normformer-*-{3d,zero2}*.yaml``) at
 their own layout, on nodes of 8 GPUs. On a V100 a paper recipe takes its ``# V100 overrides:`` line
 (fp16, its micro-batch and recompute); any other bf16 recipe runs fp16 there. Where the global batch
@@ -10,8 +14,7 @@ does not split into the recipe's micro-batch over dp, the micro-batch is lowered
 does (noted); where dp exceeds the global batch the cell is empty. ``fits`` is the memory planner's
 verdict (:func:`megaformer.tools.plan.make_plan`) for the layout on that GPU. Also NormFormer's
 predicted step-time overhead over Pre-LN (baseline recipe) per size, and the term breakdown of the
-1.3B and 2.7B recipes on one H100 node. A prediction, not a measurement. Prints markdown tables and
-writes JSON.
+recipes on one H100 node. Predictions, not measurements. Prints markdown tables and writes JSON.
 """
 
 from __future__ import annotations
