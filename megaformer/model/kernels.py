@@ -45,7 +45,8 @@ Each kernel launch is a ``torch.library.custom_op`` (``megaformer::norm_act_*``)
 block (``train.compile``) keeps it as one opaque call with its own fake (shape) function; eager calls
 the same Python function directly (no dispatcher overhead). Kernels are Triton 3.6 (the lent H200
 image's version, pinned in requirements-dev.txt); on a CPU they run only under Triton's interpreter
-(``TRITON_INTERPRET=1`` set before this module is imported), which is how the unit tests run them.
+(``TRITON_INTERPRET=1`` set before Triton itself is imported: the mode is chosen then, for the
+whole process; tests/support/triton_interpreter.py), which is how the unit tests run them.
 Speed on a GPU is unmeasured (``scripts/gpu_check.sh`` on a loan).
 
 Raises ``ImportError`` on import when Triton is missing (the model then keeps its eager path; see
@@ -67,9 +68,6 @@ from megaformer.parallel.utils import tp_world_size
 # The activation applied before the LayerNorm (a constexpr of the kernels).
 ACT_NONE, ACT_GELU, ACT_RELU2 = 0, 1, 2
 ACTIVATION_CODES = {"none": ACT_NONE, "gelu": ACT_GELU, "relu2": ACT_RELU2}
-
-_INV_SQRT2 = 0.7071067811865476  # 1 / sqrt(2), for Φ(u) = (1 + erf(u / sqrt 2)) / 2
-_INV_SQRT_2PI = 0.3989422804014327  # 1 / sqrt(2π), for φ(u) = exp(−u² / 2) / sqrt(2π)
 
 
 def interpreted() -> bool:
@@ -103,7 +101,7 @@ def _to(x, dtype: tl.constexpr):
 @triton.jit
 def _activation(u, ACT: tl.constexpr):
     """act(u) in fp32: GELU (erf form) or squared ReLU; the identity for ACT_NONE."""
-    if ACT == 1:
+    if ACT == 1:  # u · Φ(u), Φ(u) = (1 + erf(u / sqrt 2)) / 2
         a = 0.5 * u * (1.0 + tl.erf(u * 0.7071067811865476))
     elif ACT == 2:
         r = tl.maximum(u, 0.0)
@@ -118,7 +116,7 @@ def _activation_grad(u, ACT: tl.constexpr):
     """d act / du in fp32: GELU's Φ(u) + u·φ(u), squared ReLU's 2·max(u, 0) (ACT_NONE: unused)."""
     if ACT == 1:
         cdf = 0.5 * (1.0 + tl.erf(u * 0.7071067811865476))
-        pdf = tl.exp(-0.5 * u * u) * 0.3989422804014327
+        pdf = tl.exp(-0.5 * u * u) * 0.3989422804014327  # φ(u) = exp(−u² / 2) / sqrt(2π)
         d = cdf + u * pdf
     else:
         d = 2.0 * tl.maximum(u, 0.0)

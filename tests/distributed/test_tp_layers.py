@@ -8,6 +8,7 @@ world."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 from datetime import timedelta
 
@@ -417,7 +418,68 @@ def _check_dropout_rng(group) -> None:
     assert all(not torch.equal(masks[i], masks[j]) for i in range(n) for j in range(i))
 
 
+def _check_fused_kernels(group) -> None:
+    """``model.fused_kernels`` under TP with the real collectives (Triton's interpreter on the CPU):
+    FFN_LN(GELU(u)) of a width sharded over the group against fp64 at |mean| / std = 1, 300, 3,000
+    (within 10x ``F.layer_norm``'s fp32 error, as the eager check above), then a NormFormer block
+    (d 80, ffn 320, dropout on, sequence parallelism off and on) with the kernels equals the same
+    block without them: outputs and this rank's gradients."""
+    if importlib.util.find_spec("triton") is None:
+        return  # Triton not installed (requirements-dev.txt): nothing to check
+    from megaformer.model import NormFormerBlock, kernels
+
+    assert kernels.interpreted(), "_spawn starts the children with TRITON_INTERPRET=1"
+    n = 320
+    w = 1 + 0.5 * torch.randn(n, generator=_gen(40))
+    b = torch.randn(n, generator=_gen(41))
+    grad_out = torch.randn(2, 4, n, generator=_gen(42))
+
+    def fused(x, w, b):
+        return kernels.layer_norm_activation(
+            x, w, b, activation="gelu", normalized_size=n, eps=1e-5, tp_group=group
+        )
+
+    def eager(x, w, b):
+        return F.layer_norm(F.gelu(x), (n,), w, b, 1e-5)
+
+    for mean in (1.0, 300.0, 3000.0):
+        x = mean + torch.randn(2, 4, n, generator=_gen(43))
+        exact = _ln_outputs(eager, x.double(), w.double(), b.double(), grad_out.double())
+        torch_fp32 = _ln_outputs(eager, x, w, b, grad_out)
+        ours = _ln_outputs(
+            fused, *[_rank_slice(t, -1 if t.ndim > 1 else 0, group) for t in (x, w, b, grad_out)]
+        )
+        for what, o, t, e, dim in zip(("y", "dx", "dw", "db"), ours, torch_fp32, exact, (-1, -1, 0, 0)):
+            ours_err = float((o.double() - _rank_slice(e, dim, group)).abs().max())
+            torch_err = float((t.double() - e).abs().max())
+            assert ours_err <= 10 * torch_err + 1e-7, (mean, what, ours_err, torch_err)
+
+    r = dist.get_rank(group)
+    config = dataclasses.replace(
+        TINY_MODEL, hidden_size=80, num_attention_heads=4, seq_len=8, hidden_dropout=0.2, resid_scale=True
+    )
+    for sp in (False, True):
+        outs = []
+        for setting in ("off", "on"):
+            block = NormFormerBlock(
+                dataclasses.replace(config, fused_kernels=setting),
+                1,
+                tp_group=group,
+                seed=9,
+                sequence_parallel=sp,
+                dropout_rng=DropoutRNG(5, tp_rank=r),
+            ).train()
+            x = torch.randn(2, 8, 80, generator=_gen(44))
+            x = (_rank_slice(x, 1, group) if sp else x).clone().requires_grad_()
+            y = block(x)
+            y.backward(torch.ones_like(y))
+            outs.append([y.detach(), x.grad] + [p.grad for p in block.parameters()])
+        for o, e in zip(outs[1], outs[0]):  # fp32, the sums in another order: within 1e-5 of the largest
+            torch.testing.assert_close(o, e, rtol=1e-4, atol=1e-5 * max(1.0, float(e.abs().max())))
+
+
 CHECKS = {
+    "fused_kernels": _check_fused_kernels,
     "linear": _check_linear_layers,
     "embedding": _check_embedding,
     "layer_norm": _check_sharded_layer_norm,
@@ -470,7 +532,17 @@ def _worker(rank: int, world_size: int, port: int, names: list[str]) -> None:
 
 
 def _spawn(world_size: int, names: list[str]) -> None:
-    mp.spawn(_worker, args=(world_size, free_port(), names), nprocs=world_size, join=True)
+    # The children run the fused kernels' check in Triton's interpreter, a mode chosen when Triton is
+    # imported: the variable is in their environment from the start (and only in theirs).
+    prior = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        mp.spawn(_worker, args=(world_size, free_port(), names), nprocs=world_size, join=True)
+    finally:
+        if prior is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = prior
 
 
 # Each spawn costs seconds of process start-up (every child imports torch), so one spawn per TP degree

@@ -1,6 +1,7 @@
 """The Triton kernels of NormFormer's extra operations (:mod:`megaformer.model.kernels`,
 ``model.fused_kernels``) against the eager operations they replace, on the CPU in Triton's
-interpreter (``TRITON_INTERPRET=1``, set here before the kernels are built).
+interpreter (``TRITON_INTERPRET=1``: set by this module where Triton is not imported yet, else the
+tests run in a fresh process; tests/support/triton_interpreter.py).
 
 - FFN_LN fused with the activation (GELU erf form, squared ReLU): forward and backward against
   ``F.layer_norm(act(u))`` in fp32 (tight) and bf16 (against an fp64 reference: within twice
@@ -16,16 +17,21 @@ interpreter (``TRITON_INTERPRET=1``, set here before the kernels are built).
 Shapes are small: the interpreter runs each program in NumPy, one after the other.
 """
 
+# ruff: noqa: E402  (the imports after Triton's mode is chosen)
 from __future__ import annotations
 
 import dataclasses
 import importlib
-import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"  # before Triton builds the kernels (at their module's import)
-
 import pytest
+
+from tests.support import triton_interpreter
+
+# Triton's interpreter must be chosen before Triton is imported; where that is too late (another
+# test module of this session imported it), the tests run in a fresh process (the last test).
+IN_PROCESS = triton_interpreter.enable()
+
 import torch
 import torch.nn.functional as F
 
@@ -36,7 +42,7 @@ from megaformer.config.schema import ModelConfig
 from megaformer.model import NormFormerBlock
 from megaformer.parallel import layers, mappings
 
-if not kernels.interpreted():  # imported earlier in this process, built for a GPU: rebuild
+if IN_PROCESS and not kernels.interpreted():  # the kernels were imported before the mode was set
     kernels = importlib.reload(kernels)
     sys.modules["megaformer.model.kernels"] = kernels
 
@@ -353,3 +359,17 @@ def test_self_check_passes_here_and_auto_falls_back_when_it_fails(monkeypatch):
         warnings.simplefilter("error")
         assert block._fused_kernels(cuda_input) is None  # said once
     assert _block("off")._fused_kernels(cuda_input) is None
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_here(request):
+    if not IN_PROCESS and request.node.originalname != "test_in_a_fresh_process":
+        pytest.skip("Triton was imported before its interpreter could be chosen: test_in_a_fresh_process")
+
+
+def test_in_a_fresh_process():
+    """This module's tests, run in a new pytest process under Triton's interpreter, where this one
+    could not choose it."""
+    if IN_PROCESS:
+        pytest.skip("this process runs the kernels in Triton's interpreter: the tests ran here")
+    triton_interpreter.run_in_fresh_process(__file__, "test_in_a_fresh_process")

@@ -4,16 +4,21 @@ Triton's interpreter: the kernels' custom operators, their fake functions and th
 functions hold in one graph with dropout on. Marked slow (about a minute of compilation on the
 2-core machine); the kernels themselves are tested in tests/unit/test_triton_kernels.py."""
 
+# ruff: noqa: E402  (the imports after Triton's mode is chosen)
 from __future__ import annotations
 
 import dataclasses
 import importlib
-import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"  # before Triton builds the kernels (at their module's import)
-
 import pytest
+
+from tests.support import triton_interpreter
+
+# Triton's interpreter must be chosen before Triton is imported; where that is too late (another
+# test module of this session imported it), the tests run in a fresh process (the last test).
+IN_PROCESS = triton_interpreter.enable()
+
 import torch
 
 pytest.importorskip("triton", reason="Triton is not installed (requirements-dev.txt pins triton==3.6.0)")
@@ -23,7 +28,7 @@ from megaformer.config.schema import ModelConfig
 from megaformer.model import NormFormerBlock
 from megaformer.model.compile import why_not_compiled
 
-if not kernels.interpreted():  # imported earlier in this process, built for a GPU: rebuild
+if IN_PROCESS and not kernels.interpreted():  # the kernels were imported before the mode was set
     kernels = importlib.reload(kernels)
     sys.modules["megaformer.model.kernels"] = kernels
 
@@ -54,3 +59,18 @@ def test_compiled_block_with_kernels_equals_the_eager_block():
         torch.testing.assert_close(o, r, rtol=1e-4, atol=5e-5)
     states = zip(eager.dropout_rng._states.values(), fused.dropout_rng._states.values())
     assert all(torch.equal(a, b) for a, b in states)  # the same draws
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_here(request):
+    if not IN_PROCESS and request.node.originalname != "test_in_a_fresh_process":
+        pytest.skip("Triton was imported before its interpreter could be chosen: test_in_a_fresh_process")
+
+
+@pytest.mark.slow
+def test_in_a_fresh_process():
+    """This module's tests, run in a new pytest process under Triton's interpreter, where this one
+    could not choose it."""
+    if IN_PROCESS:
+        pytest.skip("this process runs the kernels in Triton's interpreter: the tests ran here")
+    triton_interpreter.run_in_fresh_process(__file__, "test_in_a_fresh_process")
