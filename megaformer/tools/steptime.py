@@ -890,8 +890,8 @@ def describe(st: StepTime, dev: DeviceSpec) -> str:
     )
     if not dev.cpu:
         lines.append(
-            "(a prediction: the model's GPU constants are fitted to one H200's profiles, within 7.4 % "
-            "of its 12 measured steps; other GPUs take them as assumptions; BENCHMARKS.md)"
+            "(a prediction: the model's GPU constants are fitted to one H200's profiles, its error on "
+            "that H200's measured steps in BENCHMARKS.md; other GPUs take them as assumptions)"
         )
     return "\n".join(lines)
 
