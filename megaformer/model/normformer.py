@@ -670,6 +670,11 @@ class NormFormerBlock(nn.Module):
             or (self.post_attn_ln is None and self.ffn_ln is None)
         ):
             return None
+        norms = [m for m in (self.post_attn_ln, self.ffn_ln) if m is not None]
+        if any(hasattr(p, "ds_id") for m in norms for p in m.parameters()):
+            # ZeRO-3 gathers a module's parameters in hooks around that module's forward, which the
+            # kernels bypass (they read the LayerNorms' weights directly): the eager operations.
+            return None
         if setting == "auto" and (x.device.type != "cuda" or not fused_kernels_available()):
             return None
         if not fused_kernels_available():

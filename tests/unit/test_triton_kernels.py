@@ -327,6 +327,16 @@ def test_auto_stays_eager_on_cpu(monkeypatch):
     assert block._fused_kernels(torch.zeros(1)) is None and not called
 
 
+def test_zero3_partitioned_parameters_keep_the_eager_path():
+    """ZeRO-3 gathers a module's parameters in hooks around its forward; the kernels read the
+    LayerNorms' weights without calling those modules, so a block whose norms carry DeepSpeed's
+    partition tag (``ds_id``) stays eager, even with ``on``."""
+    block = _block("on")
+    assert block._fused_kernels(torch.zeros(1)) is kernels
+    block.ffn_ln.weight.ds_id = 7
+    assert block._fused_kernels(torch.zeros(1)) is None
+
+
 def test_the_switch_is_validated():
     from megaformer.config import ConfigError
     from megaformer.config.load import check_model_config
