@@ -56,6 +56,8 @@ Raises ``ImportError`` on import when Triton is missing (the model then keeps it
 # ruff: noqa: N803  (Triton's convention: pointer and constexpr arguments of kernels in capitals)
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 import triton
@@ -826,4 +828,10 @@ def self_check(device_type: str, device_index: int | None, dtype: torch.dtype) -
     except Exception as e:  # a compiler or launch error on this device
         why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
     _SELF_CHECKS[key] = why
+    if why is not None:
+        warnings.warn(
+            f"model.fused_kernels='auto': the Triton kernels failed their check on {device} ({dtype}); "
+            f"the blocks run eager there: {why}",
+            stacklevel=2,
+        )
     return why

@@ -61,7 +61,6 @@ import contextlib
 import importlib.util
 import math
 import sys
-import warnings
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -95,8 +94,6 @@ from megaformer.parallel.utils import (
     tp_rank,
     tp_world_size,
 )
-
-_FUSED_FALLBACK_SAID: set = set()  # (device, dtype) whose kernel check failed, already warned about
 
 
 def fused_kernels_available() -> bool:
@@ -684,24 +681,15 @@ class NormFormerBlock(nn.Module):
             )
         from megaformer.model import kernels  # imports Triton; only where the kernels run
 
-        if setting == "auto":
-            # Once per device and dtype (a constant when compiled): kernels that fail to build or
-            # disagree with eager on this device leave the block on the eager path, said once.
-            why = kernels.self_check(x.device.type, x.device.index, x.dtype)
-            if why is not None:
-                if (x.device, x.dtype) not in _FUSED_FALLBACK_SAID:
-                    _FUSED_FALLBACK_SAID.add((x.device, x.dtype))
-                    warnings.warn(
-                        f"model.fused_kernels='auto': the Triton kernels failed their check on {x.device} "
-                        f"({x.dtype}), the blocks run eager: {why}",
-                        stacklevel=2,
-                    )
-                return None
+        if setting == "auto" and kernels.self_check(x.device.type, x.device.index, x.dtype) is not None:
+            # Once per device and dtype (a constant when compiled; it warns the first time): kernels
+            # that fail to build or disagree with eager on this device leave the block eager.
+            return None
         if x.device.type == "cpu" and not kernels.interpreted():
             raise RuntimeError(
                 "model.fused_kernels='on' with CPU tensors: Triton runs on a CPU only in its interpreter; "
-                "set TRITON_INTERPRET=1 before megaformer.model.kernels is imported (tests), or use "
-                "model.fused_kernels='auto' (eager on a CPU)"
+                "set TRITON_INTERPRET=1 before Triton is imported (tests/support/triton_interpreter.py), "
+                "or use model.fused_kernels='auto' (eager on a CPU)"
             )
         return kernels
 

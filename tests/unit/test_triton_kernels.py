@@ -346,9 +346,9 @@ def test_the_switch_is_validated():
 
 
 def test_self_check_passes_here_and_auto_falls_back_when_it_fails(monkeypatch):
-    """The check ``auto`` runs once per device and dtype agrees on this CPU (interpreter), and a
-    failing check leaves ``auto`` on the eager path with one warning (a stand-in CUDA input: the
-    decision reads only its device and dtype)."""
+    """The check ``auto`` runs once per device and dtype agrees on this CPU (interpreter); a failing
+    check warns once and leaves ``auto`` on the eager path (a stand-in CUDA input: the decision
+    reads only its device and dtype)."""
     import types
     import warnings
 
@@ -359,19 +359,25 @@ def test_self_check_passes_here_and_auto_falls_back_when_it_fails(monkeypatch):
     block = _block("auto")
     cuda_input = types.SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16)
     monkeypatch.setattr(normformer, "fused_kernels_available", lambda: True)
-    monkeypatch.setattr(normformer, "_FUSED_FALLBACK_SAID", set())
-    monkeypatch.setattr(kernels, "self_check", lambda *key: None)
+    monkeypatch.setitem(kernels._SELF_CHECKS, ("cuda", 0, torch.bfloat16), None)
     assert block._fused_kernels(cuda_input) is kernels
-    monkeypatch.setattr(kernels, "self_check", lambda *key: "CompilationError: at 1:2")
-    with pytest.warns(UserWarning, match="the blocks run eager: CompilationError"):
+    failing = kernels.layer_norm_activation
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CompilationError: at 1:2")
+
+    kernels._SELF_CHECKS.pop(("cuda", 0, torch.bfloat16))
+    monkeypatch.setattr(kernels, "layer_norm_activation", broken)
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **k: t)  # the check's inputs stay here
+    with pytest.warns(UserWarning, match="the blocks run eager there: RuntimeError: CompilationError"):
         assert block._fused_kernels(cuda_input) is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert block._fused_kernels(cuda_input) is None  # said once
+        assert block._fused_kernels(cuda_input) is None  # cached: said once
+    monkeypatch.setattr(kernels, "layer_norm_activation", failing)
     assert _block("off")._fused_kernels(cuda_input) is None
 
 
-@pytest.fixture(autouse=True)
 def _interpreter_here(request):
     if not IN_PROCESS and request.node.originalname != "test_in_a_fresh_process":
         pytest.skip("Triton was imported before its interpreter could be chosen: test_in_a_fresh_process")
