@@ -15,6 +15,13 @@ BUDGET_SKIP_STEPS = 5
 allocator, kernel selection, loader and cache warm-up; measured on CPU to run up to 20 % slow)."""
 
 
+TRUST_FLAG = "--trust-checkpoint-code"
+"""The tools' switch that unpickles a checkpoint in full (megaformer.training.safe_load); here, in a
+module that imports no torch, so that a tool's ``--help`` can name it without importing torch."""
+TRUST_KEY = "train.trust_checkpoint_code"
+"""The config key of the same switch for ``train.init_from``."""
+
+
 class ConfigError(ValueError):
     """A configuration key or value that cannot work; the message names the key and the fix."""
 

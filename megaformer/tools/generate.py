@@ -22,13 +22,16 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from megaformer.config.schema import TRUST_FLAG, ModelConfig
 
-from megaformer.config.load import require_causal_lm
-from megaformer.config.schema import ModelConfig
-from megaformer.model import NormFormerLM
-from megaformer.training.safe_load import TRUST_FLAG
+# torch and the model (2-5 s of imports: torch, then torch._dynamo under the model's custom ops) are
+# imported in the functions that use them: `--help` and a bad flag answer without them (issue 39).
+if TYPE_CHECKING:
+    import torch
+
+    from megaformer.model import NormFormerLM
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,6 +51,8 @@ def load_for_generation(
             generator-state file is only named in a warning: it is not read).
     """
     from megaformer.checkpoint.reshard import consolidate, load_full, resolve_tag_dir
+    from megaformer.config.load import require_causal_lm
+    from megaformer.model import NormFormerLM
     from megaformer.training.ckpt_integrity import NEEDS_WEIGHTS, verify
 
     tag_dir = resolve_tag_dir(ckpt_dir, tag)
@@ -78,6 +83,8 @@ def next_token_probs(
     Returns:
         ``float32[B, padded_vocab]``, rows summing to 1, exactly 0 on the vocabulary padding.
     """
+    import torch
+
     with torch.no_grad():
         logits = model(tokens[:, -config.seq_len :])[:, -1, :].float()  # [B, V_pad], padding -inf
     if temperature == 0:
@@ -111,6 +118,8 @@ def generate(
     Raises:
         ValueError: an empty prompt, a negative temperature or top-k.
     """
+    import torch
+
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token (e.g. the EOD id for no prompt)")
     if temperature < 0 or top_k < 0:
@@ -167,11 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns 0, or 2 for a bad checkpoint, tokenizer or flag."""
+    args = build_parser().parse_args(argv)  # before the heavy imports: --help, a bad flag
     from data_tools.errors import DataToolsError
     from data_tools.tokenizer import build_tokenizer
     from megaformer.training.safe_load import CheckpointReadError
 
-    args = build_parser().parse_args(argv)
     try:
         tokenizer = build_tokenizer(
             args.tokenizer_type,

@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 
-TRUST_FLAG = "--trust-checkpoint-code"
-TRUST_KEY = "train.trust_checkpoint_code"
+# the tools' switch and its config key, named where no torch is imported (a tool's --help)
+from megaformer.config.schema import TRUST_FLAG, TRUST_KEY
 
 
 class CheckpointReadError(ValueError):
