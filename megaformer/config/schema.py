@@ -115,8 +115,8 @@ class ModelConfig:
     fused_kernels: str = "auto"
     """Triton kernels for NormFormer's extra operations (megaformer.model.kernels): FFN_LN fused with
     the activation (forward and backward; under TP the statistics are still reduced across the
-    group, exactly as the eager sharded LayerNorm), and POSTATTN_LN fused with its dropout and
-    residual add. The same function as the eager path (the reference and the fallback) up to
+    group, exactly as the eager sharded LayerNorm), POSTATTN_LN fused with its dropout and
+    residual add, and HeadScale's g folded into W_O's input columns. The same function as the eager path (the reference and the fallback) up to
     rounding; the dropout masks are eager's. 'auto' (default): on where the block's tensors are on
     a CUDA device and Triton imports (not on fake CUDA), eager elsewhere (the CPU); 'on': always
     (needs Triton; on a CPU only under Triton's interpreter, TRITON_INTERPRET=1, as the tests run

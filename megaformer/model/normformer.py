@@ -564,13 +564,16 @@ class NormFormerBlock(nn.Module):
             sequence_parallel=sp,
         )
 
-    def attention(self, x: torch.Tensor) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, fold_head_scale: bool = False) -> torch.Tensor:
         """``HeadScaleMHA(LN1(x))`` before POSTATTN_LN (with ``qkv_ln``, LayerNorms on q, k, v) under
         Pre-LN; ``MHA(x)`` under Post-LN / DeepNorm (whose LN1 comes after the residual sum):
         ``[B, T, d]`` -> ``[B, T, d]`` (causal; bidirectional under ``model.objective`` mlm).
 
         With sequence parallelism ``[B, T/tp, d]`` -> ``[B, T/tp, d]``; attention itself always
-        sees the whole sequence (gathered by ``qkv``).
+        sees the whole sequence (gathered by ``qkv``). ``fold_head_scale`` (the fused path,
+        ``model.fused_kernels``): HeadScale's ``g`` multiplies W_O's input columns instead of the
+        heads' outputs, the same function (ARCHITECTURE: folding ``g`` into W_O is allowed) without
+        a pass over the activation.
         """
         nh, hs = self.num_heads_per_partition, self.head_dim  # local heads, head size
         if self.norm_scheme == "pre_ln":
@@ -585,12 +588,17 @@ class NormFormerBlock(nn.Module):
         else:
             y = self._core_attention(q, k, v)  # (B, nh, T, hs)
         y = y.transpose(1, 2)  # (B, T, nh, hs)
+        input_scale = None
         if self.head_scale is not None and not self.head_scale_after_out_proj:
             # HeadScale scales each head's output BEFORE W_O (paper Eq. for HeadScaleMHA); fairseq
             # scales after out_proj (head_scale_position='after_out_proj', below), another function.
-            y = y * self.head_scale.view(nh, 1)  # (B, T, nh, hs)
+            if fold_head_scale:  # (y ∘ g) W_Oᵀ = y (W_O diag(g))ᵀ: g on W_O's d/tp input columns
+                input_scale = self.head_scale.repeat_interleave(hs)  # (d/tp,)
+            else:
+                y = y * self.head_scale.view(nh, 1)  # (B, T, nh, hs)
         y = y.reshape(B, T, nh * hs)  # (B, T, d/tp)
-        out = self.out_proj(y)  # (B, T, d), reduced across TP ranks (T/tp under sequence parallelism)
+        # (B, T, d), reduced across TP ranks (T/tp under sequence parallelism)
+        out = self.out_proj(y, input_scale=input_scale)
         if self.head_scale is not None and self.head_scale_after_out_proj:
             # fairseq's c_attn (transformer_layer.py): W_O's output, bias included, in chunks of
             # head_dim channels, chunk i times γ_i (einsum "tbhd,h->tbhd").
@@ -724,8 +732,9 @@ class NormFormerBlock(nn.Module):
             f = self.fc2(self.activation(self.fc1(h)))  # (B, T, d)
             f = _dropout(f, p, self.training, self.dropout_rng, region)
             return self.ln2(self.alpha * h + f if self.alpha != 1.0 else h + f)
-        a = self.attention(x)  # (B, T, d)  [(B, T/tp, d) with sequence parallelism, throughout]
         fused = self._fused_kernels(x)
+        # (B, T, d)  [(B, T/tp, d) with sequence parallelism, throughout]
+        a = self.attention(x, fold_head_scale=fused is not None)
         if self.post_attn_ln is not None and fused is not None:
             h = self._fused_post_attn_residual(fused, a, x, p, region)  # one kernel, same function
         else:

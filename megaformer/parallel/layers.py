@@ -173,10 +173,15 @@ class RowParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` as in the class docstring; ``input_scale``, ``[in_features / tp]`` or None, multiplies
+        the input features: ``(x ∘ s) Aᵀ`` computed as ``x (A diag(s))ᵀ``, a product over the weight
+        (``out × in / tp``) instead of a pass over the activation (used to fold NormFormer's
+        HeadScale into W_O)."""
         if not self.input_is_parallel:
             x = mappings.scatter_to_tp_region(x, self.tp_group)  # (..., in_features / tp)
-        y = F.linear(x, self.weight)  # (..., out_features), a partial sum at TP > 1
+        weight = self.weight if input_scale is None else self.weight * input_scale.to(self.weight.dtype)
+        y = F.linear(x, weight)  # (..., out_features), a partial sum at TP > 1
         if self.sequence_parallel:
             y = mappings.reduce_scatter_to_sequence_region(y, self.tp_group)  # (B, T/tp, out)
         else:
