@@ -340,3 +340,20 @@ def test_compiled_sharded_layer_norm_is_as_accurate_as_eager_at_large_mean(n):
                 float((ref.double() - e).abs().max()),
             )
             assert ours_err <= 10 * torch_err, (mean, what, ours_err, torch_err)
+
+
+def test_row_parallel_input_scale_equals_scaling_the_input():
+    """``input_scale`` (HeadScale folded into W_O): ``(x ∘ s) Aᵀ + b`` through the weight, with the
+    gradients of x, s, A and b of the scaled input's."""
+    layer = RowParallelLinear(12, 5, seed=4, bias_init=None)
+    x = torch.randn(3, 2, 12, generator=torch.Generator().manual_seed(1))
+    s = torch.rand(12, generator=torch.Generator().manual_seed(2)) + 0.5
+    outs = []
+    for fold in (False, True):
+        layer.zero_grad()
+        xi, si = x.clone().requires_grad_(), s.clone().requires_grad_()
+        y = layer(xi, input_scale=si) if fold else layer(xi * si)
+        y.square().sum().backward()
+        outs.append([y.detach(), xi.grad, si.grad, layer.weight.grad.clone(), layer.bias.grad.clone()])
+    for folded, scaled in zip(outs[1], outs[0]):
+        torch.testing.assert_close(folded, scaled, rtol=1e-5, atol=1e-6)
