@@ -116,12 +116,13 @@ class ModelConfig:
     """Triton kernels for NormFormer's extra operations (megaformer.model.kernels): FFN_LN fused with
     the activation (forward and backward; under TP the statistics are still reduced across the
     group, exactly as the eager sharded LayerNorm), POSTATTN_LN fused with its dropout and
-    residual add, and HeadScale's g folded into W_O's input columns. The same function as the eager path (the reference and the fallback) up to
-    rounding; the dropout masks are eager's. 'auto' (default): on where the block's tensors are on
-    a CUDA device and Triton imports (not on fake CUDA), eager elsewhere (the CPU); 'on': always
-    (needs Triton; on a CPU only under Triton's interpreter, TRITON_INTERPRET=1, as the tests run
-    it); 'off': the eager operations. Blocks without post_attn_ln / ffn_ln have nothing to fuse;
-    under ZeRO-3 (parameters gathered in module hooks the kernels bypass) the blocks stay eager."""
+    residual add, and HeadScale's g folded into W_O's input columns. The same function as the
+    eager path (the reference and the fallback) up to rounding; the dropout masks are eager's.
+    'auto' (default): on where the block's tensors are on a CUDA device and Triton imports (not on
+    fake CUDA), eager elsewhere (the CPU); 'on': always (needs Triton; on a CPU only under Triton's
+    interpreter, TRITON_INTERPRET=1, as the tests run it); 'off': the eager operations. Blocks
+    without post_attn_ln / ffn_ln have nothing to fuse; under ZeRO-3 (parameters gathered in
+    module hooks the kernels bypass) the blocks stay eager."""
     position_offset: int = 0
     """Sinusoidal position index of the first token: token t uses row t + position_offset of a table
     of seq_len + position_offset rows. fairseq numbers positions from padding_idx + 1 = 2
