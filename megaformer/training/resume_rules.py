@@ -27,6 +27,7 @@ MAY_CHANGE = frozenset(
         "train.save_interval",
         "train.eval_batches",
         "train.final_eval_batches",
+        "model.fused_kernels",  # the same function, fused (Triton) or eager; rounding only
         "train.keep_last_checkpoints",
         "train.exit_signals",
         "train.exit_duration_mins",
