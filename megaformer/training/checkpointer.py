@@ -160,10 +160,17 @@ def check_output_dir(cfg: RunConfig) -> None:
 
 def clear_output_dir(cfg: RunConfig, layout: Layout) -> None:
     """``output.overwrite=true`` on a fresh start: rank 0 deletes the earlier run's checkpoints and
-    TensorBoard events (logged), then every rank goes on (a collective)."""
+    TensorBoard events (logged), then every rank goes on (collectives).
+
+    Every rank looks before any deletes, and the answer is shared: a rank that looked after rank 0
+    had deleted would find nothing, skip the collective below, and the next one would pair
+    different operations (a hang, seen with a run that left only TensorBoard events)."""
     from megaformer.parallel.comm import all_reduce_ints
 
-    if not cfg.output.overwrite or not holds_a_run(cfg.output.dir):
+    if not cfg.output.overwrite:
+        return
+    (holders,) = all_reduce_ints([1 if holds_a_run(cfg.output.dir) else 0])
+    if not holders:
         return
     if layout.is_main:
         for name in ("checkpoints", "tensorboard"):

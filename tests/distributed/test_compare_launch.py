@@ -42,6 +42,11 @@ def test_compare_writes_its_table_and_plot(gutenberg_prefix, tmp_path):
     assert [r["position"] for r in timings["pre_ln"]["rounds"]] == [0, 1]  # the order alternated
     assert (out / "calibration.json").is_file() and (out / "pre_ln" / "request.json").is_file()
     assert "calibrated step" in (out / "pre_ln" / "train.log").read_text()
+    # the final validation read the whole held-out set (issue 37), after the regular one
+    summary = json.loads((out / "pre_ln" / "summary.json").read_text())
+    assert summary["final_valid_tokens"] > 2 * 8 * 64 and "final_valid_loss_sampled" in summary
+    assert "final validation on" in (out / "pre_ln" / "train.log").read_text()
+    assert not list((out / "calibration").glob("*/checkpoints"))  # calibration launches keep none
     assert data["rows"][0]["hours_to_baseline_best_ppl"] is not None  # the baseline reaches its own best
     table = (out / "comparison.md").read_text()
     assert "| pre_ln |" in table and "| normformer |" in table
