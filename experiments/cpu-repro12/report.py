@@ -1,0 +1,155 @@
+"""Collect the pre-registered runs that have finished and write the (interim) report.
+
+    .venv/bin/python experiments/cpu-repro12/report.py [--runs-dir /work/exp-repro12/runs/cpu-repro12]
+
+1. **Collect**: every run in ``--runs-dir`` with a ``summary.json`` whose run was not ended early
+   (``budget_stopped_at``: by the plan's rules it is trained again) is copied compactly into
+   ``finished/<run>/``: ``summary.json``, ``request.json``, ``config.json``, ``train.log`` and its
+   scalars as ``scalars.json.gz`` (:mod:`megaformer.experiments.scalars`; no event files in git).
+   A run already there is left as it is.
+2. **Report** (``report.md`` / ``report.json``): the primary endpoint of the plan (EXPERIMENTS.md,
+   "Pre-registered"): per seed, the final validation loss on the fixed 32,768-token sample
+   (``final_valid_loss`` of the 3 pairs of ``experiments/cpu-final``, ``final_valid_loss_sampled``
+   of the new runs), the paired differences NormFormer + ResScale − Pre-LN and NormFormer − Pre-LN
+   with :func:`megaformer.experiments.seeds.paired_test` (95 % t interval, paired t, Wilcoxon and
+   sign-test p, power for the paper's effect), and the secondary endpoint (the whole held-out
+   novel, new pairs only). Until the 12th pair it is marked **interim, no verdict**.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT))
+
+from megaformer.experiments.scalars import write_compact  # noqa: E402
+from megaformer.experiments.seeds import PAPER_EFFECT, paired_test  # noqa: E402
+
+OLD = ROOT / "experiments" / "cpu-final" / "finished"
+OLD_SEEDS = (1234, 5678, 4321)
+NEW_SEEDS = (1001, 1002, 1003, 1004, 1005, 1006, 1007, 1008, 1009)
+SCHEMES = ("pre_ln", "normformer_resscale", "normformer")
+KEEP = ("summary.json", "request.json", "config.json", "train.log")
+
+
+def collect(runs: Path, finished: Path) -> list[str]:
+    """Copy every finished, uncut run of ``runs`` into ``finished`` (compactly); return their names."""
+    done = []
+    for run in sorted(p for p in runs.glob("*_s*") if (p / "summary.json").is_file()):
+        summary = json.loads((run / "summary.json").read_text())
+        if summary.get("budget_stopped_at") or summary.get("stopped"):
+            print(f"[report] {run.name}: ended early ({summary.get('budget_stopped_at')}): not collected")
+            continue
+        out = finished / run.name
+        if (out / "summary.json").is_file():
+            continue
+        out.mkdir(parents=True, exist_ok=True)
+        for name in KEEP:
+            if (run / name).is_file():
+                shutil.copy2(run / name, out / name)
+        write_compact(run)  # checks its read-back against the events
+        shutil.copy2(run / "scalars.json.gz", out / "scalars.json.gz")
+        done.append(run.name)
+        print(f"[report] {run.name}: collected")
+    return done
+
+
+def primary(scheme: str, seed: int, finished: Path) -> tuple[float, float | None] | None:
+    """``(primary endpoint, whole-set loss or None)`` of one run, or None while it is not done."""
+    if seed in OLD_SEEDS:
+        path = OLD / f"{scheme}_s{seed}" / "summary.json"
+        if not path.is_file():
+            return None
+        return json.loads(path.read_text())["final_valid_loss"], None
+    path = finished / f"{scheme}_s{seed}" / "summary.json"
+    if not path.is_file():
+        return None
+    s = json.loads(path.read_text())
+    return s["final_valid_loss_sampled"], s["final_valid_loss"]
+
+
+def report(finished: Path) -> dict:
+    """The report's figures (see the module docstring)."""
+    seeds = [*OLD_SEEDS, *NEW_SEEDS]
+    losses = {(sc, sd): primary(sc, sd, finished) for sc in SCHEMES for sd in seeds}
+    out = {"effect": PAPER_EFFECT, "per_seed": [], "tests": {}}
+    for sd in seeds:
+        row = {"seed": sd}
+        for sc in SCHEMES:
+            got = losses[(sc, sd)]
+            row[sc] = None if got is None else got[0]
+            row[f"{sc}_whole"] = None if got is None else got[1]
+        out["per_seed"].append(row)
+    for sc in ("normformer_resscale", "normformer"):
+        for endpoint, key in (("primary", sc), ("whole held-out novel", f"{sc}_whole")):
+            base = "pre_ln" if endpoint == "primary" else "pre_ln_whole"
+            pairs = [r for r in out["per_seed"] if r[key] is not None and r[base] is not None]
+            diffs = [r[key] - r[base] for r in pairs]
+            test = paired_test(diffs, PAPER_EFFECT)
+            out["tests"][f"{sc} - pre_ln, {endpoint}"] = test | {"seeds": [r["seed"] for r in pairs]}
+    pairs_done = out["tests"]["normformer_resscale - pre_ln, primary"]["n"]
+    out["interim"] = pairs_done < 12
+    return out
+
+
+def markdown(r: dict) -> str:
+    """The report as Markdown."""
+    head = (
+        f"**Interim ({r['tests']['normformer_resscale - pre_ln, primary']['n']} of 12 pairs): no verdict** "
+        "(the plan decides at 12 pairs)."
+        if r["interim"]
+        else "**All 12 pairs: the pre-registered test.**"
+    )
+    lines = [
+        head,
+        "",
+        "| seed | Pre-LN | NormFormer + ResScale | NormFormer | Pre-LN (whole) | + ResScale (whole) |",
+    ]
+    lines.append("|---|---|---|---|---|---|")
+
+    def f(v: float | None) -> str:
+        return "—" if v is None else f"{v:.4f}"
+
+    for row in r["per_seed"]:
+        lines.append(
+            f"| {row['seed']} | {f(row['pre_ln'])} | {f(row['normformer_resscale'])} | "
+            f"{f(row['normformer'])} | {f(row['pre_ln_whole'])} | {f(row['normformer_resscale_whole'])} |"
+        )
+    lines += [
+        "",
+        "| comparison | n | mean difference (95 % CI) | p (t / Wilcoxon / sign) | power for 0.036 |",
+    ]
+    lines.append("|---|---|---|---|---|")
+    for name, t in r["tests"].items():
+        if not t["decidable"]:
+            lines.append(f"| {name} | {t['n']} | {f(t['mean'])} | {t['reason']} | — |")
+            continue
+        lines.append(
+            f"| {name} | {t['n']} | {t['mean']:+.4f} ({t['ci_low']:+.4f}, {t['ci_high']:+.4f}) | "
+            f"{t['p_t']:.3f} / {t['p_wilcoxon']:.3f} / {t['p_sign']:.3f} | {t['power']:.0%} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs-dir", default="/work/exp-repro12/runs/cpu-repro12")
+    args = p.parse_args(argv)
+    finished = HERE / "finished"
+    if Path(args.runs_dir).is_dir():
+        collect(Path(args.runs_dir), finished)
+    r = report(finished)
+    (HERE / "report.json").write_text(json.dumps(r, indent=1))
+    (HERE / "report.md").write_text(markdown(r), encoding="utf-8")
+    print(markdown(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
