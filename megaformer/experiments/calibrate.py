@@ -359,9 +359,7 @@ def calibrate(
             print(f"[{tag}] round {r + 1}/{rounds}: {name}", flush=True)
             summary = launch_run(runs[name], out, args, nproc, tag)
             measured, eval_s, wall = measure_launch(summary, warmup)
-            # Its final save was timed (a run's one-time cost holds it); the checkpoint itself is
-            # of no use (222 MB a launch at the quickstart size): only its time is kept.
-            shutil.rmtree(out / "checkpoints", ignore_errors=True)
+            shutil.rmtree(out / "checkpoints", ignore_errors=True)  # its save was timed; keep no copy
             per_launch[name].append(
                 {
                     "round": r,

@@ -239,8 +239,7 @@ def run(args: argparse.Namespace) -> dict:
     layout = f"tp {tp} × pp {cfg.parallel.pp_size} × dp {plan.dp}; stage {stage}, dp {dp_rank}, tp {tp_rank}"
     print(
         f"[dryrun] {args.config}: rank {rank} of {world} ({layout}) on fake {args.gpu}: two steps at full "
-        f"size (the shipped recipes at their headers' layouts: 16 s to 3 minutes on a quiet 2-core machine; "
-        "fewer GPUs than a recipe's layout put more of the model on each rank and take longer)...",
+        f"size (the recipes at their headers' layouts: 16 s to 3 min on a quiet 2-core machine)...",
         flush=True,
     )
     started = time.perf_counter()

@@ -154,13 +154,8 @@ def dataset_loss(
     return {"data_prefix": prefix, "samples": n, "tokens": count, "loss": loss, "ppl": math.exp(loss)}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point; returns 0, or 2 for a bad checkpoint, dataset or flag."""
-    from data_tools.errors import DataToolsError
-    from data_tools.indexed_dataset import dataset_prefix
-    from megaformer.tools.generate import load_for_generation
-    from megaformer.training.safe_load import TRUST_FLAG, CheckpointReadError
-
+def _parser(trust_flag: str) -> argparse.ArgumentParser:
+    """``evaluate``'s command line."""
     p = argparse.ArgumentParser(
         prog="python -m megaformer.tools.evaluate",
         description="Loss and perplexity of a checkpoint on .bin/.idx datasets.",
@@ -184,28 +179,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument(
-        TRUST_FLAG,
+        trust_flag,
         action="store_true",
         help="unpickle the checkpoint in full (it can run code): only for a source you trust",
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def _bad_args(args: argparse.Namespace) -> str:
+    """What is wrong with the flags ('' if nothing), said before the checkpoint is read (seconds),
+    in the run directory's terms; fills ``args.checkpoint`` from ``--heldout``."""
     if args.max_samples < 0 or args.batch_size < 1:
-        print("error: --max-samples must be >= 0 and --batch-size >= 1", file=sys.stderr)
-        return 2
+        return "--max-samples must be >= 0 and --batch-size >= 1"
     if not args.data_prefix and not args.heldout:
-        print("error: give --data-prefix PREFIX (repeatable) or --heldout RUN", file=sys.stderr)
-        return 2
+        return "give --data-prefix PREFIX (repeatable) or --heldout RUN"
     if args.heldout and not os.path.isfile(os.path.join(args.heldout, "config.json")):
-        # said before the checkpoint is read (seconds), in the run directory's terms
-        print(
-            f"error: {os.path.join(args.heldout, 'config.json')}: no such file; --heldout takes a run "
-            "directory (a run's output.dir)",
-            file=sys.stderr,
+        return (
+            f"{os.path.join(args.heldout, 'config.json')}: no such file; --heldout takes a run directory "
+            "(a run's output.dir)"
         )
-        return 2
     args.checkpoint = args.checkpoint or args.heldout
     if not args.checkpoint:
-        print("error: --checkpoint is required with --data-prefix alone", file=sys.stderr)
+        return "--checkpoint is required with --data-prefix alone"
+    return ""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; returns 0, or 2 for a bad checkpoint, dataset or flag."""
+    from data_tools.errors import DataToolsError
+    from data_tools.indexed_dataset import dataset_prefix
+    from megaformer.tools.generate import load_for_generation
+    from megaformer.training.safe_load import TRUST_FLAG, CheckpointReadError
+
+    args = _parser(TRUST_FLAG).parse_args(argv)
+    said = _bad_args(args)
+    if said:
+        print(f"error: {said}", file=sys.stderr)
         return 2
     try:
         model, config, step = load_for_generation(args.checkpoint, args.tag, args.trust_checkpoint_code)

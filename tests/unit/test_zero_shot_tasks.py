@@ -183,7 +183,7 @@ def test_paper_table_has_standard_errors(gpt2_export, tmp_path):
     assert wg["acc_stderr"] == pytest.approx(sample_stderr(wg["acc"], 6), rel=1e-9)
     header = "| Model | \\|θ\\| (M) | PPL | HS | PI | WG | SC | OB | Avg |"
     assert header in out  # the paper's layout kept
-    line = next(x for x in out.splitlines() if x.startswith(f"| {export.parent.name} |"))
+    line = next(x for x in out.splitlines() if x.startswith(f"| {export.name} |"))
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[4] == f"{100 * pi['acc_norm']:.1f} ± {100 * pi['acc_norm_stderr']:.1f}", line
     assert cells[5] == f"{100 * wg['acc']:.1f} ± {100 * wg['acc_stderr']:.1f}", line
@@ -223,7 +223,7 @@ def test_parameter_column_of_a_gpt2_export(gpt2_export, tmp_path):
     assert rc == 0
     params = zero_shot.megaformer_parameter_count(model, config)
     assert json.loads(result.read_text())["params"] == params
-    assert f"| {export.parent.name} | {params / 1e6:.1f} | - |" in out
+    assert f"| {export.name} | {params / 1e6:.1f} | - |" in out
 
 
 def _malformed(tmp_path: Path, case: str) -> tuple[list[str], str]:
