@@ -34,6 +34,14 @@ def enable() -> bool:
     return True
 
 
+def library_interpreted() -> bool:
+    """Whether Triton's own library functions (``tl.sum`` ...) run in its interpreter in this
+    process (they are decorated once, when Triton is imported)."""
+    import triton.language as tl
+
+    return type(tl.standard.sum).__name__ == "InterpretedFunction"
+
+
 def run_in_fresh_process(test_file: str, deselect: str, timeout_s: int = 600) -> None:
     """Run ``test_file``'s tests but ``deselect`` (a ``-k`` expression) in a new pytest process under
     the interpreter, the GPU hidden; raise AssertionError with the output's tail if any fails."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 import sys
 
 import pytest
@@ -17,7 +18,10 @@ from tests.support import triton_interpreter
 
 # Triton's interpreter must be chosen before Triton is imported; where that is too late (another
 # test module of this session imported it), the tests run in a fresh process (the last test).
-IN_PROCESS = triton_interpreter.enable()
+# Kernels run here only where the interpreter was chosen before this process imported anything (the
+# fresh process of test_in_a_fresh_process sets it in its environment): a full session imports
+# Triton earlier through torch._dynamo, and a reload then still reached for a GPU driver.
+IN_PROCESS = os.environ.get("TRITON_INTERPRET") == "1" and triton_interpreter.enable()
 
 import torch
 
@@ -31,6 +35,10 @@ from megaformer.model.compile import why_not_compiled
 if IN_PROCESS and not kernels.interpreted():  # the kernels were imported before the mode was set
     kernels = importlib.reload(kernels)
     sys.modules["megaformer.model.kernels"] = kernels
+# Triton's own library (tl.sum ...) is decorated when Triton is imported: when that happened before the
+# mode was set, reloading the kernels is not enough (their calls into it reach for a GPU driver), so
+# the tests run in a fresh process instead.
+IN_PROCESS = IN_PROCESS and kernels.interpreted() and triton_interpreter.library_interpreted()
 
 
 @pytest.mark.slow
