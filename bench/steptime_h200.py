@@ -219,6 +219,24 @@ H100 reach 85–93 %): :func:`fit`'s value where the 1.3B profile (the only one 
 per-parameter adds and AdamW) is held out."""
 
 
+def _no_dropout_rates(c: dict, peak: float) -> dict:
+    """Attention's rates without dropout (into ``c``) from :data:`NO_DROPOUT_PROFILE`; its record."""
+    path, recipe = NO_DROPOUT_PROFILE
+    nodrop = {
+        "profile": os.path.relpath(path, REPO),
+        "recipe": recipe,
+        "measured": categories(path),
+        "model": model_counts(config(recipe)),
+    }
+    for direction in ("fwd", "bwd"):
+        flops = (
+            nodrop["model"][f"attention_{direction}_flops_per_call"]
+            * nodrop["measured"][f"attention_{direction}_calls"]
+        )
+        c[f"attention_{direction}_fraction"] = flops / nodrop["measured"][f"attention_{direction}"] / peak
+    return nodrop
+
+
 def fit(profiles: tuple = PROFILES) -> dict:
     """The constants of :data:`megaformer.tools.steptime.H200_FIT` from ``profiles`` (module
     docstring; at least two: two unknowns per least-squares fit), with each profile's categories and
@@ -253,20 +271,7 @@ def fit(profiles: tuple = PROFILES) -> dict:
         c[f"attention_dropout_{direction}_fraction"] = (
             flops / sum(p["measured"][f"attention_{direction}"] for p in profiled) / peak
         )
-    path, recipe = NO_DROPOUT_PROFILE
-    nodrop = {
-        "profile": os.path.relpath(path, REPO),
-        "recipe": recipe,
-        "measured": categories(path),
-        "model": model_counts(config(recipe)),
-    }
-    out["no_dropout_profile"] = nodrop
-    for direction in ("fwd", "bwd"):
-        flops = (
-            nodrop["model"][f"attention_{direction}_flops_per_call"]
-            * nodrop["measured"][f"attention_{direction}_calls"]
-        )
-        c[f"attention_{direction}_fraction"] = flops / nodrop["measured"][f"attention_{direction}"] / peak
+    out["no_dropout_profile"] = _no_dropout_rates(c, peak)
     big = next((p for p in profiled if "add_" in p["measured"]), None)
     copy_bytes = sum(p["model"]["copy_bytes"] for p in profiled)
     copy_s = sum(p["measured"]["strided_copy"] for p in profiled)

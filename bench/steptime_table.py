@@ -199,6 +199,30 @@ def _h200_lines() -> dict:
     return {"lines": lines, "rows": rows, "ratios": ratios}
 
 
+def _terms_lines(by: dict) -> list[str]:
+    """The table of the predicted terms on one H100 node (share of the step), per recipe."""
+    lines: list[str] = []
+    terms = (
+        "compute",
+        "memory",
+        "attention",
+        "tp_comm",
+        "pp_bubble",
+        "pp_p2p",
+        "dp_comm",
+        "optimizer",
+        "host",
+    )
+    lines += ["", "Predicted terms on one H100 node (share of the step):", ""]
+    lines += ["| recipe | MFU | " + " | ".join(terms) + " |", "|---" * (2 + len(terms)) + "|"]
+    for path in recipes():
+        c = by[(path, "h100-80gb", 1)]
+        if "step_s" in c:
+            shares = " | ".join(f"{c[k] / c['step_s']:.1%}" for k in terms)
+            lines.append(f"| {os.path.basename(path)[:-5]} | {c['mfu']:.1%} | {shares} |")
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "steptime_table.json"))
@@ -246,24 +270,7 @@ def main() -> int:
                 row.append(f"{ratio:+.1%}")
         lines.append(f"| {size} | " + " | ".join(row) + " |")
 
-    terms = (
-        "compute",
-        "memory",
-        "attention",
-        "tp_comm",
-        "pp_bubble",
-        "pp_p2p",
-        "dp_comm",
-        "optimizer",
-        "host",
-    )
-    lines += ["", "Predicted terms on one H100 node (share of the step):", ""]
-    lines += ["| recipe | MFU | " + " | ".join(terms) + " |", "|---" * (2 + len(terms)) + "|"]
-    for path in recipes():
-        c = by[(path, "h100-80gb", 1)]
-        if "step_s" in c:
-            shares = " | ".join(f"{c[k] / c['step_s']:.1%}" for k in terms)
-            lines.append(f"| {os.path.basename(path)[:-5]} | {c['mfu']:.1%} | {shares} |")
+    lines += _terms_lines(by)
     zero2, zero2_lines = zero2_comparison()
     lines += zero2_lines
     text = "\n".join(lines)
