@@ -196,6 +196,35 @@ def attention_calls(train_step, sync, expected_forwards: int) -> dict:
     }
 
 
+def _build_case(recipe: str, overrides: list[str]) -> tuple:
+    """``(cfg, layout, model, engine)`` of one case, built as the trainer builds them (one rank)."""
+    from megaformer.config import load_config
+    from megaformer.parallel.rng import DropoutRNG
+    from megaformer.training.builders import build_layout, build_model, build_optimizer
+    from megaformer.training.deepspeed_config import build_deepspeed_config
+    from megaformer.training.ds_adapter import initialize
+
+    cfg = load_config(recipe, overrides)
+    layout = build_layout(cfg, 1)
+    model = build_model(cfg, layout, DropoutRNG(cfg.train.seed, device=layout.device))
+    optimizer, scheduler = build_optimizer(model, cfg, 0)
+    engine = initialize(
+        model, optimizer, scheduler, build_deepspeed_config(cfg, 1), layout.state, pipelined=False
+    )
+    return cfg, layout, model, engine
+
+
+def _rates(m, tokens_per_s: float, layout) -> tuple[float, str, float | None]:
+    """``(TFLOP/s, device name, its peak TFLOP/s or None)`` of a case's measured throughput."""
+    import torch
+
+    from megaformer.training.flops import PEAK_TFLOPS, model_flops_per_token
+
+    tflops = model_flops_per_token(m, m.padded_vocab_size(1)) * tokens_per_s / 1e12
+    name = torch.cuda.get_device_name(0) if layout.device.type == "cuda" else "cpu"
+    return tflops, name, next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
 def run_case(
     recipe: str,
     zero: int,
@@ -216,22 +245,9 @@ def run_case(
     t_setup = time.perf_counter()
     import torch
 
-    from megaformer.config import load_config
-    from megaformer.parallel.rng import DropoutRNG
-    from megaformer.training.builders import build_layout, build_model, build_optimizer
-    from megaformer.training.deepspeed_config import build_deepspeed_config
-    from megaformer.training.ds_adapter import initialize
-    from megaformer.training.flops import PEAK_TFLOPS, model_flops_per_token
-
     overrides = case_overrides(recipe, zero, recompute, smoke) + list(extra or [])
-    cfg = load_config(recipe, overrides)
+    cfg, layout, model, engine = _build_case(recipe, overrides)
     micro = cfg.train.micro_batch_size
-    layout = build_layout(cfg, 1)
-    model = build_model(cfg, layout, DropoutRNG(cfg.train.seed, device=layout.device))
-    optimizer, scheduler = build_optimizer(model, cfg, 0)
-    engine = initialize(
-        model, optimizer, scheduler, build_deepspeed_config(cfg, 1), layout.state, pipelined=False
-    )
     m = cfg.model
     gen = torch.Generator(device=layout.device).manual_seed(0)
 
@@ -263,9 +279,7 @@ def run_case(
         name = re.sub(r"[^A-Za-z0-9._-]", "-", "_".join([Path(recipe).stem, *(extra or [])]))
         _profile(engine, it, sync, Path(profile) / f"profile_{name}.txt")
     tokens_per_s = cfg.train.global_batch_size * m.seq_len / step_s
-    tflops = model_flops_per_token(m, m.padded_vocab_size(1)) * tokens_per_s / 1e12
-    name = torch.cuda.get_device_name(0) if layout.device.type == "cuda" else "cpu"
-    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    tflops, name, peak = _rates(m, tokens_per_s, layout)
     return {
         "recipe": Path(recipe).stem,
         "zero": zero,
