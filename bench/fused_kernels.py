@@ -73,7 +73,8 @@ def _copy_gbps(n_bytes: int, repeats: int, device: str) -> float:
     return 2 * n_bytes / ms / 1e6  # read + write, GB/s
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=65536)
     ap.add_argument("--ffn", type=int, default=3072)
@@ -81,7 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--smoke", action="store_true", help="check this script on a CPU: 64 rows, interpreter")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.smoke:
         args.rows, args.repeats, dev = 64, 1, "cpu"
         if not kernels.interpreted():
@@ -155,6 +160,12 @@ def main(argv: list[str] | None = None) -> int:
         rows * d * (2 + 2 + 1 + 2 + 2 + 2 + 1 + 2),
     )
 
+    _report(results, gbps, rows, args.json)
+    return 0
+
+
+def _report(results: dict, gbps: float, rows: int, path: Path | None) -> None:
+    """Print the table of ``results`` and write its JSON to ``path`` (when given)."""
     print(f"{results['device']}: copy rate {gbps:,.0f} GB/s; forward + backward, bf16, {rows:,} rows")
     print("| case | width | eager ms | inductor ms | ours ms | bandwidth bound ms |")
     print("|---|---|---|---|---|---|")
@@ -163,11 +174,10 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['case']} | {r['width']} | {r['eager_ms']:.3f} | {r['inductor_ms']:.3f} "
             f"| {r['ours_ms']:.3f} | {r['bandwidth_bound_ms']:.3f} |"
         )
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"written: {args.json}")
-    return 0
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"written: {path}")
 
 
 if __name__ == "__main__":
