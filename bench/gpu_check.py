@@ -366,9 +366,8 @@ def _write(doc: dict, json_path: Path, md_path: Path, quiet: bool = False) -> No
         print(f"\nwritten: {json_path} and {md_path}", flush=True)
 
 
-def measure(args, json_path: Path, md_path: Path) -> int:
-    """The measurement (module docstring); exit status 0 when every case was measured and the probe
-    agreed, 1 otherwise (the JSON says which)."""
+def _can_measure(smoke: bool) -> bool:
+    """Whether this interpreter has torch and (unless ``smoke``) a CUDA device; says why not."""
     try:
         import torch
     except ImportError as e:
@@ -376,16 +375,33 @@ def measure(args, json_path: Path, md_path: Path) -> int:
             f"error: {sys.executable} has no torch ({e}): run with the interpreter that has it (PYTHON=...)",
             file=sys.stderr,
         )
-        return 1
-    from bench import gpu
-
-    if not args.smoke and not torch.cuda.is_available():
+        return False
+    if not smoke and not torch.cuda.is_available():
         print(
             f"no CUDA device for {sys.executable} (torch {torch.__version__}): nothing to measure. On a "
             "GPU machine, run with its python (PYTHON=python3); on a CPU, --smoke checks the script",
             file=sys.stderr,
         )
+        return False
+    return True
+
+
+def _probe_within(deadline: float | None, smoke: bool) -> dict:
+    """The compiled-against-eager probe if the time budget leaves 15 s for it, else why not."""
+    left = None if deadline is None else deadline - time.monotonic()
+    if left is not None and left < 15:
+        return {"device": "-", "ok": False, "error": f"skipped: the time budget ({left:.0f} s left)"}
+    print("[gpu_check] probe: compiled against eager (bench/gpu_probe.py)", flush=True)
+    return _run_probe("cpu" if smoke else "cuda", left)
+
+
+def measure(args, json_path: Path, md_path: Path) -> int:
+    """The measurement (module docstring); exit status 0 when every case was measured and the probe
+    agreed, 1 otherwise (the JSON says which)."""
+    if not _can_measure(args.smoke):
         return 1
+    from bench import gpu
+
     cases = gpu._cases(args.sizes.split(","), args.smoke, gpu.parse_cases(args.cases), pairs=True)
     start = time.monotonic()
     deadline = start + args.budget_s if args.budget_s else None
@@ -437,16 +453,7 @@ def measure(args, json_path: Path, md_path: Path) -> int:
             f"[gpu_check] NormFormer / Pre-LN at {p['size']} ({p['blocks']}): {p['ratio']:.3f}x", flush=True
         )
     if args.probe:
-        left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left < 15:
-            doc["probe"] = {
-                "device": "-",
-                "ok": False,
-                "error": f"skipped: the time budget ({left:.0f} s left)",
-            }
-        else:
-            print("[gpu_check] probe: compiled against eager (bench/gpu_probe.py)", flush=True)
-            doc["probe"] = _run_probe("cpu" if args.smoke else "cuda", left)
+        doc["probe"] = _probe_within(deadline, args.smoke)
     doc["gpu"] = args.gpu or ("a100-80gb" if args.smoke else _detect_gpu(doc["rows"]))
     doc["environment"] = environment()
     if args.predict == "yes" or (args.predict == "auto" and args.smoke):
