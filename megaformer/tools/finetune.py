@@ -727,6 +727,100 @@ def paired_difference(a: dict[str, Any], b: dict[str, Any], level: float = 0.95)
     }
 
 
+def _interval_lines(rows: dict[str, dict[str, dict]], glue: list[str]) -> list[str]:
+    """render_tables' section: each accuracy with its 95 % Wilson interval."""
+    out: list[str] = []
+    out += [
+        "",
+        "## Accuracy with its 95% interval",
+        "",
+        "| Model | Task | accuracy (%) | 95% interval (Wilson) | correct / n | majority class (%) |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for name, by_task in rows.items():
+        for t in glue:
+            ci = _interval(by_task[t]) if t in by_task else None
+            if ci is None:
+                continue
+            majority = by_task[t]["data"].get("valid_majority")
+            out.append(
+                f"| {name} | {t} | {100 * ci['correct'] / ci['n']:.1f} | "
+                f"[{100 * ci['low']:.1f}, {100 * ci['high']:.1f}] | {ci['correct']} / {ci['n']} | "
+                f"{_fmt(majority)} |"
+            )
+    out += [
+        "",
+        "The interval is the validation set's sampling error of the selected (lr, epoch) only; the",
+        "selection over the grid on the same set biases the best accuracy upwards beyond it. Majority",
+        "class: the accuracy of always predicting the validation set's most common label.",
+    ]
+    return out
+
+
+def _paired_lines(rows: dict[str, dict[str, dict]], glue: list[str]) -> list[str]:
+    """render_tables' section: paired differences between models on the same examples."""
+    out: list[str] = []
+    pairs = [
+        (t, x, y, paired_difference(rows[x][t], rows[y][t]))
+        for t in glue
+        for i, x in enumerate(rows)
+        for y in list(rows)[i + 1 :]
+        if t in rows[x] and t in rows[y]
+    ]
+    pairs = [(t, x, y, d) for t, x, y, d in pairs if d is not None]
+    if pairs:
+        out += [
+            "",
+            "## Paired differences on the same validation examples",
+            "",
+            "| Task | A | B | A − B (points) | 95% interval (paired Wald) | right only in A / only in B | "
+            "McNemar exact p |",
+            "|---|---|---|---:|---:|---:|---:|",
+        ]
+        out += [
+            f"| {t} | {x} | {y} | {100 * d['difference']:+.1f} | "
+            f"[{100 * d['low']:+.1f}, {100 * d['high']:+.1f}] | {d['only_a']} / {d['only_b']} | "
+            f"{d['mcnemar_p']:.3g} |"
+            for t, x, y, d in pairs
+        ]
+        out += [
+            "",
+            "Each model's best (lr, epoch), compared example by example; an interval that contains 0",
+            "does not resolve the two at this validation set's size.",
+        ]
+    return out
+
+
+def _recipe_lines(rows: dict[str, dict[str, dict]], glue: list[str]) -> list[str]:
+    """render_tables' section: every setting that differs from the paper's recipe."""
+    out: list[str] = []
+    out += [
+        "",
+        "## Settings that differ from the paper's recipe",
+        "",
+    ]
+    differences = [
+        (name, t, recipe_differences(by_task[t]))
+        for name, by_task in rows.items()
+        for t in glue
+        if t in by_task
+    ]
+    if any(d for _, _, d in differences):
+        out += ["| Model | Task | differs from the recipe |", "|---|---|---|"]
+        out += [f"| {name} | {t} | {'; '.join(d)} |" for name, t, d in differences if d]
+    else:
+        out.append("None: every run followed the recipe.")
+    out += [
+        "",
+        "The recipe: the NormFormer paper's learning rates 1e-5, 1e-4, 3e-4, 1e-3, 3e-3, 6e-3 and",
+        "roberta-base's other fine-tuning settings (fairseq examples/roberta/README.glue.md: 10 epochs,",
+        "batch 16 or 32 by task, Adam (0.9, 0.98), eps 1e-6, weight decay 0.1, 6% warmup, dropout 0.1),",
+        "from pretrained weights, on GLUE's whole training and development sets. Every run here is",
+        "fp32 (fairseq: fp16).",
+    ]
+    return out
+
+
 def render_tables(results: list[dict[str, Any]]) -> str:
     """Markdown: the paper's Table 3 layout (accuracy, best over learning rates and epochs), then the
     same runs in GLUE's metrics and the learning rate each task chose. ``results``: the
@@ -767,82 +861,7 @@ def render_tables(results: list[dict[str, Any]]) -> str:
             for t in glue
         ]
         out.append(f"| {name} | " + " | ".join(cells) + " |")
-    out += [
-        "",
-        "## Accuracy with its 95% interval",
-        "",
-        "| Model | Task | accuracy (%) | 95% interval (Wilson) | correct / n | majority class (%) |",
-        "|---|---|---:|---:|---:|---:|",
-    ]
-    for name, by_task in rows.items():
-        for t in glue:
-            ci = _interval(by_task[t]) if t in by_task else None
-            if ci is None:
-                continue
-            majority = by_task[t]["data"].get("valid_majority")
-            out.append(
-                f"| {name} | {t} | {100 * ci['correct'] / ci['n']:.1f} | "
-                f"[{100 * ci['low']:.1f}, {100 * ci['high']:.1f}] | {ci['correct']} / {ci['n']} | "
-                f"{_fmt(majority)} |"
-            )
-    out += [
-        "",
-        "The interval is the validation set's sampling error of the selected (lr, epoch) only; the",
-        "selection over the grid on the same set biases the best accuracy upwards beyond it. Majority",
-        "class: the accuracy of always predicting the validation set's most common label.",
-    ]
-    pairs = [
-        (t, x, y, paired_difference(rows[x][t], rows[y][t]))
-        for t in glue
-        for i, x in enumerate(rows)
-        for y in list(rows)[i + 1 :]
-        if t in rows[x] and t in rows[y]
-    ]
-    pairs = [(t, x, y, d) for t, x, y, d in pairs if d is not None]
-    if pairs:
-        out += [
-            "",
-            "## Paired differences on the same validation examples",
-            "",
-            "| Task | A | B | A − B (points) | 95% interval (paired Wald) | right only in A / only in B | "
-            "McNemar exact p |",
-            "|---|---|---|---:|---:|---:|---:|",
-        ]
-        out += [
-            f"| {t} | {x} | {y} | {100 * d['difference']:+.1f} | "
-            f"[{100 * d['low']:+.1f}, {100 * d['high']:+.1f}] | {d['only_a']} / {d['only_b']} | "
-            f"{d['mcnemar_p']:.3g} |"
-            for t, x, y, d in pairs
-        ]
-        out += [
-            "",
-            "Each model's best (lr, epoch), compared example by example; an interval that contains 0",
-            "does not resolve the two at this validation set's size.",
-        ]
-    out += [
-        "",
-        "## Settings that differ from the paper's recipe",
-        "",
-    ]
-    differences = [
-        (name, t, recipe_differences(by_task[t]))
-        for name, by_task in rows.items()
-        for t in glue
-        if t in by_task
-    ]
-    if any(d for _, _, d in differences):
-        out += ["| Model | Task | differs from the recipe |", "|---|---|---|"]
-        out += [f"| {name} | {t} | {'; '.join(d)} |" for name, t, d in differences if d]
-    else:
-        out.append("None: every run followed the recipe.")
-    out += [
-        "",
-        "The recipe: the NormFormer paper's learning rates 1e-5, 1e-4, 3e-4, 1e-3, 3e-3, 6e-3 and",
-        "roberta-base's other fine-tuning settings (fairseq examples/roberta/README.glue.md: 10 epochs,",
-        "batch 16 or 32 by task, Adam (0.9, 0.98), eps 1e-6, weight decay 0.1, 6% warmup, dropout 0.1),",
-        "from pretrained weights, on GLUE's whole training and development sets. Every run here is",
-        "fp32 (fairseq: fp16).",
-    ]
+    out += _interval_lines(rows, glue) + _paired_lines(rows, glue) + _recipe_lines(rows, glue)
     return "\n".join(out) + "\n"
 
 
