@@ -395,6 +395,39 @@ def _probe_within(deadline: float | None, smoke: bool) -> dict:
     return _run_probe("cpu" if smoke else "cuda", left)
 
 
+def _run_cases(
+    args, cases: list, doc: dict, deadline: float | None, probe_reserve: float, json_path: Path, md_path: Path
+) -> None:
+    """Runs each case (or records it skipped for the time budget) into ``doc["rows"]``."""
+    from bench import gpu
+
+    for n, (recipe, zero, recompute) in enumerate(cases, 1):
+        name = f"{Path(recipe).stem} ZeRO {zero} {recompute}"
+        timeout = None
+        if deadline is not None:
+            left = deadline - time.monotonic() - probe_reserve
+            try:
+                need = estimate_case_s(Path(recipe).stem, recompute, args.steps) if not args.smoke else 0.0
+            except KeyError:  # never timed: started if any time is left, killed when it runs out
+                need = 1.0
+            if need > left:
+                why = f"the time budget ({left:.0f} s left, the case needs ~{need:.0f} s)"
+                doc["rows"].append(
+                    {"recipe": Path(recipe).stem, "zero": zero, "recompute": recompute, "skipped": why}
+                )
+                print(f"[gpu_check] {n}/{len(cases)} {name}: skipped, {why}", flush=True)
+                continue
+            timeout = max(left, 1.0)
+        doc["rows"].append(
+            gpu._spawn(recipe, zero, recompute, args.steps, args.smoke, args.set, args.profile, timeout)
+        )
+        _write(doc, json_path, md_path, quiet=True)
+        row = doc["rows"][-1]
+        wall = f", {row['wall_s']:.0f} s in all" if "wall_s" in row else ""
+        attention = f", attention {_attention_cell(row)}" if row.get("attention") else ""
+        print(f"[gpu_check] {n}/{len(cases)} {name}: {gpu._brief(row)}{attention}{wall}", flush=True)
+
+
 def measure(args, json_path: Path, md_path: Path) -> int:
     """The measurement (module docstring); exit status 0 when every case was measured and the probe
     agreed, 1 otherwise (the JSON says which)."""
@@ -422,31 +455,7 @@ def measure(args, json_path: Path, md_path: Path) -> int:
         except KeyError as e:  # a recipe never timed on the H200: run it, within the budget's timeout
             doc["estimate_s"] = None
             print(f"[gpu_check] no time estimate: {e.args[0]}", flush=True)
-    for n, (recipe, zero, recompute) in enumerate(cases, 1):
-        name = f"{Path(recipe).stem} ZeRO {zero} {recompute}"
-        timeout = None
-        if deadline is not None:
-            left = deadline - time.monotonic() - probe_reserve
-            try:
-                need = estimate_case_s(Path(recipe).stem, recompute, args.steps) if not args.smoke else 0.0
-            except KeyError:  # never timed: started if any time is left, killed when it runs out
-                need = 1.0
-            if need > left:
-                why = f"the time budget ({left:.0f} s left, the case needs ~{need:.0f} s)"
-                doc["rows"].append(
-                    {"recipe": Path(recipe).stem, "zero": zero, "recompute": recompute, "skipped": why}
-                )
-                print(f"[gpu_check] {n}/{len(cases)} {name}: skipped, {why}", flush=True)
-                continue
-            timeout = max(left, 1.0)
-        doc["rows"].append(
-            gpu._spawn(recipe, zero, recompute, args.steps, args.smoke, args.set, args.profile, timeout)
-        )
-        _write(doc, json_path, md_path, quiet=True)
-        row = doc["rows"][-1]
-        wall = f", {row['wall_s']:.0f} s in all" if "wall_s" in row else ""
-        attention = f", attention {_attention_cell(row)}" if row.get("attention") else ""
-        print(f"[gpu_check] {n}/{len(cases)} {name}: {gpu._brief(row)}{attention}{wall}", flush=True)
+    _run_cases(args, cases, doc, deadline, probe_reserve, json_path, md_path)
     doc["pairs"] = pair_ratios(doc["rows"])
     for p in doc["pairs"]:
         print(

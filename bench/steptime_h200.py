@@ -237,6 +237,29 @@ def _no_dropout_rates(c: dict, peak: float) -> dict:
     return nodrop
 
 
+def _rest_points(profiled: list, stream: float, copy: float) -> tuple[list, list]:
+    """Each profile's rest of the device time (into ``p["rest_s"]``) and its least-squares points."""
+    xs, ys = [], []
+    for p in profiled:
+        meas, mod = p["measured"], p["model"]
+        psi, gas = mod["params"], mod["gas"]
+        known = sum(
+            meas.get(k, 0.0) for k in ("gemm", "attention_fwd", "attention_bwd", "strided_copy", "dropout")
+        )
+        # optimizer passes: measured where the profile lists them (1.3B), else the model's
+        known += meas["add_"] if "add_" in meas else 12 * psi * gas / stream
+        known += meas["adamw"] if "adamw" in meas else 28 * psi / stream
+        known += meas["convert_copy"] if "convert_copy" in meas else 6 * psi * gas / copy
+        known += (6 * psi + 4 * psi + mod["embedding_bytes"]) / stream  # bf16 weight copy, zeroing, embedding
+        # the masks' fill_ pass: of DROPOUT_KEEP_PASSES (3) passes of 2 bytes + a 1-byte mask per
+        # element, native_dropout (measured) is 2 passes and the mask, fill_ the third (2 of 7)
+        known += mod["mask_bytes"] * 2 / 7 / stream
+        p["rest_s"] = meas["total_s"] - known
+        xs.append((mod["fused_pointwise_bytes"] + mod["loss_bytes"], mod["fused_norm_bytes"]))
+        ys.append(p["rest_s"])
+    return xs, ys
+
+
 def fit(profiles: tuple = PROFILES) -> dict:
     """The constants of :data:`megaformer.tools.steptime.H200_FIT` from ``profiles`` (module
     docstring; at least two: two unknowns per least-squares fit), with each profile's categories and
@@ -286,24 +309,7 @@ def fit(profiles: tuple = PROFILES) -> dict:
     c["copy_fraction"] = copy_bytes / copy_s / hbm
     # The rest of the device time: the compiled blocks' Triton kernels and the fused loss.
     stream, copy = c["hbm_fraction"] * hbm, c["copy_fraction"] * hbm
-    xs, ys = [], []
-    for p in profiled:
-        meas, mod = p["measured"], p["model"]
-        psi, gas = mod["params"], mod["gas"]
-        known = sum(
-            meas.get(k, 0.0) for k in ("gemm", "attention_fwd", "attention_bwd", "strided_copy", "dropout")
-        )
-        # optimizer passes: measured where the profile lists them (1.3B), else the model's
-        known += meas["add_"] if "add_" in meas else 12 * psi * gas / stream
-        known += meas["adamw"] if "adamw" in meas else 28 * psi / stream
-        known += meas["convert_copy"] if "convert_copy" in meas else 6 * psi * gas / copy
-        known += (6 * psi + 4 * psi + mod["embedding_bytes"]) / stream  # bf16 weight copy, zeroing, embedding
-        # the masks' fill_ pass: of DROPOUT_KEEP_PASSES (3) passes of 2 bytes + a 1-byte mask per
-        # element, native_dropout (measured) is 2 passes and the mask, fill_ the third (2 of 7)
-        known += mod["mask_bytes"] * 2 / 7 / stream
-        p["rest_s"] = meas["total_s"] - known
-        xs.append((mod["fused_pointwise_bytes"] + mod["loss_bytes"], mod["fused_norm_bytes"]))
-        ys.append(p["rest_s"])
+    xs, ys = _rest_points(profiled, stream, copy)
     inv_fused, inv_norm = _lstsq2(xs, ys)
     c["fused_fraction"] = 1.0 / inv_fused / hbm
     c["fused_norm_fraction"] = 1.0 / inv_norm / hbm

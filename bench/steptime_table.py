@@ -223,6 +223,28 @@ def _terms_lines(by: dict) -> list[str]:
     return lines
 
 
+def _overhead_lines(by: dict, head: str) -> tuple[dict, list[str]]:
+    """NormFormer's predicted step-time overhead over Pre-LN per size, GPU and nodes, and its table."""
+    overhead = {}
+    lines: list[str] = []
+    lines += ["", "NormFormer's PREDICTED step-time overhead over Pre-LN (same layout):", ""]
+    lines += [f"| size | {head} |", "|---" * (1 + len(GPUS) * len(NODES)) + "|"]
+    for size in ("125m", "355m", "1.3b", "2.7b"):
+        row = []
+        for g in GPUS:
+            for n in NODES:
+                base = by[(f"configs/paper/{size}-baseline.yaml", g, n)]
+                nf = by[(f"configs/paper/{size}-normformer.yaml", g, n)]
+                if "step_s" not in base or "step_s" not in nf:
+                    row.append("—")
+                    continue
+                ratio = nf["step_s"] / base["step_s"] - 1
+                overhead[f"{size}/{g}/{n}"] = ratio
+                row.append(f"{ratio:+.1%}")
+        lines.append(f"| {size} | " + " | ".join(row) + " |")
+    return overhead, lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "steptime_table.json"))
@@ -253,22 +275,8 @@ def main() -> int:
                 row.append(f"{c['mfu']:.0%} / {c['tokens_per_s_per_device']:,.0f}{mark}")
         lines.append(f"| {os.path.basename(path)[:-5]} | " + " | ".join(row) + " |")
 
-    overhead = {}
-    lines += ["", "NormFormer's PREDICTED step-time overhead over Pre-LN (same layout):", ""]
-    lines += [f"| size | {head} |", "|---" * (1 + len(GPUS) * len(NODES)) + "|"]
-    for size in ("125m", "355m", "1.3b", "2.7b"):
-        row = []
-        for g in GPUS:
-            for n in NODES:
-                base = by[(f"configs/paper/{size}-baseline.yaml", g, n)]
-                nf = by[(f"configs/paper/{size}-normformer.yaml", g, n)]
-                if "step_s" not in base or "step_s" not in nf:
-                    row.append("—")
-                    continue
-                ratio = nf["step_s"] / base["step_s"] - 1
-                overhead[f"{size}/{g}/{n}"] = ratio
-                row.append(f"{ratio:+.1%}")
-        lines.append(f"| {size} | " + " | ".join(row) + " |")
+    overhead, overhead_lines = _overhead_lines(by, head)
+    lines += overhead_lines
 
     lines += _terms_lines(by)
     zero2, zero2_lines = zero2_comparison()
