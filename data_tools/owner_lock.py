@@ -18,9 +18,11 @@ Limits: ``flock`` is per machine unless the file system forwards it. NFS clients
 (since 2.6.12) emulate it with POSIX byte-range locks through the NFS lock manager, so it holds
 across nodes there, but not on mounts with ``nolock`` or ``local_lock=flock``/``all``, where each
 node sees only its own locks; some FUSE file systems refuse locks altogether (``ENOLCK``,
-``EOPNOTSUPP``), and :meth:`OwnerLock.acquire` then returns without a lock and says so (a warning
-on stderr). No lease or heartbeat is kept for those file systems: there, launch only one run per
-output yourself.
+``EOPNOTSUPP``). Where ``flock`` is refused, ``mode="auto"`` holds the output by a lease with a
+heartbeat instead (:mod:`data_tools.lease`, said on stderr); where it succeeds but is not shared
+between nodes (which no process can detect), ``mode="lease"`` asks for the lease. The two ways
+respect each other: a ``flock`` holder refuses while the file holds a live lease, and a lease is
+refused while another process holds the file's ``flock``.
 
 Bad lock files are reported, never deleted: one that is not ours (not our JSON record) or one that
 cannot be opened (permissions, a directory in its place) is a :class:`LockFileError` naming the file
@@ -30,95 +32,30 @@ and the fix.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import errno
 import fcntl
 import json
 import os
-import socket
 import sys
-import time
 
-from data_tools.errors import DataToolsError
+from data_tools.lease import DEFAULT_TIMEOUT_S, Lease, check_lease_free, check_timeout, held_message, judge
+from data_tools.lock_record import FORMAT, LockFileError, LockHeldError, describe, holder_record, read_record
 
-FORMAT = "megaformer-owner-lock/1"
-"""The ``format`` field of every record this module writes; a file without it is not ours."""
+__all__ = [  # the record and its errors live in lock_record (the lease shares them); named here too
+    "FORMAT",
+    "MODES",
+    "LockFileError",
+    "LockHeldError",
+    "OwnerLock",
+    "check_free",
+    "check_mode",
+    "describe",
+    "holder_record",
+    "read_record",
+]
 
 NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
 """``flock`` errors of a file system that keeps no locks."""
-
-
-class LockFileError(DataToolsError):
-    """A lock file that cannot be used: not ours (another format), or not openable."""
-
-
-class LockHeldError(DataToolsError):
-    """The output is held by another live process; :attr:`holder` is its record (or None)."""
-
-    def __init__(self, message: str, holder: dict | None) -> None:
-        super().__init__(message)
-        self.holder = holder
-
-
-def holder_record(what: str) -> dict:
-    """This process's record: what it is doing, host, PID, Slurm job, start time, command."""
-    now = time.time()
-    return {
-        "format": FORMAT,
-        "what": what,
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "slurm_job_id": os.environ.get("SLURM_JOB_ID") or None,
-        "started": datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(timespec="seconds"),
-        "started_unix": now,
-        "command": " ".join(sys.argv)[:500],
-    }
-
-
-def describe(holder: dict | None) -> str:
-    """``"a training run on host h, PID 123, Slurm job 77, since 2026-11-28T14:00:00+00:00 (3 min
-    ago)"``; a lock taken a moment ago whose record is not written yet: said so."""
-    if not holder:
-        return "a process that has just taken it (its record is not written yet)"
-    parts = [f"host {holder.get('host', '?')}", f"PID {holder.get('pid', '?')}"]
-    if holder.get("slurm_job_id"):
-        parts.append(f"Slurm job {holder['slurm_job_id']}")
-    since = f"since {holder.get('started', '?')}"
-    started = holder.get("started_unix")
-    if isinstance(started, (int, float)):
-        since += f" ({_ago(time.time() - started)})"
-    return f"{holder.get('what', 'a process')} on {', '.join(parts)}, {since}"
-
-
-def _ago(seconds: float) -> str:
-    if seconds < 0:
-        return "in the future: the clocks of the two hosts differ"
-    if seconds < 120:
-        return f"{seconds:.0f} s ago"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min ago"
-    return f"{seconds / 3600:.1f} h ago"
-
-
-def read_record(path: str, text: str) -> dict | None:
-    """The record in a lock file's ``text``: None when empty (a holder that has just taken the lock).
-
-    Raises:
-        LockFileError: the text is not a record of this module (another program's file).
-    """
-    if not text.strip():
-        return None
-    try:
-        record = json.loads(text)
-    except ValueError:
-        record = None
-    if not isinstance(record, dict) or record.get("format") != FORMAT:
-        raise LockFileError(
-            f"{path}: not a megaformer lock file (it starts {text[:60]!r}; ours are JSON records with "
-            f'"format": "{FORMAT}"); nothing was changed: move that file away if it is not needed, '
-            "or choose another output"
-        )
-    return record
 
 
 def _open(path: str, create: bool) -> int | None:
@@ -191,78 +128,128 @@ def _held_error(path: str, fd: int, way_on: str) -> LockHeldError:
     return LockHeldError(f"{path} is held by {describe(holder)}: {way_on}", holder)
 
 
-def check_free(path: str, way_on: str) -> None:
-    """Refuse if another process holds ``path``'s lock; take nothing, create nothing.
+MODES = ("auto", "lease")
+"""``auto``: ``flock``, and a lease where the file system refuses locks; ``lease``: a lease only (for
+mounts where ``flock`` succeeds but is not shared between nodes: NFS with ``local_lock``)."""
+
+
+def check_mode(mode: str, name: str) -> str:
+    """``mode`` if it is one of :data:`MODES`, else ValueError naming ``name`` and the choices."""
+    if mode not in MODES:
+        raise ValueError(
+            f"{name}={mode!r}: one of {', '.join(MODES)} (lease: for file systems whose locks are not "
+            "shared between nodes)"
+        )
+    return mode
+
+
+def check_free(path: str, way_on: str, mode: str = "auto", lease_timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """Refuse if another process holds ``path`` (its ``flock``, or a live lease); take nothing,
+    create nothing.
 
     Args:
         path: the lock file (it may not exist: then the output is free).
         way_on: what the user can do, appended to the message (wait, another output).
+        mode: one of :data:`MODES`.
+        lease_timeout: seconds after which a lease without a heartbeat counts as free.
 
     Raises:
         LockHeldError: held, naming the holder (host, PID, Slurm job, since when) and ``way_on``.
-        LockFileError: a lock file that is not ours, or one that cannot be opened.
+        LockFileError: a lock file that is not ours, cannot be opened, or whose lease's heartbeat
+            lies in the future.
     """
-    fd = _open(path, create=False)
-    if fd is None:
-        return
-    try:
-        taken = _try_lock(fd, path)
-        if taken is False:
-            raise _held_error(path, fd, way_on)
-        read_record(path, _read(fd))  # free: but not another program's file
-    finally:
-        os.close(fd)  # drops a lock taken just now
+    if check_mode(mode, "lock mode") == "auto":
+        fd = _open(path, create=False)
+        if fd is None:
+            return
+        try:
+            if _try_lock(fd, path) is False:
+                raise _held_error(path, fd, way_on)
+        finally:
+            os.close(fd)  # drops a lock taken just now
+    check_lease_free(path, way_on, lease_timeout)  # not another program's file; no live lease in it
 
 
 class OwnerLock:
-    """The exclusive lock of one output, held from :meth:`acquire` to :meth:`release` (or the
-    process's end).
+    """The exclusive hold of one output, from :meth:`acquire` to :meth:`release` (or the process's
+    end): an OS lock, or a lease (:mod:`data_tools.lease`) where ``mode`` says so or the file system
+    keeps no locks.
 
     Args:
         path: the lock file (created if missing; deleted by :meth:`release`).
         what: what the holder does, for the record (``"a training run"``).
         way_on: appended to the refusal a second process gets (``"wait for it to end, or ..."``).
+        mode: one of :data:`MODES`.
+        lease_timeout: seconds without a heartbeat after which a lease may be taken over.
 
     Raises:
+        ValueError: from the constructor, a ``mode`` or ``lease_timeout`` out of range.
         LockHeldError: from :meth:`acquire`, when another process holds it.
-        LockFileError: from :meth:`acquire`, for a lock file that is not ours or cannot be opened.
+        LockFileError: from :meth:`acquire`, for a lock file that is not ours, cannot be opened,
+            or holds a lease whose heartbeat lies in the future.
         OSError: from :meth:`acquire`, when the lock file cannot be created (a directory that is
             missing or not writable, a full disk).
     """
 
-    def __init__(self, path: str, what: str, way_on: str) -> None:
+    def __init__(
+        self, path: str, what: str, way_on: str, mode: str = "auto", lease_timeout: float = DEFAULT_TIMEOUT_S
+    ) -> None:
         self.path, self.what, self.way_on = path, what, way_on
+        self.mode = check_mode(mode, "lock mode")
+        self.lease_timeout = check_timeout(lease_timeout, "lease timeout")
         self.fd: int | None = None
         self.locked = False
+        self.lease: Lease | None = None
+
+    def _lock_once(self) -> tuple[int, bool | None] | None:
+        """Open and ``flock`` the file: ``(fd, taken)``, or None to start again (its holder deleted
+        it as it ended)."""
+        fd = _open(self.path, create=True)
+        try:
+            taken = _try_lock(fd, self.path)
+            if taken is False:
+                raise _held_error(self.path, fd, self.way_on)
+            if taken and not _still_names(self.path, fd):
+                os.close(fd)
+                return None
+            text = _read(fd)
+            record = read_record(self.path, text)  # another program's file is not overwritten
+            if taken and record and "lease" in record:  # a lease holder (mode lease) may live elsewhere
+                state, record, age = judge(self.path, text, os.fstat(fd).st_mtime, self.lease_timeout)
+                if state == "live":
+                    raise LockHeldError(
+                        held_message(self.path, record, age, self.lease_timeout, self.way_on), record
+                    )
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise
+        return fd, taken
 
     def acquire(self) -> OwnerLock:
-        """Take the lock and write this process's record into the file; returns ``self``. On a
-        file system without locks: no lock, a warning on stderr, :attr:`locked` false."""
-        while True:
-            fd = _open(self.path, create=True)
-            try:
-                taken = _try_lock(fd, self.path)
-                if taken is False:
-                    raise _held_error(self.path, fd, self.way_on)
-                if taken and not _still_names(self.path, fd):
-                    os.close(fd)  # its holder deleted it as it ended: lock the new one
-                    continue
-                read_record(self.path, _read(fd))  # another program's file is not overwritten
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-                raise
-            break
-        self.fd = fd
+        """Take the lock (or the lease) and write this process's record into the file; returns
+        ``self``. On a file system without locks: a lease, said on stderr."""
+        if self.mode == "lease":
+            self.lease = Lease(self.path, self.what, self.way_on, self.lease_timeout).acquire()
+            return self
+        existed = os.path.lexists(self.path)
+        while (got := self._lock_once()) is None:
+            pass
+        fd, taken = got
         if taken is None:
+            if not existed and os.fstat(fd).st_size == 0 and _still_names(self.path, fd):
+                os.unlink(self.path)  # the empty file just created to try the lock: the lease makes its own
+            os.close(fd)
             print(
-                f"warning: {self.path}: this file system keeps no file locks, so nothing stops a "
-                "second run from writing the same output; launch only one",
+                f"warning: {self.path}: this file system keeps no file locks; holding the output by a lease "
+                f"instead (a heartbeat every {self.lease_timeout / 4:g} s; a killed holder's lease lapses "
+                f"after {self.lease_timeout:g} s)",
                 file=sys.stderr,
                 flush=True,
             )
+            self.lease = Lease(self.path, self.what, self.way_on, self.lease_timeout).acquire()
             return self
-        self.locked = True
+        self.fd, self.locked = fd, True
         data = (json.dumps(holder_record(self.what), indent=1) + "\n").encode("utf-8")
         os.ftruncate(fd, 0)
         os.pwrite(fd, data, 0)
@@ -271,8 +258,11 @@ class OwnerLock:
         return self
 
     def release(self, remove: bool = True) -> None:
-        """Drop the lock; with ``remove``, delete the lock file first (while still holding it, and
-        only if the path still names the file this process locked)."""
+        """Drop the lock (or end the lease); with ``remove``, delete the lock file first (while
+        still holding it, and only if the path still names the file this process locked)."""
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
         if self.fd is None:
             return
         if remove and self.locked and _still_names(self.path, self.fd):

@@ -54,9 +54,10 @@ from data_tools.bpe_cache import CachedGPT2BPETokenizer
 from data_tools.errors import DataFormatError, DataToolsError, PreprocessError
 from data_tools.files import atomic_write_json
 from data_tools.indexed_dataset import IndexedDataset, optimal_dtype
+from data_tools.lease import DEFAULT_TIMEOUT_S
 from data_tools.megatron_flags import add_megatron_flags, check_megatron_flags, level, strip_suffix
 from data_tools.ordered_pool import OrderedPool
-from data_tools.owner_lock import OwnerLock
+from data_tools.owner_lock import MODES, OwnerLock
 from data_tools.partitions import make_writer
 from data_tools.readers import open_input
 from data_tools.sentences import encode_sentences, sentence_lengths
@@ -861,6 +862,9 @@ def plan_run(args: argparse.Namespace, tokenizer=None) -> RunPlan:
     """
     if args.workers < 1:
         raise PreprocessError(f"--workers must be at least 1, got {args.workers}")
+    lease_timeout = getattr(args, "lease_timeout", DEFAULT_TIMEOUT_S)
+    if not 0 < lease_timeout < float("inf"):
+        raise PreprocessError(f"--lease-timeout must be a positive number of seconds, got {lease_timeout}")
     check_megatron_flags(args)
     paths = expand_inputs(args.input)
     lvl = level(args)  # "document", or "sentence" with --split-sentences (Megatron's names)
@@ -925,6 +929,8 @@ def preprocess(args: argparse.Namespace) -> PreprocessSummary:
         f"{plan.output_prefix}.lock",
         "a preprocessing run",
         "wait for it to end, or choose another --output-prefix",
+        getattr(args, "lock", "auto"),
+        getattr(args, "lease_timeout", DEFAULT_TIMEOUT_S),
     )
     made = _missing_dirs(plan.output_prefix)
     try:
@@ -1305,6 +1311,19 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["mmap"],
         default="mmap",
         help="accepted for older Megatron command lines; mmap (MMIDIDX) is the only format",
+    )
+    g.add_argument(
+        "--lock",
+        choices=MODES,
+        default="auto",
+        help="how this run holds its output prefix (PREFIX.lock): auto, an OS file lock (a lease where "
+        "the file system has no locks); lease, a lease with a heartbeat (locks not shared between nodes)",
+    )
+    g.add_argument(
+        "--lease-timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help=f"seconds without a heartbeat before a lease is taken over (default {DEFAULT_TIMEOUT_S:g})",
     )
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")

@@ -593,6 +593,21 @@ def check_compile(cfg: RunConfig) -> None:
     )
 
 
+def check_output(cfg: RunConfig) -> None:
+    o = cfg.output
+    _one_of(
+        "output.lock",
+        o.lock,
+        ("auto", "lease"),
+        " (lease: for file systems whose locks are not shared between nodes)",
+    )
+    _require(
+        o.lease_timeout_seconds > 0 and o.lease_timeout_seconds != float("inf"),
+        f"output.lease_timeout_seconds={o.lease_timeout_seconds}: a positive number of seconds "
+        "(default 120).",
+    )
+
+
 VALIDATORS: list[Callable[[RunConfig], None]] = [
     check_model,
     check_parallel,
@@ -600,6 +615,7 @@ VALIDATORS: list[Callable[[RunConfig], None]] = [
     check_recompute,
     check_compile,
     check_data,
+    check_output,
 ]
 
 

@@ -455,6 +455,14 @@ class OutputConfig:
     overwrite: bool = False
     """Allow a fresh start (train.resume=none, or auto without a checkpoint) in a directory that
     holds another run's checkpoints: they and its TensorBoard events are deleted first."""
+    lock: str = "auto"
+    """How the run holds output.dir while it runs (OUTPUT_DIR/run.lock): 'auto', an OS file lock
+    (flock), or a lease with a heartbeat where the file system refuses locks; 'lease', a lease only,
+    for mounts whose locks are not shared between nodes (NFS with local_lock, nolock)."""
+    lease_timeout_seconds: float = 120.0
+    """A lease whose heartbeat is older than this is taken over (a killed run's directory is free
+    again after it); the holder renews it every quarter of it. The hosts' clocks must agree to well
+    within it."""
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,8 @@ MAY_CHANGE = frozenset(
         "output.wandb_project",
         "output.wandb_entity",
         "output.wandb_run_name",
+        "output.lock",
+        "output.lease_timeout_seconds",
     }
 )
 """Keys that may differ between the saved config and a resumed run's (``train.steps`` apart)."""

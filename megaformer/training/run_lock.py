@@ -25,8 +25,10 @@ Who holds it, and when it is checked:
   checks (``NODE_RANK`` unset or 0): the other nodes of a job start while node 0's rank 0 may
   already hold the lock, and a second job is refused on its node 0 anyway.
 
-Where the file system keeps no locks (some FUSE mounts; NFS mounted with ``nolock`` or
-``local_lock``), the run goes on with a warning: see :mod:`data_tools.owner_lock` for what NFS does.
+Where the file system keeps no locks (some FUSE mounts), the run holds the directory by a lease
+with a heartbeat instead (:mod:`data_tools.lease`), said on stderr; where its locks are not shared
+between nodes (NFS mounted with ``nolock`` or ``local_lock``, which no process can detect),
+``output.lock=lease`` asks for the lease. See :mod:`data_tools.owner_lock` for what NFS does.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 
+from data_tools.lease import DEFAULT_TIMEOUT_S
 from data_tools.owner_lock import LockFileError, LockHeldError, OwnerLock, check_free
 from megaformer.config import ConfigError, RunConfig
 
@@ -58,15 +61,16 @@ def _way_on(output_dir: str) -> str:
     )
 
 
-def check_run_dir_free(output_dir: str) -> None:
-    """Refuse a launch into an ``output.dir`` a live run holds; take and create nothing.
+def check_run_dir_free(output_dir: str, mode: str = "auto", lease_timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """Refuse a launch into an ``output.dir`` a live run holds; take and create nothing. ``mode`` and
+    ``lease_timeout`` are ``output.lock`` and ``output.lease_timeout_seconds``.
 
     Raises:
         RunDirBusyError: held by another run (naming its host, PID, Slurm job and start), or a
             ``run.lock`` that is not ours or cannot be opened (naming it and the fix).
     """
     try:
-        check_free(lock_path(output_dir), _way_on(output_dir))
+        check_free(lock_path(output_dir), _way_on(output_dir), mode, lease_timeout)
     except (LockHeldError, LockFileError) as e:
         raise RunDirBusyError(f"output.dir: {e}") from None
 
@@ -90,7 +94,9 @@ def hold_run_dir(cfg: RunConfig) -> Iterator[OwnerLock | None]:
     check_writable(out, "output.dir", "checkpoints, TensorBoard events and summary.json")
     created = not os.path.isdir(out)
     os.makedirs(out, exist_ok=True)
-    lock = OwnerLock(lock_path(out), "a training run", _way_on(out))
+    lock = OwnerLock(
+        lock_path(out), "a training run", _way_on(out), cfg.output.lock, cfg.output.lease_timeout_seconds
+    )
     try:
         lock.acquire()
     except (LockHeldError, LockFileError) as e:

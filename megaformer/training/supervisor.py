@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(config, overrides)  # checked by launch/pretrain.sh already
             stop_signal = _stop_signal(cfg.train.exit_signals)
             if os.environ.get("NODE_RANK", "0") in ("", "0"):
-                check_run_dir_free(cfg.output.dir)
+                check_run_dir_free(cfg.output.dir, cfg.output.lock, cfg.output.lease_timeout_seconds)
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             return 2

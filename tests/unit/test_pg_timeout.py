@@ -45,6 +45,15 @@ def test_every_group_gets_the_configured_timeout(monkeypatch):
     monkeypatch.setattr(deepspeed, "init_distributed", init_distributed)
     for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
         monkeypatch.setattr(distributed_c10d, name, getattr(distributed_c10d, name))
+    # init_distributed fills in what a plain start lacks; set here, monkeypatch takes them away after
+    # (a later test in this process would otherwise see RANK without MASTER_PORT)
+    for name, value in (
+        ("RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("LOCAL_RANK", "0"),
+        ("MASTER_ADDR", "127.0.0.1"),
+    ):
+        monkeypatch.setenv(name, value)
     monkeypatch.setenv("MASTER_PORT", str(29000 + os.getpid() % 1000))
     cfg = load_config(QUICK, ["parallel.timeout_minutes=45", "parallel.backend=gloo"])
     try:
