@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     # a user can act on and buries the step log.
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated", category=FutureWarning)
     from data_tools.errors import DataFormatError
+    from megaformer.checkpoint.safe_load import CheckpointReadError
     from megaformer.training.distributed import finish
-    from megaformer.training.safe_load import CheckpointReadError
     from megaformer.training.stopping import EXIT_CODE_STOPPED
 
     try:

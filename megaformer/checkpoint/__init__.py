@@ -1,6 +1,7 @@
-"""Checkpoints as their own layer, below the tools: tag resolution, consolidation of a checkpoint of
-any (tp, pp) into full tensors, resharding, and loading them into a model of any layout
-(:mod:`.reshard`). The files' integrity (manifests, sha256) and the weights-only reading are
-:mod:`megaformer.training.ckpt_integrity` and :mod:`megaformer.training.safe_load`; the trainer's
-saving and resuming is :mod:`megaformer.training.checkpointer`. Nothing here imports
-``megaformer.tools`` (``tests/unit/test_boundaries.py``)."""
+"""Checkpoints as their own layer, below training and the tools: DeepSpeed's checkpoint format
+(:mod:`.formats`), the files' integrity (manifests, sha256, tags: :mod:`.integrity`), weights-only
+reading (:mod:`.safe_load`), storage checks and atomic writes (:mod:`.storage`), and consolidation
+of a checkpoint of any (tp, pp) into full tensors, resharding and loading into a model of any layout
+(:mod:`.reshard`). The trainer's saving and resuming is :mod:`megaformer.training.checkpointer`,
+which uses this package; nothing here imports ``megaformer.training`` or ``megaformer.tools``
+(``tests/unit/test_boundaries.py``)."""

@@ -43,20 +43,20 @@ from typing import Any
 import torch
 
 from data_tools.files import atomic_write_text
-from megaformer.config.schema import ModelConfig
-from megaformer.training.ds_adapter import (
+from megaformer.checkpoint.formats import (
     LAYER_STATES_FILE,
     LAYER_STATES_GLOB,
     MODEL_STATES_FILE,
     MODEL_STATES_GLOB,
     model_states_name,
 )
-from megaformer.training.safe_load import (
+from megaformer.checkpoint.safe_load import (
     CheckpointReadError,
     load_weights,
     refuse_untrusted,
     weight_files,
 )
+from megaformer.config.schema import ModelConfig
 
 # DeepSpeed's checkpoint file layout, named in one place (the adapter pins the DeepSpeed version).
 _MP_FILE, _LAYER_FILE = MODEL_STATES_FILE, LAYER_STATES_FILE
@@ -65,7 +65,7 @@ _MP_FILE, _LAYER_FILE = MODEL_STATES_FILE, LAYER_STATES_FILE
 class ReshardError(CheckpointReadError):
     """A checkpoint that cannot be resharded; the message names the file and the reason.
 
-    A subclass of :class:`~megaformer.training.safe_load.CheckpointReadError`, which callers catch
+    A subclass of :class:`~megaformer.checkpoint.safe_load.CheckpointReadError`, which callers catch
     to get this, a damaged file and a refused (untrusted) file alike."""
 
 
@@ -105,7 +105,7 @@ def resolve_tag_dir(ckpt_dir: str, tag: str | None = None) -> str:
                 f"{ckpt_dir}: neither mp_rank_XX_model_states.pt files nor a 'latest' file; pass a "
                 "run directory, its checkpoints/ directory, a global_stepN directory, or --tag"
             )
-        from megaformer.training.ckpt_integrity import resolve_latest
+        from megaformer.checkpoint.integrity import resolve_latest
 
         path = resolve_latest(ckpt_dir)  # an empty or dangling tag: named, with the way out
     if not os.path.isdir(path):
@@ -154,7 +154,7 @@ def _vocab_rows(name: str, config: ModelConfig) -> bool:
 def _load(path: str, trust_code: bool = False) -> Any:
     """A checkpoint file, memory-mapped (tensors are read from disk only when touched, so a rank
     that needs a few of a checkpoint's parameters does not hold all of them), through the
-    weights-only loader (:func:`~megaformer.training.safe_load.load_weights`: nothing in the file
+    weights-only loader (:func:`~megaformer.checkpoint.safe_load.load_weights`: nothing in the file
     runs unless ``trust_code``)."""
     return load_weights(path, trust_code=trust_code)
 
@@ -198,7 +198,7 @@ def consolidate(
     ``names`` (the model's parameter names) limits the result to those parameters: a pipeline
     stage loading its own layers reads and holds only them (files are memory-mapped, and layer
     files of other stages are not opened), not the whole model. Files are read with the
-    weights-only unpickler unless ``trust_code`` (:mod:`megaformer.training.safe_load`).
+    weights-only unpickler unless ``trust_code`` (:mod:`megaformer.checkpoint.safe_load`).
 
     Returns:
         ``(full_state, run_config, extra)``: the full tensors in the model's naming (vocabulary rows
@@ -331,7 +331,7 @@ def reshard(
             only named in a warning on stderr.
         ReshardError: see :func:`consolidate`; UntrustedCheckpointError: see :func:`consolidate`.
     """
-    from megaformer.training import ckpt_integrity as integrity
+    from megaformer.checkpoint import integrity
 
     tag_dir = resolve_tag_dir(input_dir, tag)
     # The weights files are verified before torch.load reads them; a damaged optimizer or
@@ -366,7 +366,7 @@ def write_module_checkpoint(
     directory. ``run_config``: the run config dict stored with the weights (the trainer's
     ``to_dict``); ``provenance``: extra client-state entries (where the weights came from);
     ``manifest_config``: the config recorded in the manifest (None: none, as reshard writes)."""
-    from megaformer.training import ckpt_integrity as integrity
+    from megaformer.checkpoint import integrity
 
     out = os.path.join(output_dir, name)
     os.makedirs(out, exist_ok=True)

@@ -34,6 +34,7 @@ from megaformer.config.schema import (
     FUSED_KERNELS,
     HEAD_SCALE_POSITIONS,
     INITS,
+    MLM_VOCAB_SIZE,
     NORM_SCHEMES,
     OBJECTIVES,
     POSITION_EMBEDDINGS,
@@ -315,8 +316,6 @@ def check_model_config(m: ModelConfig) -> None:
     _one_of("model.objective", m.objective, OBJECTIVES, " ('clm', the causal LM, is the default)")
     _one_of("model.fused_kernels", m.fused_kernels, FUSED_KERNELS, " ('auto', on for CUDA, is the default)")
     if m.objective == "mlm":
-        from megaformer.data.mlm import MLM_VOCAB_SIZE  # lazy: the config loader imports no data code
-
         _require(
             m.vocab_size >= MLM_VOCAB_SIZE,
             f"model.vocab_size={m.vocab_size} with model.objective='mlm': the masked LM's inputs hold "

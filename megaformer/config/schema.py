@@ -16,7 +16,7 @@ allocator, kernel selection, loader and cache warm-up; measured on CPU to run up
 
 
 TRUST_FLAG = "--trust-checkpoint-code"
-"""The tools' switch that unpickles a checkpoint in full (megaformer.training.safe_load); here, in a
+"""The tools' switch that unpickles a checkpoint in full (megaformer.checkpoint.safe_load); here, in a
 module that imports no torch, so that a tool's ``--help`` can name it without importing torch."""
 TRUST_KEY = "train.trust_checkpoint_code"
 """The config key of the same switch for ``train.init_from``."""
@@ -42,6 +42,13 @@ FUSED_KERNELS = ("auto", "on", "off")
 PRE_LN_ONLY = ("post_attn_ln", "head_scale", "ffn_ln", "resid_scale", "qkv_ln")
 # train.compile: a bool, or this string.
 COMPILE_AUTO = "auto"
+MLM_VOCAB_SIZE = 50265
+"""RoBERTa-base's vocabulary (its embedding rows): 4 specials (``<s> <pad> </s> <unk>``), the 50257
+GPT-2 symbols, 3 ``madeupword`` rows that pad fairseq's dictionary to a multiple of 8, ``<mask>``.
+Ours uses ids 0..50259 of it; 50260..50264 are never input or target, as RoBERTa's ``<unk>`` and
+``madeupword`` rows are never in its byte-level data. Set ``model.vocab_size`` to this. (Defined
+here, not in :mod:`megaformer.data.mlm`, which uses it, so that the config checks it without
+importing data code.)"""
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,7 @@ import torch
 
 from data_tools.indexed_dataset import DataFormatError, IndexedDataset
 from data_tools.sample_index import load_or_build
+from megaformer.config.schema import MLM_VOCAB_SIZE  # the config checks model.vocab_size against it
 from megaformer.data.gpt_dataset import BlendedSamples, GPTSamples
 
 __all__ = [
@@ -103,11 +104,6 @@ classification head reads its output)."""
 PAD_ID = 50259
 """``<pad>``: never in a pretraining block (blocks are full); for fine-tuning batches of short
 inputs."""
-MLM_VOCAB_SIZE = 50265
-"""RoBERTa-base's vocabulary (its embedding rows): 4 specials (``<s> <pad> </s> <unk>``), the 50257
-GPT-2 symbols, 3 ``madeupword`` rows that pad fairseq's dictionary to a multiple of 8, ``<mask>``.
-Ours uses ids 0..50259 of it; 50260..50264 are never input or target, as RoBERTa's ``<unk>`` and
-``madeupword`` rows are never in its byte-level data. Set ``model.vocab_size`` to this."""
 IGNORE_INDEX = -100
 """Label of the positions not chosen for prediction: ``torch.nn.functional.cross_entropy``'s default
 ``ignore_index``, and Hugging Face's."""

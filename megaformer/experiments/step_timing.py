@@ -69,10 +69,10 @@ class _Stepper:
 
     def __init__(self, cfg: Any, layout: Any, preflight: Any) -> None:
         from megaformer.training.builders import build_data
-        from megaformer.training.trainer import _build_engine, train_batches
+        from megaformer.training.trainer import build_engine, train_batches
 
         data = build_data(cfg, layout, preflight.stats, preflight.datasets)
-        self.engine = _build_engine(cfg, layout, preflight.dp_size, None)[0]
+        self.engine = build_engine(cfg, layout, preflight.dp_size, None)[0]
         self.engine.apply_schedule()
         self.batches = train_batches(cfg, layout, data, 0)
         self.device = layout.device

@@ -404,7 +404,7 @@ def _run_rank(cfg: Any, dp_size: int, audit: Any, report: dict, steps: int, out_
 
     from megaformer.training.builders import build_layout
     from megaformer.training.stopping import StopCheck
-    from megaformer.training.trainer import TrainLoop, _compute_meter
+    from megaformer.training.trainer import TrainLoop, compute_meter
 
     t = cfg.train
     layout = build_layout(cfg, dp_size)
@@ -419,7 +419,7 @@ def _run_rank(cfg: Any, dp_size: int, audit: Any, report: dict, steps: int, out_
     engine, schedule = _audited_engine(cfg, layout, dp_size, audit, report)
     grad_dtypes = _label_gradients(engine, audit, report)
     checkpoints = _NoCheckpoints()
-    compute = _compute_meter(cfg, layout, 0, {})
+    compute = compute_meter(cfg, layout, 0, {})
     loop = TrainLoop(engine, cfg, layout, data, checkpoints, 0, compute, schedule, {})
     real_stop = StopCheck(t.exit_signals, t.exit_duration_mins)
     done = {"steps": 0}

@@ -208,8 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns 0, or 2 for a bad checkpoint, dataset or flag."""
     from data_tools.errors import DataToolsError
     from data_tools.indexed_dataset import dataset_prefix
+    from megaformer.checkpoint.safe_load import TRUST_FLAG, CheckpointReadError
     from megaformer.tools.generate import load_for_generation
-    from megaformer.training.safe_load import TRUST_FLAG, CheckpointReadError
 
     args = _parser(TRUST_FLAG).parse_args(argv)
     said = _bad_args(args)

@@ -348,7 +348,7 @@ def export(
 ) -> dict:
     """Write the Hugging Face directory ``output`` (see the module docstring); return its config.
     The checkpoint is read with the weights-only unpickler unless ``trust_code``
-    (:mod:`megaformer.training.safe_load`).
+    (:mod:`megaformer.checkpoint.safe_load`).
 
     Everything is written under ``output + '.tmp'`` and renamed when complete.
 
@@ -360,8 +360,8 @@ def export(
         CheckpointError: a weights file differs from the checkpoint's manifest (names it and the newest
             intact ``global_stepN``).
     """
+    from megaformer.checkpoint.integrity import NEEDS_WEIGHTS, verify
     from megaformer.checkpoint.reshard import consolidate, resolve_tag_dir
-    from megaformer.training.ckpt_integrity import NEEDS_WEIGHTS, verify
 
     if os.path.isdir(output) and os.listdir(output) and not overwrite:
         raise ExportError(f"{output}: exists and is not empty; pass --overwrite or another --output")
@@ -472,8 +472,8 @@ def write_hf_dir(
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns 0, or 2 for a bad checkpoint, option or tokenizer."""
-    from megaformer.training.ckpt_integrity import CheckpointError
-    from megaformer.training.safe_load import TRUST_FLAG, CheckpointReadError
+    from megaformer.checkpoint.integrity import CheckpointError
+    from megaformer.checkpoint.safe_load import TRUST_FLAG, CheckpointReadError
 
     p = argparse.ArgumentParser(
         prog="python -m megaformer.tools.export_hf",

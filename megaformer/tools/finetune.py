@@ -445,11 +445,11 @@ def load_classifier(
             to ``--checkpoint`` to fine-tune it instead).
         ReshardError / CheckpointReadError / CheckpointError: see :func:`load_masked_lm`.
     """
+    from megaformer.checkpoint.formats import model_states_name
+    from megaformer.checkpoint.integrity import NEEDS_WEIGHTS, verify
     from megaformer.checkpoint.reshard import consolidate, resolve_tag_dir
+    from megaformer.checkpoint.safe_load import load_weights
     from megaformer.data.glue import glue_task
-    from megaformer.training.ckpt_integrity import NEEDS_WEIGHTS, verify
-    from megaformer.training.ds_adapter import model_states_name
-    from megaformer.training.safe_load import load_weights
 
     tag_dir = resolve_tag_dir(ckpt_dir, tag)
     verify(tag_dir, needs=NEEDS_WEIGHTS)
@@ -514,8 +514,8 @@ def load_masked_lm(
         ReshardError / CheckpointReadError / CheckpointError: see
             :func:`megaformer.tools.generate.load_for_generation`.
     """
+    from megaformer.checkpoint.integrity import NEEDS_WEIGHTS, verify
     from megaformer.checkpoint.reshard import consolidate, resolve_tag_dir
-    from megaformer.training.ckpt_integrity import NEEDS_WEIGHTS, verify
 
     tag_dir = resolve_tag_dir(ckpt_dir, tag)
     verify(tag_dir, needs=NEEDS_WEIGHTS)
@@ -1069,7 +1069,7 @@ def finetune_task(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns 0, or 2 for a bad task, data file, checkpoint or flag."""
     from data_tools.errors import DataToolsError
-    from megaformer.training.safe_load import CheckpointReadError
+    from megaformer.checkpoint.safe_load import CheckpointReadError
 
     p = build_parser()
     args = p.parse_args(argv)

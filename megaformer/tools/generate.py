@@ -41,7 +41,7 @@ def load_for_generation(
 ) -> tuple[NormFormerLM, ModelConfig, int]:
     """The checkpoint's model at TP = 1 in eval mode (fp32, CPU), its config, and the step it was
     saved at. The weights are read with the weights-only unpickler unless ``trust_code``
-    (:mod:`megaformer.training.safe_load`).
+    (:mod:`megaformer.checkpoint.safe_load`).
 
     Raises:
         ReshardError: the directory holds no loadable megaformer checkpoint (names the file).
@@ -50,10 +50,10 @@ def load_for_generation(
         CheckpointError: a weights file differs from the manifest (a damaged optimizer or
             generator-state file is only named in a warning: it is not read).
     """
+    from megaformer.checkpoint.integrity import NEEDS_WEIGHTS, verify
     from megaformer.checkpoint.reshard import consolidate, load_full, resolve_tag_dir
     from megaformer.config.load import require_causal_lm
     from megaformer.model import NormFormerLM
-    from megaformer.training.ckpt_integrity import NEEDS_WEIGHTS, verify
 
     tag_dir = resolve_tag_dir(ckpt_dir, tag)
     # A damaged weights file is named (with the newest intact checkpoint) before loading; a damaged
@@ -179,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # before the heavy imports: --help, a bad flag
     from data_tools.errors import DataToolsError
     from data_tools.tokenizer import build_tokenizer
-    from megaformer.training.safe_load import CheckpointReadError
+    from megaformer.checkpoint.safe_load import CheckpointReadError
 
     try:
         tokenizer = build_tokenizer(

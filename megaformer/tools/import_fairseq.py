@@ -11,7 +11,7 @@ point for training: set ``data.*``), and ``DIR/dict.txt`` a copy of the dictiona
 
 What is read. Both fairseq layouts: the argparse era's ``{'args': argparse.Namespace, 'model': ...}``
 and the hydra era's ``{'cfg': {'model': {...}}, 'model': ...}``. The file goes through
-:func:`megaformer.training.safe_load.load_weights` with exactly one extra allowed type,
+:func:`megaformer.checkpoint.safe_load.load_weights` with exactly one extra allowed type,
 ``argparse.Namespace`` (a plain attribute bag: unpickling it runs no code); any other type is
 refused, naming it, unless ``--trust-checkpoint-code``.
 
@@ -65,8 +65,8 @@ from typing import Any
 
 import torch
 
+from megaformer.checkpoint.safe_load import TRUST_FLAG, CheckpointReadError, load_weights
 from megaformer.config.schema import ModelConfig, RunConfig
-from megaformer.training.safe_load import TRUST_FLAG, CheckpointReadError, load_weights
 
 ALLOWED_TYPES = (argparse.Namespace,)
 """The one type this reader allows besides megaformer's own (fairseq's argparse-era ``args``)."""

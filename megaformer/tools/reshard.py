@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from megaformer.checkpoint.reshard import reshard
-from megaformer.training.safe_load import TRUST_FLAG, CheckpointReadError
+from megaformer.checkpoint.safe_load import TRUST_FLAG, CheckpointReadError
 
 
 def main(argv: list[str] | None = None) -> int:

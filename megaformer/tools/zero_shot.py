@@ -468,7 +468,7 @@ def _check_task_files(task_files: dict[str, str], specs: Sequence[str], include_
 
 def _parser() -> argparse.ArgumentParser:
     """The command line of :func:`main`."""
-    from megaformer.training.safe_load import TRUST_FLAG
+    from megaformer.checkpoint.safe_load import TRUST_FLAG
 
     p = argparse.ArgumentParser(
         prog="python -m megaformer.tools.zero_shot",
@@ -542,7 +542,7 @@ def row_name(checkpoint: str | None, hf_model: str | None) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; prints the table; 0, or 2 for a bad checkpoint, task or file."""
-    from megaformer.training.safe_load import CheckpointReadError
+    from megaformer.checkpoint.safe_load import CheckpointReadError
 
     p = _parser()
     args = p.parse_args(argv)
@@ -648,7 +648,7 @@ def _model(args) -> tuple[object, int, float | None]:
         from megaformer.tools.export_hf import register_auto_classes
 
         if args.trust_checkpoint_code:
-            from megaformer.training.safe_load import warn_trusted
+            from megaformer.checkpoint.safe_load import warn_trusted
 
             warn_trusted(f"{args.hf_model} (its modeling code, trust_remote_code=True)")
         else:

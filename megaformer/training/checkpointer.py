@@ -15,7 +15,7 @@ rank 0 writes without waiting for the other ranks' files, is switched off):
 4. a last all-reduce: no rank goes on (deletes old checkpoints, exits) before ``latest`` moved.
 
 A reader (resume, ``init_from``, ``reshard``, ``generate``) checks the files against the manifest
-(:mod:`.ckpt_integrity`) and names a damaged file and the newest intact ``global_stepN``.
+(:mod:`megaformer.checkpoint.integrity`) and names a damaged file and the newest intact ``global_stepN``.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megaformer.checkpoint import integrity
 from megaformer.config import ConfigError, RunConfig, to_dict
 from megaformer.parallel.rng import DropoutRNG
-from megaformer.training import ckpt_integrity as integrity
 from megaformer.training.builders import Layout, log
 from megaformer.training.rng_state import load_rng_state, save_rng_state
 
@@ -72,7 +72,7 @@ def finished_run(cfg: RunConfig) -> tuple[str, dict | None] | None:
 
     Raises:
         ConfigError: a key that may not change differs from the saved config; ``latest`` is
-            empty or names no directory (:class:`~.ckpt_integrity.CheckpointError`).
+            empty or names no directory (:class:`~megaformer.checkpoint.integrity.CheckpointError`).
     """
     import json
 
@@ -274,7 +274,7 @@ class Checkpointer:
         """The error of a save that failed on this rank (or that another rank left), its cause
         named (:func:`~.storage.write_failure`). Alone, the rank removes the partial directory;
         with others it leaves it, as they may still be writing into it."""
-        from megaformer.training.storage import write_failure
+        from megaformer.checkpoint.storage import write_failure
 
         why, known = write_failure(tag_dir, error)
         try:
@@ -433,9 +433,9 @@ def _check_config(cfg: RunConfig, tag_dir: str, layout: Layout) -> None:
 
 
 def verify_collectively(tag_dir: str, layout: Layout, needs: str = integrity.NEEDS_ALL) -> None:
-    """Check the files of ``tag_dir`` the run reads (``needs``, see :func:`.ckpt_integrity.verify`)
-    against its manifest, the ranks sharing the hashing; rank 0 names a damaged file the run does
-    not read in a warning.
+    """Check the files of ``tag_dir`` the run reads (``needs``, see
+    :func:`~megaformer.checkpoint.integrity.verify`) against its manifest, the ranks sharing the
+    hashing; rank 0 names a damaged file the run does not read in a warning.
 
     Raises:
         CheckpointError: on every rank, naming the damaged files and the newest intact checkpoint.

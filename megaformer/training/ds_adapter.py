@@ -34,9 +34,8 @@ process group starts:
   micro-batch's backward, the sum first at the boundary (:meth:`Engine._reduce_gradients`). The
   pipeline engine calls ``allreduce_gradients`` from its own instructions, so there it stays
   wrapped (:func:`_install_sequence_parallel_reduction`);
-* checkpoint file names (:data:`MODEL_STATES_FILE`, :data:`LAYER_STATES_FILE`), read by
-  :mod:`megaformer.checkpoint.reshard`, and the data classes DeepSpeed pickles into them
-  (:func:`checkpoint_data_classes`, allowed by :mod:`.safe_load`);
+* (DeepSpeed's checkpoint format, its file names and the data classes it pickles into them, is the
+  checkpoint package's: :mod:`megaformer.checkpoint.formats`);
 * the pipeline engine's mark on its copy of a tied parameter (``ds_pipe_replicated``:
   :func:`is_pipe_replica`), its instruction table (``PipelineEngine._INSTRUCTION_MAP``:
   :func:`wrap_pipeline_instructions`, for the fake-CUDA dry run's phase audit), and ZeRO's
@@ -54,7 +53,6 @@ Every tensor handed to a collective here is on the communication device of its g
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterable, Iterator
 from importlib import metadata
 from typing import Any
@@ -69,20 +67,6 @@ from megaformer.parallel.utils import grad_norm_squared
 
 TESTED_DEEPSPEED = "0.19"
 """The DeepSpeed minor version this module is written and tested against (requirements.txt pins it)."""
-
-MODEL_STATES_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt$")
-"""A plain engine's per-TP-rank module file in a ``global_stepN`` directory (group: TP rank)."""
-LAYER_STATES_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
-"""The pipeline engine's per-layer, per-TP-rank module file (groups: layer index, TP rank)."""
-
-
-MODEL_STATES_GLOB = "mp_rank_*_model_states.pt"
-LAYER_STATES_GLOB = "layer_*-model_*-model_states.pt"
-
-
-def model_states_name(tp_rank: int) -> str:
-    """File name of TP rank ``tp_rank``'s module weights in a plain engine's checkpoint."""
-    return f"mp_rank_{tp_rank:02d}_model_states.pt"
 
 
 def check_deepspeed_version(version: str | None = None) -> str:
@@ -186,33 +170,6 @@ def full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     from deepspeed.utils import safe_get_full_grad
 
     return safe_get_full_grad(param)
-
-
-CHECKPOINT_DATA_CLASS_NAMES = (
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-)
-"""The qualified names of :func:`checkpoint_data_classes`, known without importing DeepSpeed (a tool
-that reads weights imports it only when a file names one of them; the contract test keeps the two
-equal)."""
-
-
-def checkpoint_data_classes() -> list[type]:
-    """DeepSpeed's data classes that its optimizer state at ZeRO stage 0 puts into the module file.
-
-    Each is a plain data holder: an ``Enum``, a dataclass, and the loss scalers, whose pickles
-    restore attributes (``__dict__``) and call nothing. Empty when DeepSpeed is absent (then no
-    such file can have been written here).
-    """
-    try:
-        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-        from deepspeed.runtime.zero.config import ZeroStageEnum
-        from deepspeed.utils.tensor_fragment import fragment_address
-    except ImportError:  # pragma: no cover - deepspeed is a requirement
-        return []
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
 def wrap_pipeline_instructions(engine_cls: type, wrap: Any) -> None:

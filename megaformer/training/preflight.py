@@ -32,8 +32,8 @@ import zipfile
 from dataclasses import dataclass, field
 
 from data_tools.errors import DataFormatError
+from megaformer.checkpoint.integrity import NEEDS_ALL, NEEDS_RESUME, NEEDS_WEIGHTS
 from megaformer.config import ConfigError, RunConfig, validate_layout
-from megaformer.training.ckpt_integrity import NEEDS_ALL, NEEDS_RESUME, NEEDS_WEIGHTS
 from megaformer.training.data_checks import check_heldout, check_token_ids
 from megaformer.training.tracking import check_wandb
 
@@ -65,9 +65,9 @@ def run_preflight(cfg: RunConfig, world_size: int) -> Preflight:
         DataFormatError: a dataset that is missing, corrupt, without statistics sidecar, with token
             ids beyond the vocabulary or documents not ended by ``data.eod_token``.
     """
+    from megaformer.checkpoint.safe_load import refuse_untrusted, weight_files
     from megaformer.training.deepspeed_config import check_engine_combination, read_engine_json
     from megaformer.training.ds_adapter import check_deepspeed_version
-    from megaformer.training.safe_load import refuse_untrusted, weight_files
 
     dp_size = validate_layout(cfg, world_size)
     check_deepspeed_version()
@@ -107,7 +107,7 @@ def check_output_dirs(cfg: RunConfig) -> None:
     Raises:
         ConfigError: naming the key, the path, why (read-only file system, permissions) and the fix.
     """
-    from megaformer.training.storage import check_writable
+    from megaformer.checkpoint.storage import check_writable
 
     check_writable(cfg.output.dir, "output.dir", "checkpoints, TensorBoard events and summary.json")
     cache = cfg.data.index_cache_dir
@@ -204,7 +204,7 @@ def _latest_tag_dir(ckpt: str, key: str) -> str:
             f"{key}='{ckpt}': no DeepSpeed checkpoint there (no 'latest' file and no model-state "
             "files); pass a run's checkpoints/ directory or one global_stepN directory"
         )
-    from megaformer.training.ckpt_integrity import resolve_latest
+    from megaformer.checkpoint.integrity import resolve_latest
 
     return resolve_latest(ckpt)  # an empty or dangling tag: named, with the newest intact one
 
@@ -216,15 +216,16 @@ def check_checkpoint(ckpt: str, key: str, needs: str = NEEDS_ALL) -> str:
     format keeps its directory at the end, so a truncated file is refused without reading it whole).
 
     Args:
-        needs: what the run reads (:data:`~.ckpt_integrity.NEEDS_WEIGHTS` for ``init_from``,
-            :data:`~.ckpt_integrity.NEEDS_RESUME` for a resume): a damaged file it does not read
-            passes here; the ranks' check (``checkpointer.verify_collectively``) warns about it.
+        needs: what the run reads (:data:`~megaformer.checkpoint.integrity.NEEDS_WEIGHTS` for
+            ``init_from``, :data:`~megaformer.checkpoint.integrity.NEEDS_RESUME` for a resume): a
+            damaged file it does not read passes here; the ranks' check
+            (``checkpointer.verify_collectively``) warns about it.
 
     Raises:
         ConfigError: no checkpoint there, a dangling ``latest``, or a truncated / damaged file it
             reads; the message names the file and an earlier ``global_stepN`` to use instead.
     """
-    from megaformer.training.ckpt_integrity import CheckpointError, needed, verify, way_out
+    from megaformer.checkpoint.integrity import CheckpointError, needed, verify, way_out
 
     tag_dir = _latest_tag_dir(ckpt, key)
     # Presence and sizes against the manifest here, on every process (cheap, no warning: every

@@ -138,7 +138,7 @@ def saved_config(tag_dir: str) -> dict | None:
     import glob
     import os
 
-    from megaformer.training.ckpt_integrity import read_manifest
+    from megaformer.checkpoint.integrity import read_manifest
 
     body = read_manifest(tag_dir)
     if body is not None and isinstance(body.get("config"), dict):
@@ -146,7 +146,7 @@ def saved_config(tag_dir: str) -> dict | None:
     files = sorted(glob.glob(os.path.join(tag_dir, "*model_states.pt")))
     if not files:
         return None
-    from megaformer.training.safe_load import load_weights
+    from megaformer.checkpoint.safe_load import load_weights
 
     config = load_weights(files[0]).get("config")
     return config if isinstance(config, dict) else None
@@ -182,8 +182,8 @@ def check_init_from_steps(cfg: RunConfig) -> None:
     Raises:
         ConfigError: naming the checkpoint's step or the differing model keys, and the fix.
     """
+    from megaformer.checkpoint.integrity import read_manifest
     from megaformer.checkpoint.reshard import resolve_tag_dir
-    from megaformer.training.ckpt_integrity import read_manifest
 
     if not cfg.train.init_from or (cfg.train.resume != "none" and _has_latest(cfg)):
         return
@@ -211,7 +211,7 @@ def _latest_tag_dir(ckpt_dir: str) -> str | None:
     import glob
     import os
 
-    from megaformer.training.ckpt_integrity import resolve_latest
+    from megaformer.checkpoint.integrity import resolve_latest
 
     if glob.glob(os.path.join(ckpt_dir, "*model_states.pt")):
         return ckpt_dir
@@ -240,7 +240,7 @@ def check_before_launch(cfg: RunConfig) -> list[str]:
     """
     import os
 
-    from megaformer.training.ckpt_integrity import read_manifest
+    from megaformer.checkpoint.integrity import read_manifest
 
     t = cfg.train
     resume_dir = None

@@ -88,7 +88,7 @@ def hold_run_dir(cfg: RunConfig) -> Iterator[OwnerLock | None]:
     if int(os.environ.get("RANK", "0")) != 0:
         yield None
         return
-    from megaformer.training.storage import check_writable
+    from megaformer.checkpoint.storage import check_writable
 
     out = cfg.output.dir
     check_writable(out, "output.dir", "checkpoints, TensorBoard events and summary.json")

@@ -509,23 +509,24 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     data = build_data(cfg, layout, preflight.stats, preflight.datasets)
     _log_data(cfg, layout, data)
 
-    built = _build_engine(cfg, layout, preflight.dp_size, load_dir)
+    built = build_engine(cfg, layout, preflight.dp_size, load_dir)
     engine, dropout_rng, n_params, init_step, schedule, param_order = built
     checkpointer = Checkpointer(engine, cfg, layout, dropout_rng, param_order)
     start_step, client_state = checkpointer.resume(load_dir) if load_dir is not None else (init_step, {})
-    compute = _compute_meter(cfg, layout, start_step, client_state)
+    compute = compute_meter(cfg, layout, start_step, client_state)
     loop = TrainLoop(engine, cfg, layout, data, checkpointer, start_step, compute, schedule, client_state)
     elapsed = loop.run(resumed=load_dir is not None, stop=stop)
     return _summary(cfg, layout, loop, data, n_params, start_step, elapsed)
 
 
-def _build_engine(cfg: RunConfig, layout: Any, dp_size: int, load_dir: str | None) -> tuple:
+def build_engine(cfg: RunConfig, layout: Any, dp_size: int, load_dir: str | None) -> tuple:
     """The model (weights from ``train.init_from`` on a fresh start), optimizer, schedule and
     DeepSpeed engine of this rank; returns ``(engine, dropout_rng, n_params, init_step, schedule,
     param_order)``: the optimizer's parameter order, aligned for a new run, the checkpoint's for a
-    resume (:func:`~megaformer.training.checkpointer.saved_param_order`)."""
+    resume (:func:`~megaformer.training.checkpointer.saved_param_order`). Public: the step-timing
+    job and the fake-CUDA dry run build their engine with it."""
+    from megaformer.checkpoint import integrity as ckpt_integrity
     from megaformer.parallel.rng import DropoutRNG
-    from megaformer.training import ckpt_integrity
     from megaformer.training.builders import build_model, build_optimizer, count_parameters_global
     from megaformer.training.checkpointer import init_weights_from, saved_param_order
     from megaformer.training.deepspeed_config import build_deepspeed_config
@@ -585,11 +586,12 @@ def _wandb_tracker(cfg: RunConfig, layout: Layout) -> Any:
     return WandbTracker(o.wandb_project, o.wandb_entity, o.wandb_run_name, o.dir, _config_record(cfg), True)
 
 
-def _compute_meter(cfg: RunConfig, layout: Layout, start_step: int, client_state: dict) -> Any:
+def compute_meter(cfg: RunConfig, layout: Layout, start_step: int, client_state: dict) -> Any:
     """The run's :class:`~.flops.ComputeMeter`, continuing a resumed run's tokens and device-hours.
 
     Every process measures its device's peak (on CPU a matmul benchmark; ranks share the cores, so
-    they measure together); rank 0 logs the model FLOPs and the peak.
+    they measure together); rank 0 logs the model FLOPs and the peak. Public: the fake-CUDA dry run
+    meters its steps with it.
     """
     from megaformer.training.flops import ComputeMeter, device_peak_flops, model_flops_per_token
 

@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 
-from megaformer.training import ckpt_integrity as integrity
+from megaformer.checkpoint import integrity
 from megaformer.training.preflight import check_checkpoint
 from tests.distributed.conftest import LIFECYCLE_TINY, run_pretrain
 

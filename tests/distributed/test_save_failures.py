@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from megaformer.training import ckpt_integrity as integrity
+from megaformer.checkpoint import integrity
 from tests.distributed.conftest import LIFECYCLE_TINY, REPO, run_pretrain
 
 pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`

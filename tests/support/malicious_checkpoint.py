@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from megaformer.training import ckpt_integrity as integrity
+from megaformer.checkpoint import integrity
 
 
 class Payload:

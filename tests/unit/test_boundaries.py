@@ -1,5 +1,6 @@
-"""The package's layers, checked on its source: DeepSpeed is reached through one adapter, and nothing
-below ``megaformer/tools`` imports the tools (issue 22).
+"""The package's layers, checked on its source: DeepSpeed is reached through one adapter, nothing
+below ``megaformer/tools`` imports the tools (issue 22), no two packages import each other, and no
+package imports another's private names (issue 38).
 
 Read with :mod:`ast` (imports inside functions included, strings and comments not), so a lazy import
 that hides a cycle is caught as well as a top-level one.
@@ -8,16 +9,18 @@ that hides a cycle is caught as well as a top-level one.
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("megaformer", "data_tools")
-# The adapter; the pipeline module, whose classes are DeepSpeed's (LayerSpec, PipelineModule); the
-# tools, which read DeepSpeed's checkpoint formats.
+# The adapter; DeepSpeed's checkpoint format (the checkpoint package's); the pipeline module, whose
+# classes are DeepSpeed's (LayerSpec, PipelineModule); the tools, which read DeepSpeed's checkpoints.
 DEEPSPEED_ALLOWED = (
     "megaformer/training/ds_adapter.py",
+    "megaformer/checkpoint/formats.py",  # lists the classes DeepSpeed pickles into its checkpoints
     "megaformer/pipeline/module.py",
     "megaformer/tools/",
 )
@@ -137,3 +140,106 @@ def test_no_function_is_longer_than_80_lines(tmp_path):
     body = "".join(f"    x{i} = {i}\n" for i in range(80))
     (tmp_path / "megaformer" / "long.py").write_text(f"def f():\n{body}")  # 81 lines: caught
     assert long_functions(tmp_path) == ["megaformer/long.py:1: f, 81 lines"]
+
+
+def package_of(module: str) -> str | None:
+    """The package a module belongs to for the layering: ``data_tools``, or ``megaformer.<sub>``
+    (``megaformer.training``, ``megaformer.checkpoint``, ...); None outside the project."""
+    parts = module.split(".")
+    if parts[0] == "data_tools":
+        return "data_tools"
+    if parts[0] == "megaformer":
+        return ".".join(parts[:2])
+    return None
+
+
+def _module_name(root: Path, path: Path) -> str:
+    name = ".".join(path.relative_to(root).with_suffix("").parts)
+    return name.removesuffix(".__init__")
+
+
+def package_imports(root: Path) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """``(edges, private)``: ``edges[a][b]`` the first ``path:line`` where package ``a`` imports
+    package ``b`` (imports inside functions counted); ``private`` every import of another
+    package's private name (``from x import _name``), as ``path:line: x._name``."""
+    edges: dict[str, dict[str, str]] = {}
+    private = []
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            source = package_of(_module_name(root, path))
+            for node in ast.walk(ast.parse(path.read_text(), filename=rel)):
+                if isinstance(node, ast.Import):
+                    targets = [(alias.name, []) for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    targets = [(node.module, [alias.name for alias in node.names])]
+                else:
+                    continue
+                for module, names in targets:
+                    target = package_of(module)
+                    if target is None or target == source:
+                        continue
+                    edges.setdefault(source, {}).setdefault(target, f"{rel}:{node.lineno}")
+                    private += [f"{rel}:{node.lineno}: {module}.{n}" for n in names if n.startswith("_")]
+    return edges, private
+
+
+def package_cycles(root: Path) -> list[str]:
+    """Every import cycle between packages, as ``a -> b -> a`` with where each step is imported."""
+    edges, _ = package_imports(root)
+
+    def reaches(start: str, goal: str) -> list[str] | None:
+        seen, stack = {start}, [[start]]
+        while stack:
+            route = stack.pop()
+            for nxt in sorted(edges.get(route[-1], {})):
+                if nxt == goal:
+                    return [*route, nxt]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append([*route, nxt])
+        return None
+
+    cycles = set()
+    for package in sorted(edges):
+        route = reaches(package, package)
+        if route:
+            start = route.index(min(route[:-1]))  # one name per cycle, whichever package it is found from
+            route = route[start:-1] + route[:start] + [route[start]]
+            steps = [f"{a} -> {b} ({edges[a][b]})" for a, b in itertools.pairwise(route)]
+            cycles.add("; ".join(steps))
+    return sorted(cycles)
+
+
+def test_no_import_cycle_between_packages_and_no_private_name_imported_across():
+    assert package_cycles(REPO) == []
+    assert package_imports(REPO)[1] == []
+
+
+@pytest.mark.parametrize(
+    ("files", "needle"),
+    [
+        (  # a cycle hidden in a function
+            {
+                "megaformer/checkpoint/a.py": "from megaformer.config import X\n",
+                "megaformer/config/b.py": "def f():\n    from megaformer.checkpoint.a import Y\n",
+            },
+            "megaformer.checkpoint -> megaformer.config (megaformer/checkpoint/a.py:1); "
+            "megaformer.config -> megaformer.checkpoint (megaformer/config/b.py:2)",
+        ),
+        (
+            {"megaformer/fakecuda/s.py": "from megaformer.training.trainer import _build_engine\n"},
+            "megaformer/fakecuda/s.py:1: megaformer.training.trainer._build_engine",
+        ),
+    ],
+)
+def test_the_check_catches_a_cycle_and_a_private_import(tmp_path, files, needle):
+    for package in PACKAGES:
+        (tmp_path / package).mkdir()
+    for rel, source in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(source)
+    (tmp_path / "megaformer/training").mkdir(exist_ok=True)
+    (tmp_path / "megaformer/training/ok.py").write_text("from megaformer.training.trainer import _own\n")
+    found = package_cycles(tmp_path) + package_imports(tmp_path)[1]
+    assert found == [needle], found

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megaformer.checkpoint.integrity import CheckpointError
 from megaformer.config import load_config
 from megaformer.training import checkpointer as ck
-from megaformer.training.ckpt_integrity import CheckpointError
 
 
 class FullDiskEngine:
@@ -45,7 +45,7 @@ def test_a_full_disk_is_named_although_torch_hides_the_errno(tmp_path, monkeypat
     """torch.save's error carries no errno: a probe write into the directory asks the file system."""
     import errno
 
-    from megaformer.training import storage
+    from megaformer.checkpoint import storage
 
     cfg = load_config("configs/normformer-quickstart.yaml", [f"output.dir={tmp_path}"])
     monkeypatch.setattr(ck, "save_rng_state", lambda *a, **k: None)
@@ -61,7 +61,7 @@ def test_a_full_disk_is_named_although_torch_hides_the_errno(tmp_path, monkeypat
 def test_the_saved_parameter_order_is_read_from_the_manifest(tmp_path):
     """A resume builds its optimizer in the order its checkpoint's optimizer state follows: the
     manifest's ``optimizer_param_order``, ``declared`` for a checkpoint written before the key."""
-    from megaformer.training.ckpt_integrity import write_manifest
+    from megaformer.checkpoint.integrity import write_manifest
 
     tag = tmp_path / "global_step4"
     tag.mkdir()

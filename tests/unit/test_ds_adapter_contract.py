@@ -12,6 +12,7 @@ import inspect
 
 import pytest
 
+from megaformer.checkpoint import formats
 from megaformer.training import ds_adapter
 
 
@@ -101,7 +102,7 @@ def test_the_shared_memory_collective_switch_and_the_pipeline_instruction_table(
         assert instruction in table, instruction.__name__
 
 
-@pytest.mark.parametrize("cls", ds_adapter.checkpoint_data_classes(), ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", formats.checkpoint_data_classes(), ids=lambda c: c.__name__)
 def test_checkpoint_data_classes_still_exist_where_checkpoints_name_them(cls):
     import importlib
 
@@ -111,5 +112,5 @@ def test_checkpoint_data_classes_still_exist_where_checkpoints_name_them(cls):
 def test_checkpoint_data_class_names_are_the_classes_names():
     """The names safe_load allows without importing DeepSpeed are the classes' own (issue 39: tools
     that only read weights do not import DeepSpeed)."""
-    names = tuple(f"{c.__module__}.{c.__qualname__}" for c in ds_adapter.checkpoint_data_classes())
-    assert names == ds_adapter.CHECKPOINT_DATA_CLASS_NAMES
+    names = tuple(f"{c.__module__}.{c.__qualname__}" for c in formats.checkpoint_data_classes())
+    assert names == formats.CHECKPOINT_DATA_CLASS_NAMES

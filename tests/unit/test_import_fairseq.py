@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from megaformer.checkpoint.safe_load import UntrustedCheckpointError
 from megaformer.tools.generate import load_for_generation
 from megaformer.tools.import_fairseq import FairseqImportError, import_fairseq, main
-from megaformer.training.safe_load import UntrustedCheckpointError
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "fairseq"
 REL_BOUND = 1e-4  # the bound: max |Δlogit| / max |logit|, fp32

@@ -74,7 +74,7 @@ def test_a_fresh_start_into_a_run_directory_is_refused_unless_asked(tmp_path):
 
 
 def test_init_from_at_or_past_train_steps_is_refused_before_the_run(tmp_path):
-    from megaformer.training.ckpt_integrity import write_manifest
+    from megaformer.checkpoint.integrity import write_manifest
     from megaformer.training.resume_rules import check_init_from_steps
 
     tag = tmp_path / "src" / "checkpoints" / "global_step20"
@@ -103,8 +103,8 @@ def test_init_from_compares_the_model_config_with_missing_keys_at_their_defaults
     # refused by init_from with "saved with another model config {}": a key the saved config lacks
     # counts as its default, as for a resume; a real difference is named with both values, and is
     # refused before any process group from the manifest's config.
+    from megaformer.checkpoint.integrity import write_manifest
     from megaformer.config import to_dict
-    from megaformer.training.ckpt_integrity import write_manifest
     from megaformer.training.resume_rules import check_init_from_steps, refuse_other_model
 
     tag = tmp_path / "src" / "checkpoints" / "global_step20"
@@ -162,7 +162,7 @@ def test_every_rule_is_checked_before_the_launch_from_the_manifests(tmp_path):
     train.extend_steps, a changed model on resume, and train.init_from with another model shape or
     a spent step count are refused from the checkpoints' manifests, in one process, before any
     worker starts (issue 39: 12-19 s, once per rank, then the launcher's 'Killing subprocess')."""
-    from megaformer.training.ckpt_integrity import write_manifest
+    from megaformer.checkpoint.integrity import write_manifest
     from megaformer.training.resume_rules import check_before_launch
 
     run = tmp_path / "run"

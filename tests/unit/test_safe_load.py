@@ -1,4 +1,4 @@
-"""Weights are read without running a checkpoint's code (megaformer.training.safe_load)."""
+"""Weights are read without running a checkpoint's code (megaformer.checkpoint.safe_load)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import collections
 import pytest
 import torch
 
-from megaformer.training.safe_load import (
+from megaformer.checkpoint.safe_load import (
     CheckpointReadError,
     UntrustedCheckpointError,
     load_weights,

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from megaformer.config import ConfigError, load_config
-from megaformer.training import storage
+from megaformer.checkpoint import storage
 from megaformer.training.preflight import check_output_dirs
 
 

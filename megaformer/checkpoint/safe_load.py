@@ -70,8 +70,8 @@ class UntrustedCheckpointError(CheckpointReadError):
 
 def allowed_globals() -> list[Any]:
     """The globals a megaformer checkpoint file may name besides torch's defaults (see module doc):
-    DeepSpeed's plain data classes (:func:`~megaformer.training.ds_adapter.checkpoint_data_classes`)."""
-    from megaformer.training.ds_adapter import checkpoint_data_classes
+    DeepSpeed's plain data classes (:func:`~megaformer.checkpoint.formats.checkpoint_data_classes`)."""
+    from megaformer.checkpoint.formats import checkpoint_data_classes
 
     return checkpoint_data_classes()
 
@@ -101,7 +101,7 @@ def unsafe_globals(path: str, extra_globals: Sequence[Any] = ()) -> list[str]:
     scanned: ``[]``, and the load itself refuses what it must. ``extra_globals``: types this caller
     allows besides :func:`allowed_globals`.
     """
-    from megaformer.training.ds_adapter import CHECKPOINT_DATA_CLASS_NAMES
+    from megaformer.checkpoint.formats import CHECKPOINT_DATA_CLASS_NAMES
 
     names = referenced_globals(path) or []
     allowed = set(CHECKPOINT_DATA_CLASS_NAMES) | {_qualified(g) for g in extra_globals}
@@ -158,7 +158,7 @@ def load_weights(
             :data:`allowed_globals` (named), and ``trust_code`` is off. Nothing of it was unpickled.
         CheckpointReadError: the file is truncated or damaged (names it and the way out).
     """
-    from megaformer.training.ds_adapter import CHECKPOINT_DATA_CLASS_NAMES
+    from megaformer.checkpoint.formats import CHECKPOINT_DATA_CLASS_NAMES
 
     if trust_code:
         warn_trusted(path)
