@@ -16,7 +16,7 @@ on the runs of the test suite):
   :data:`ALLOWED_GLOBALS` (a loss scaler, the ZeRO stage enum, a fragment address).
 - ``layer_LL-model_XX-model_states.pt`` (pipeline engine): a module ``state_dict``, tensors only.
 - ``rng_state/rankNNNNN.pt``: tensors, tuples and numbers (older files: numpy arrays, read with
-  numpy's array types allowed; see :mod:`megaformer.training.rng_state`).
+  numpy's array types allowed; see :mod:`megaformer.checkpoint.rng_state`).
 
 One reader allows one more type: :mod:`megaformer.tools.import_fairseq` passes ``argparse.Namespace``
 (``extra_globals``), the ``args`` of fairseq's argparse-era checkpoints, a plain attribute bag.

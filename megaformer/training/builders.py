@@ -48,7 +48,7 @@ class Layout:
         return self.state.split_tp_group
 
     def rng_layout(self) -> dict[str, int]:
-        """The coordinates a generator-state file is valid for (see :mod:`.rng_state`)."""
+        """The coordinates a generator-state file is valid for (:mod:`megaformer.checkpoint.rng_state`)."""
         s = self.state
         return {
             "tp": s.tp_size,

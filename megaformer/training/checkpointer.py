@@ -2,7 +2,7 @@
 
 A checkpoint is DeepSpeed's ``checkpoints/global_stepN`` (module, optimizer, scheduler, our
 ``client_state``: step, consumed samples, the run config) plus every rank's generator states
-(:mod:`megaformer.training.rng_state`) and a ``manifest.json`` of every file's size and sha256.
+(:mod:`megaformer.checkpoint.rng_state`) and a ``manifest.json`` of every file's size and sha256.
 
 The ``latest`` tag moves only when the checkpoint is whole (DeepSpeed's own ``latest``, which its
 rank 0 writes without waiting for the other ranks' files, is switched off):
@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 
 from megaformer.checkpoint import integrity
+from megaformer.checkpoint.rng_state import load_rng_state, save_rng_state
 from megaformer.config import ConfigError, RunConfig, to_dict
 from megaformer.parallel.rng import DropoutRNG
 from megaformer.training.builders import Layout, log
-from megaformer.training.rng_state import load_rng_state, save_rng_state
 
 
 def resolve_resume(cfg: RunConfig, ckpt_dir: str) -> str | None:

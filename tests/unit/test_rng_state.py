@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from megaformer.checkpoint.rng_state import load_rng_state, rng_state_path, save_rng_state
 from megaformer.parallel.rng import DropoutRNG
-from megaformer.training.rng_state import load_rng_state, rng_state_path, save_rng_state
 
 CPU = torch.device("cpu")
 LAYOUT = {"tp": 2, "pp": 1, "dp": 1, "tp_rank": 1, "pp_rank": 0, "dp_rank": 0}

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from megaformer.config import ConfigError, load_config
 from megaformer.checkpoint import storage
+from megaformer.config import ConfigError, load_config
 from megaformer.training.preflight import check_output_dirs
 
 
