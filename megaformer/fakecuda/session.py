@@ -23,6 +23,7 @@ values, but their dtype and device are checked).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -110,32 +111,44 @@ class _NoCheckpoints:
         self.saves.append(step)
 
 
-def _install_phase_marks(engine: Any, audit: Any) -> None:
-    """Mark forward / backward / optimizer phases on the DeepSpeed engine (plain and pipeline)."""
-    ds = engine.engine
+class _AuditPhases:
+    """The audit as the engine's phase observer (``Engine.observe_phases``): each step counted and
+    its loss kept; the end of each backward noted (``audit.after_backward``)."""
 
-    def marked(fn: Any, phase: str) -> Any:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            with audit.in_phase(phase):
-                return fn(*args, **kwargs)
+    def __init__(self, audit: Any) -> None:
+        self.audit = audit
+        self.losses: list = []
 
-        return wrapper
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Any:
+        if name == "step":
+            self.audit.step += 1  # what follows, up to the next step, is this step's (stop check included)
+        with self.audit.in_phase(name):
+            yield
+        if name == "backward":
+            self.audit.after_backward.append(self.audit.current)
 
-    if engine.pipelined:
+    def step_ended(self, loss: Any) -> None:
+        self.losses.append(loss)
+
+
+def _install_phase_marks(engine: Any, audit: Any) -> _AuditPhases:
+    """Mark forward / backward / optimizer phases and count the steps of the engine (plain and
+    pipeline) through its public doors; returns the observer (its ``losses``)."""
+    observer = _AuditPhases(audit)
+    engine.observe_phases(observer)
+    if engine.pipelined:  # its own schedule: the instructions are marked instead
         from megaformer.training.ds_adapter import wrap_pipeline_instructions
 
-        wrap_pipeline_instructions(type(ds), marked)
-        return
-    ds.forward = marked(ds.forward, "forward")
-    backward = marked(ds.backward, "backward")
+        def marked(fn: Any, phase: str) -> Any:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                with audit.in_phase(phase):
+                    return fn(*args, **kwargs)
 
-    def backward_and_note(*args: Any, **kwargs: Any) -> Any:
-        out = backward(*args, **kwargs)
-        audit.after_backward.append(audit.current)
-        return out
+            return wrapper
 
-    ds.backward = backward_and_note
-    ds.step = marked(ds.step, "optimizer")
+        wrap_pipeline_instructions(type(engine.engine), marked)
+    return observer
 
 
 def _tensors_of(obj: Any, path: str, out: list, seen: set, depth: int = 0) -> None:
@@ -305,9 +318,9 @@ def run(request: dict) -> dict:
     return report
 
 
-def _audited_engine(cfg: Any, layout: Any, dp_size: int, audit: Any, report: dict) -> tuple[Any, Any]:
+def _audited_engine(cfg: Any, layout: Any, dp_size: int, audit: Any, report: dict) -> tuple[Any, Any, Any]:
     """Build this rank's model (its parameters tracked by ``audit``), optimizer and DeepSpeed engine
-    as the trainer does; the engine's phases marked. Returns ``(engine, schedule)``."""
+    as the trainer does; the engine's phases marked. Returns ``(engine, schedule, observer)``."""
     import torch
 
     from megaformer.parallel.rng import DropoutRNG
@@ -333,8 +346,8 @@ def _audited_engine(cfg: Any, layout: Any, dp_size: int, audit: Any, report: dic
     ds = engine.engine
     report["engine"] = {"class": type(ds).__name__, "optimizer": type(ds.optimizer).__name__}
     report["engine"]["gas"] = engine.gas
-    _install_phase_marks(engine, audit)
-    return engine, schedule
+    observer = _install_phase_marks(engine, audit)
+    return engine, schedule, observer
 
 
 def _label_gradients(engine: Any, audit: Any, report: dict) -> set[str]:
@@ -367,36 +380,11 @@ def _label_gradients(engine: Any, audit: Any, report: dict) -> set[str]:
     return grad_dtypes
 
 
-def _instrument_loop(loop: Any, engine: Any, audit: Any) -> list:
-    """Count steps and mark the step and data phases of ``loop``; returns the list each step's loss
-    is appended to."""
-    original_train_step = engine.train_step
-    losses: list = []
+def _phased_batches(cfg: Any, layout: Any, data: Any, audit: Any) -> Any:
+    """The loop's batch source with the loader and the host-to-device copy in phase "data"."""
+    from megaformer.training.trainer import train_batches
 
-    def train_step(batches: Any) -> Any:
-        audit.step += 1  # what follows, up to the next step, is this step's (stop check included)
-        with audit.in_phase("step"):
-            loss = original_train_step(batches)
-        losses.append(loss)
-        return loss
-
-    engine.train_step = train_step
-    batches_of = loop._batches
-
-    def batches(start_step: int) -> Any:  # the loader and the host-to-device copy: phase "data"
-        it = batches_of(start_step)
-        while True:
-            with audit.in_phase("data"):
-                item = next(it, None)
-            if item is None:
-                return
-            yield item
-
-    loop._batches = batches
-    for evaluator in (loop.evaluate, loop.evaluate_test):
-        if evaluator is not None:
-            evaluator.loader = _InPhase(evaluator.loader, audit, "data")
-    return losses
+    return lambda start_step: iter(_InPhase(train_batches(cfg, layout, data, start_step), audit, "data"))
 
 
 def _run_rank(cfg: Any, dp_size: int, audit: Any, report: dict, steps: int, out_dir: str) -> None:
@@ -416,11 +404,15 @@ def _run_rank(cfg: Any, dp_size: int, audit: Any, report: dict, steps: int, out_
     report["layout"] = {"tp": s.tp_size, "pp": s.pp_size, "dp": s.dp_size, "pp_rank": s.pp_rank,
                         "tp_rank": s.tp_rank, "dp_rank": s.dp_rank, "backend": layout.backend}  # fmt: skip
     data = _synthetic_data(cfg)
-    engine, schedule = _audited_engine(cfg, layout, dp_size, audit, report)
+    engine, schedule, observer = _audited_engine(cfg, layout, dp_size, audit, report)
     grad_dtypes = _label_gradients(engine, audit, report)
     checkpoints = _NoCheckpoints()
     compute = compute_meter(cfg, layout, 0, {})
-    loop = TrainLoop(engine, cfg, layout, data, checkpoints, 0, compute, schedule, {})
+    batches = _phased_batches(cfg, layout, data, audit)
+    loop = TrainLoop(engine, cfg, layout, data, checkpoints, 0, compute, schedule, {}, batches)
+    for evaluator in (loop.evaluate, loop.evaluate_test):
+        if evaluator is not None:
+            evaluator.loader = _InPhase(evaluator.loader, audit, "data")
     real_stop = StopCheck(t.exit_signals, t.exit_duration_mins)
     done = {"steps": 0}
 
@@ -429,7 +421,7 @@ def _run_rank(cfg: Any, dp_size: int, audit: Any, report: dict, steps: int, out_
         reason = real_stop()
         return f"dry run: {steps} steps" if done["steps"] >= steps else reason
 
-    losses = _instrument_loop(loop, engine, audit)
+    losses = observer.losses
     with audit.in_phase("step"):
         loop.run(resumed=False, stop=stop)
     audit.step += 1

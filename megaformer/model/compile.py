@@ -83,7 +83,9 @@ class _EagerOnCompileFailure:
             # ran: nothing of this call has happened yet.
             lines = str(e).strip().splitlines()
             for block in self.shared["blocks"]:
-                block._compiled_call_impl = None  # nn.Module.__call__ then runs the eager forward
+                # reach-in: torch has no public way to undo Module.compile(); without the compiled
+                # call, nn.Module.__call__ runs the eager forward
+                block._compiled_call_impl = None
             self.log(f"train.compile: the blocks run eager; compiling failed: {type(e).__name__}: {lines[0]}")
             return self.block._call_impl(*args, **kwargs)
 
@@ -102,5 +104,6 @@ def compile_blocks(
     shared = {"blocks": blocks}
     for block in blocks:
         block.compile(fullgraph=True, dynamic=False, backend=backend, **options)
+        # reach-in: Module.compile() keeps its compiled call here and offers no hook around it
         block._compiled_call_impl = _EagerOnCompileFailure(block, block._compiled_call_impl, shared, log)
     return len(blocks)

@@ -539,18 +539,17 @@ def _trace_one(key: TraceKey, tp_group: Any, mpu: Any) -> BlockTrace:
     )
     grad = torch.empty_like(x)
     recorder = _recorder()
-    original_forward = block.forward
 
-    def forward(h: torch.Tensor) -> torch.Tensor:  # a full recompute's rerun is phase "recompute"
+    def enter(module: Any, args: Any) -> None:  # a full recompute's rerun is phase "recompute"
         if recorder.phase == "backward":
             recorder.phase = "recompute"
-            try:
-                return original_forward(h)
-            finally:
-                recorder.phase = "backward"
-        return original_forward(h)
 
-    block.forward = forward
+    def leave(module: Any, args: Any, output: Any) -> None:
+        if recorder.phase == "recompute":
+            recorder.phase = "backward"
+
+    block.register_forward_pre_hook(enter)
+    block.register_forward_hook(leave)
     t0 = time.perf_counter()
     with recorder:
         y = run(x)

@@ -52,10 +52,11 @@ Every tensor handed to a collective here is on the communication device of its g
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable, Iterator
 from importlib import metadata
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -294,6 +295,17 @@ def _install_sequence_parallel_reduction(engine: Any, state: Any, params: list, 
     engine.allreduce_gradients = allreduce_gradients
 
 
+class PhaseObserver(Protocol):
+    """What :meth:`Engine.observe_phases` reports to (the fake-CUDA audit is one)."""
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager:
+        """A context the engine runs phase ``name`` in (``step``, ``forward``, ``backward``,
+        ``optimizer``)."""
+
+    def step_ended(self, loss: torch.Tensor) -> None:
+        """Called after each step with its loss (a float64 0-dim device tensor)."""
+
+
 class Engine:
     """A DeepSpeed engine (plain or pipeline) behind the few calls the trainer makes.
 
@@ -322,6 +334,7 @@ class Engine:
         )
         self._grad_norm: Any = None
         self._step_hooks: list[Any] = []  # pp = 1: run by the loop between backward and step
+        self.observer: PhaseObserver | None = None  # see observe_phases
         if pipelined and self._fp32_plain:
             _install_pipeline_fp32_clipping(engine, state)
         sp_grads = _deferred_sequence_parallel_grads(engine, state)
@@ -338,6 +351,17 @@ class Engine:
     @property
     def module(self) -> torch.nn.Module:
         return self.engine.module
+
+    def observe_phases(self, observer: PhaseObserver | None) -> None:
+        """Report this engine's phases to ``observer`` (None: stop): each step as ``"step"`` (then
+        :meth:`PhaseObserver.step_ended` with its loss) and, at pp = 1, each micro-batch's
+        ``"forward"`` (evaluation's too), ``"backward"`` and ``"optimizer"``. The pipeline engine
+        runs its own schedule: mark its phases with :func:`wrap_pipeline_instructions`. What the
+        fake-CUDA dry run's audit uses instead of replacing the engine's methods."""
+        self.observer = observer
+
+    def _phase(self, name: str) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if self.observer is None else self.observer.phase(name)
 
     def optimizer_summary(self) -> str:
         """DeepSpeed's optimizer wrapper of this run, for the start-up log: its class name (e.g.
@@ -363,7 +387,11 @@ class Engine:
             LossScaleExhaustedError: fp16 overflow at the minimum loss scale (the run has diverged).
         """
         try:
-            return self._train_step(micro_batches)
+            with self._phase("step"):
+                loss = self._train_step(micro_batches)
+            if self.observer is not None:
+                self.observer.step_ended(loss)
+            return loss
         except Exception as e:  # DeepSpeed raises a bare Exception there
             if _MIN_SCALE_MESSAGE in str(e):
                 raise LossScaleExhaustedError(
@@ -387,15 +415,18 @@ class Engine:
         self._grad_norm = None
         for _ in range(self.gas):
             tokens, labels = next(micro_batches)
-            loss = self.engine(tokens, labels)
-            self.engine.backward(loss)
+            with self._phase("forward"):
+                loss = self.engine(tokens, labels)
+            with self._phase("backward"):
+                self.engine.backward(loss)
             if self._sp_grads is not None:
                 self._reduce_gradients()
             # fp64 on the device: the mean of gas micro-batch losses, free of summation-order noise
             total = loss.detach().double() if total is None else total + loss.detach().double()
             if self.engine.is_gradient_accumulation_boundary():
                 self._gradient_work()  # the gradients are complete (reduced over data-parallel ranks)
-            self.engine.step()
+            with self._phase("optimizer"):
+                self.engine.step()
         if self._grad_norm is None:
             self._grad_norm = self.engine.get_global_grad_norm()
         return self._mean_over_dp(total / self.gas)
@@ -418,16 +449,19 @@ class Engine:
         total = None
         self._grad_norm = None
         for (tokens, labels), n in zip(batches, counts, strict=True):
-            loss = self.engine(tokens, labels)
+            with self._phase("forward"):
+                loss = self.engine(tokens, labels)
             weight = (n * self.gas / mean_count).to(loss.dtype)
-            self.engine.backward(loss * weight)
+            with self._phase("backward"):
+                self.engine.backward(loss * weight)
             if self._sp_grads is not None:
                 self._reduce_gradients()
             nll = loss.detach().double() * n  # this micro-batch's summed NLL
             total = nll if total is None else total + nll
             if self.engine.is_gradient_accumulation_boundary():
                 self._gradient_work()
-            self.engine.step()
+            with self._phase("optimizer"):
+                self.engine.step()
         if self._grad_norm is None:
             self._grad_norm = self.engine.get_global_grad_norm()
         summed = self._mean_over_dp(total)  # Σ NLL / dp
@@ -511,7 +545,8 @@ class Engine:
         with torch.no_grad():
             for _ in range(count):
                 tokens, labels = next(micro_batches)
-                loss = self.engine(tokens, labels).detach().double()
+                with self._phase("forward"):
+                    loss = self.engine(tokens, labels).detach().double()
                 if self.masked_lm:
                     from megaformer.data.mlm import IGNORE_INDEX
 

@@ -104,5 +104,7 @@ def apply_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR) -> float:
     lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
     for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
         group["lr"] = lr
-    scheduler._last_lr = lrs  # what get_last_lr() and the next checkpoint report, as step() sets it
+    # reach-in: LambdaLR has no public setter; get_last_lr() and the next checkpoint report this,
+    # as step() sets it
+    scheduler._last_lr = lrs
     return lrs[0]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -136,11 +136,15 @@ class TrainLoop:
         compute: Any,
         schedule: Any,
         client_state: dict,
+        batches: Callable[[int], Iterator[tuple[torch.Tensor, torch.Tensor]]] | None = None,
     ) -> None:
+        """``batches``: the batch source, ``start_step -> iterator of micro-batches`` on the device
+        (default :func:`train_batches`); the fake-CUDA dry run passes one that marks the data phase."""
         from megaformer.training.budget import BudgetKeeper
         from megaformer.training.metrics import DeferredScalars, MetricsWriter
 
         self.engine, self.cfg, self.layout, self.data = engine, cfg, layout, data
+        self.batch_source = batches or (lambda start: train_batches(cfg, layout, data, start))
         self.checkpointer = checkpointer
         self.start_step = start_step
         self.compute = compute  # a flops.ComputeMeter: tokens, device-hours, TFLOP/s, MFU
@@ -245,9 +249,6 @@ class TrainLoop:
             self.schedule.set_total_steps(total, step)
         self.total = max(total, step)
 
-    def _batches(self, start_step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return train_batches(self.cfg, self.layout, self.data, start_step)
-
     def run(self, resumed: bool, stop: Any = None) -> float:
         """Train from ``start_step`` to :attr:`total`, or to the step boundary where ``stop`` (a
         :class:`~.stopping.StopCheck`) says to stop; save there; return the wall-clock seconds."""
@@ -265,7 +266,7 @@ class TrainLoop:
         # The schedule is final here (an extension's new length, a budget's decision): a resumed
         # optimizer still holds the rate the saved run's schedule gave its next update.
         self.engine.apply_schedule()
-        batches = self._batches(start_step)
+        batches = self.batch_source(start_step)
         timer, started = StepTimer(), time.perf_counter()
         last_saved = start_step if resumed else -1
         step = start_step
