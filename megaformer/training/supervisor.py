@@ -49,6 +49,11 @@ import subprocess
 import sys
 import time
 
+# At the top, not in the handler: GNU timeout sends SIGTERM twice (its child, then its group), and a
+# second signal arriving inside a lazy first import saw a half-imported psutil (a traceback, no
+# forwarding).
+import psutil
+
 PGID_ENV = "MEGAFORMER_LAUNCHER_PGID"
 """Environment variable naming the supervisor's process group, which the ranks join."""
 
@@ -80,8 +85,6 @@ def join_launcher_group() -> bool:
 def _rank_processes(root: int) -> list:
     """The ranks under ``root``: children of DeepSpeed's ``launch.py`` processes among ``root``
     and its descendants (each rank's own children, e.g. data-loader workers, are not included)."""
-    import psutil
-
     try:
         top = psutil.Process(root)
         descendants = [top, *top.children(recursive=True)]
@@ -118,6 +121,15 @@ class Supervisor:
         self.stop_deadline: float | None = None
 
     def _forward(self, signum: int, frame: object = None) -> None:
+        if getattr(self, "_forwarding", False):
+            return  # a second signal during a forwarding (timeout's pair): the first one carries it
+        self._forwarding = True
+        try:
+            self._forward_once(signum)
+        finally:
+            self._forwarding = False
+
+    def _forward_once(self, signum: int) -> None:
         received = signal.Signals(signum)
         sent = received if received == signal.SIGUSR1 else self.stop_signal
         if self.stop_deadline is None and received != signal.SIGUSR1:
@@ -142,7 +154,6 @@ class Supervisor:
             os.killpg(self.child.pid, signum)
 
     def _kill_all(self) -> None:
-        import psutil
 
         try:
             left = psutil.Process(self.child.pid).children(recursive=True)

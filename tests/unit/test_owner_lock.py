@@ -237,6 +237,32 @@ def test_supervisor_forwards_a_stop_signal_to_every_rank(tmp_path, signum):
     assert [Path(f"{saved}.{i}").read_text() for i in range(2)] == ["SIGTERM", "SIGTERM"]
 
 
+def test_timeouts_double_sigterm_is_forwarded_once_without_a_traceback(tmp_path):
+    """GNU ``timeout`` sends SIGTERM to its child and then to its own process group: the supervisor
+    gets it twice in a row. It forwards the stop once and exits with the ranks' code, no traceback
+    (a second signal inside the handler's lazy ``import psutil`` once crashed it)."""
+    saved = tmp_path / "saved"
+    command = [sys.executable, "-c", FAKE_LAUNCH, str(saved), "deepspeed.launcher.launch"]
+    supervisor = [
+        sys.executable,
+        "-m",
+        "megaformer.training.supervisor",
+        CONFIG,
+        f"output.dir={tmp_path / 'run'}",
+    ]
+    proc = subprocess.Popen(
+        [*supervisor, "--", *command], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    assert proc.stdout.readline().strip() == "ranks ready"
+    os.kill(proc.pid, signal.SIGTERM)
+    os.killpg(proc.pid, signal.SIGTERM)  # what timeout does next: the whole group, ranks included
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 75, err
+    assert "Traceback" not in err and err.count("SIGTERM received") == 1, err
+    assert [Path(f"{saved}.{i}").read_text() for i in range(2)] == ["SIGTERM", "SIGTERM"]
+
+
 def test_two_preprocesses_into_one_prefix_the_second_refuses(tmp_path, gpt2_flags):
     """A preprocessing run holds ``PREFIX.lock`` while it writes; a second one into the same
     prefix exits 2 naming it, writes nothing and deletes nothing."""
