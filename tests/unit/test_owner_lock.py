@@ -193,6 +193,7 @@ FAKE_LAUNCH = textwrap.dedent(
     import os, signal, sys, time
     os.environ.get("MEGAFORMER_LAUNCHER_PGID") and os.setpgid(0, int(os.environ["MEGAFORMER_LAUNCHER_PGID"]))
     def stop(signum, frame):
+        signal.signal(signum, signal.SIG_IGN)  # one stop, as a real rank takes it (timeout sends two)
         open(sys.argv[1], "w").write(signal.Signals(signum).name)
         sys.exit(75)
     signal.signal(signal.SIGTERM, stop)
