@@ -480,7 +480,9 @@ def main(argv: list[str] | None = None) -> int:
         description="Export a megaformer checkpoint (any tp, pp) as a Hugging Face model directory.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--checkpoint", required=True, help="a run's checkpoints/ directory or one global_stepN")
+    p.add_argument(
+        "--checkpoint", required=True, help="a run directory, its checkpoints/ directory or one global_stepN"
+    )
     p.add_argument("--output", required=True, help="directory to write")
     p.add_argument("--tag", default=None, help="checkpoint tag; None: the one the 'latest' file names")
     p.add_argument(

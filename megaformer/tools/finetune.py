@@ -904,7 +904,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
-        "--checkpoint", help="a run's checkpoints/ directory or one global_stepN (model.objective mlm)"
+        "--checkpoint",
+        help="a run directory, its checkpoints/ directory or one global_stepN (model.objective mlm)",
     )
     p.add_argument("--tag", default=None, help="checkpoint tag; None: the one the 'latest' file names")
     p.add_argument("--task", help="GLUE task: " + ", ".join(GLUE_TASKS))

@@ -149,7 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=(__doc__ or "").split("\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # --help shows every default
     )
-    p.add_argument("--checkpoint", required=True, help="a run's checkpoints/ directory or one global_stepN")
+    p.add_argument(
+        "--checkpoint", required=True, help="a run directory, its checkpoints/ directory or one global_stepN"
+    )
     p.add_argument("--tag", default=None, help="checkpoint tag; None: the one the 'latest' file names")
     p.add_argument("--prompt", default="", help="text to continue; empty: start after an EOD")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to sample after the prompt")

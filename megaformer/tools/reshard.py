@@ -20,7 +20,11 @@ def main(argv: list[str] | None = None) -> int:
         prog="megaformer.tools.reshard",
         description="Rewrite a checkpoint's module weights (any tp, pp) for tp ranks at pp = 1.",
     )
-    parser.add_argument("--input", required=True, help="checkpoints/ directory or one global_stepN directory")
+    parser.add_argument(
+        "--input",
+        required=True,
+        help="a run directory, its checkpoints/ directory or one global_stepN directory",
+    )
     parser.add_argument("--output", required=True, help="directory to write <tag>/mp_rank_XX_model_states.pt")
     parser.add_argument("--tp", type=int, required=True, help="target tensor-parallel degree")
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: the input's 'latest')")

@@ -477,7 +477,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="a run's checkpoints/ directory or one global_stepN")
+    src.add_argument("--checkpoint", help="a run directory, its checkpoints/ directory or one global_stepN")
     src.add_argument("--hf-model", help="a directory written by megaformer.tools.export_hf")
     p.add_argument("--tag", default=None, help="checkpoint tag; None: the one the 'latest' file names")
     p.add_argument(
