@@ -213,24 +213,27 @@ FAKE_LAUNCH = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_supervisor_forwards_a_stop_signal_to_every_rank(tmp_path, signum):
-    out = tmp_path / "run"
+def _supervised_fake_launch(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    """The supervisor over the stand-in launcher (its own session), once both ranks are ready;
+    returns it and the prefix the ranks write the signal they got to."""
     saved = tmp_path / "saved"
     command = [sys.executable, "-c", FAKE_LAUNCH, str(saved), "deepspeed.launcher.launch"]
-    args = [
-        sys.executable,
-        "-m",
-        "megaformer.training.supervisor",
-        CONFIG,
-        f"output.dir={out}",
-        "--",
-        *command,
-    ]
+    args = [sys.executable, "-m", "megaformer.training.supervisor", CONFIG, f"output.dir={tmp_path / 'run'}"]
     proc = subprocess.Popen(
-        args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        [*args, "--", *command],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     assert proc.stdout.readline().strip() == "ranks ready"
+    return proc, saved
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_supervisor_forwards_a_stop_signal_to_every_rank(tmp_path, signum):
+    proc, saved = _supervised_fake_launch(tmp_path)
     proc.send_signal(signum)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 75, err
@@ -242,20 +245,7 @@ def test_timeouts_double_sigterm_is_forwarded_once_without_a_traceback(tmp_path)
     """GNU ``timeout`` sends SIGTERM to its child and then to its own process group: the supervisor
     gets it twice in a row. It forwards the stop once and exits with the ranks' code, no traceback
     (a second signal inside the handler's lazy ``import psutil`` once crashed it)."""
-    saved = tmp_path / "saved"
-    command = [sys.executable, "-c", FAKE_LAUNCH, str(saved), "deepspeed.launcher.launch"]
-    supervisor = [
-        sys.executable,
-        "-m",
-        "megaformer.training.supervisor",
-        CONFIG,
-        f"output.dir={tmp_path / 'run'}",
-    ]
-    proc = subprocess.Popen(
-        [*supervisor, "--", *command], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    assert proc.stdout.readline().strip() == "ranks ready"
+    proc, saved = _supervised_fake_launch(tmp_path)
     os.kill(proc.pid, signal.SIGTERM)
     os.killpg(proc.pid, signal.SIGTERM)  # what timeout does next: the whole group, ranks included
     _, err = proc.communicate(timeout=30)
