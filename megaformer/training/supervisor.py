@@ -28,7 +28,9 @@ configuration, data or checkpoint error, other values a failure); 2 when the run
 by another run; 1 when a stop did not end in time; 128 + N when the launcher was killed by signal N.
 
 A signal that arrives before the ranks have started (DeepSpeed's launcher not yet running them)
-ends the launcher's group: nothing was trained, nothing is saved. A SIGKILL to the supervisor alone
+ends the launcher's group (after ``UNSEEN_GRACE_S``, in which ranks that have just started get it
+instead, and a launcher whose ranks have just exited ends with their code): nothing was trained,
+nothing is saved. A SIGKILL to the supervisor alone
 (``kill -9 PID``) cannot be forwarded: the ranks train on (the run directory stays theirs: rank 0
 holds its lock) until they are signalled themselves (``kill -- -PGID`` reaches them).
 
@@ -62,6 +64,10 @@ STOP_TIMEOUT_S = 600.0
 
 EXIT_CODE_STOP_TIMEOUT = 1
 """The supervisor's exit status when the ranks did not end within the stop timeout."""
+
+UNSEEN_GRACE_S = 2.0
+"""How long a stop signal that found no ranks waits before ending the launcher: the ranks may have
+just exited (the launcher then ends on its own with their code) or may be about to start."""
 
 LAUNCH_MODULE = "deepspeed.launcher.launch"
 """DeepSpeed's per-node launcher; its children are the ranks."""
@@ -119,6 +125,7 @@ class Supervisor:
         self.stop_timeout_s = stop_timeout_s
         self.child: subprocess.Popen | None = None
         self.stop_deadline: float | None = None
+        self.unseen: tuple[signal.Signals, signal.Signals, float] | None = None
 
     def _forward(self, signum: int, frame: object = None) -> None:
         if getattr(self, "_forwarding", False):
@@ -137,10 +144,15 @@ class Supervisor:
         if self.child is None or self.child.poll() is not None:
             return
         ranks = _rank_processes(self.child.pid)
-        if not ranks:  # not started yet (or on other nodes): end the launcher's group
-            _log(f"{received.name} received before the ranks started: ending the launcher")
-            self._signal_group(signal.SIGTERM)
+        if not ranks:
+            # Not started yet, or already gone: timeout's second SIGTERM reaches the ranks through
+            # the group, and they may have exited before this handler runs, with the launcher about
+            # to pass their 75 on. Decide in the wait loop, after a grace period (_settle_unseen).
+            self.unseen = (received, sent, time.monotonic())
             return
+        self._send_to_ranks(received, sent, ranks)
+
+    def _send_to_ranks(self, received: signal.Signals, sent: signal.Signals, ranks: list) -> None:
         _log(
             f"{received.name} received: sending {sent.name} to {len(ranks)} rank(s) "
             f"(PIDs {', '.join(str(p.pid) for p in ranks)}); they save a checkpoint and exit 75"
@@ -148,6 +160,18 @@ class Supervisor:
         for proc in ranks:
             with contextlib.suppress(Exception):  # a rank that has just exited
                 proc.send_signal(sent)
+
+    def _settle_unseen(self) -> None:
+        """A stop signal found no ranks ``UNSEEN_GRACE_S`` ago and the launcher still runs: send it
+        to the ranks that have started since, or end the launcher's group if there are none."""
+        received, sent, _ = self.unseen
+        self.unseen = None
+        ranks = _rank_processes(self.child.pid)
+        if ranks:
+            self._send_to_ranks(received, sent, ranks)
+            return
+        _log(f"{received.name} received before the ranks started: ending the launcher")
+        self._signal_group(signal.SIGTERM)
 
     def _signal_group(self, signum: int) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -175,11 +199,13 @@ class Supervisor:
         escalated: float | None = None
         while True:
             try:
-                rc = self.child.wait(timeout=1.0)
+                rc = self.child.wait(timeout=1.0 if self.unseen is None else 0.1)
                 break
             except subprocess.TimeoutExpired:
                 pass
             now = time.monotonic()
+            if self.unseen is not None and now > self.unseen[2] + UNSEEN_GRACE_S:
+                self._settle_unseen()
             if self.stop_deadline is not None and now > self.stop_deadline and escalated is None:
                 _log(
                     f"the ranks did not end within {self.stop_timeout_s:g} s of the stop signal "

@@ -195,6 +195,7 @@ FAKE_LAUNCH = textwrap.dedent(
     def stop(signum, frame):
         signal.signal(signum, signal.SIG_IGN)  # one stop, as a real rank takes it (timeout sends two)
         open(sys.argv[1], "w").write(signal.Signals(signum).name)
+        time.sleep(float(os.environ.get("FAKE_SAVE_SECONDS", "0")))  # a real save takes seconds
         sys.exit(75)
     signal.signal(signal.SIGTERM, stop)
     print("ready", flush=True)
@@ -213,9 +214,10 @@ FAKE_LAUNCH = textwrap.dedent(
 )
 
 
-def _supervised_fake_launch(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+def _supervised_fake_launch(tmp_path: Path, save_seconds: float = 0.0) -> tuple[subprocess.Popen, Path]:
     """The supervisor over the stand-in launcher (its own session), once both ranks are ready;
-    returns it and the prefix the ranks write the signal they got to."""
+    returns it and the prefix the ranks write the signal they got to. The ranks take
+    ``save_seconds`` to "save" before they exit 75."""
     saved = tmp_path / "saved"
     command = [sys.executable, "-c", FAKE_LAUNCH, str(saved), "deepspeed.launcher.launch"]
     args = [sys.executable, "-m", "megaformer.training.supervisor", CONFIG, f"output.dir={tmp_path / 'run'}"]
@@ -226,6 +228,7 @@ def _supervised_fake_launch(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        env={**os.environ, "FAKE_SAVE_SECONDS": str(save_seconds)},
     )
     assert proc.stdout.readline().strip() == "ranks ready"
     return proc, saved
@@ -244,13 +247,27 @@ def test_supervisor_forwards_a_stop_signal_to_every_rank(tmp_path, signum):
 def test_timeouts_double_sigterm_is_forwarded_once_without_a_traceback(tmp_path):
     """GNU ``timeout`` sends SIGTERM to its child and then to its own process group: the supervisor
     gets it twice in a row. It forwards the stop once and exits with the ranks' code, no traceback
-    (a second signal inside the handler's lazy ``import psutil`` once crashed it)."""
-    proc, saved = _supervised_fake_launch(tmp_path)
+    (a second signal inside the handler's lazy ``import psutil`` once crashed it). The ranks take
+    2 s to save, as real ones do, so the supervisor's handler finds them alive."""
+    proc, saved = _supervised_fake_launch(tmp_path, save_seconds=2.0)
     os.kill(proc.pid, signal.SIGTERM)
     os.killpg(proc.pid, signal.SIGTERM)  # what timeout does next: the whole group, ranks included
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 75, err
     assert "Traceback" not in err and err.count("SIGTERM received") == 1, err
+    assert [Path(f"{saved}.{i}").read_text() for i in range(2)] == ["SIGTERM", "SIGTERM"]
+
+
+def test_a_group_sigterm_the_ranks_take_first_ends_with_their_code(tmp_path):
+    """``kill -- -PGID`` reaches the ranks and the supervisor together; ranks that save at once
+    may be gone before the supervisor's handler looks for them. It must not then take them for
+    "not started" and kill the launcher (143, as in a CI run under load): the launcher passes
+    the ranks' 75 on."""
+    proc, saved = _supervised_fake_launch(tmp_path, save_seconds=0.0)
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 75, err
+    assert "ending the launcher" not in err and "Traceback" not in err, err
     assert [Path(f"{saved}.{i}").read_text() for i in range(2)] == ["SIGTERM", "SIGTERM"]
 
 
