@@ -246,8 +246,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(f"# {args.checkpoint}, step {step}, seq_len {config.seq_len}")
     for r in results:
+        # --heldout's row says whose held-out split it is: the prefix alone reads like the whole file
+        name = (
+            f"held-out split of {r['heldout_of']} ({r['data_prefix']})"
+            if "heldout_of" in r
+            else r["data_prefix"]
+        )
         print(
-            f"{r['data_prefix']}: loss {r['loss']:.4f} nats/token | ppl {r['ppl']:.2f} | "
+            f"{name}: loss {r['loss']:.4f} nats/token | ppl {r['ppl']:.2f} | "
             f"{r['samples']} samples, {r['tokens']:,} tokens"
         )
     if args.json:

@@ -754,7 +754,9 @@ def _summary(
             f"{raw['tokens_per_s']:,.0f} tokens/s | "
             f"{raw['tflops_per_device']:.3g} TFLOP/s per device"
             + (f" (MFU {raw['mfu']:.1%})" if raw["mfu"] is not None else "")
-            + f" | {raw['tokens']:,} tokens, {raw['device_hours']:.3g} device-hours | "
+            + f" | {raw['tokens']:,} tokens, {raw['device_hours']:.3g} device-hours"
+            + (" (the run's totals, all launches)" if start_step else "")
+            + " | "
             f"{valid} vs unigram entropy {raw['unigram_entropy']:.4f} nats",
         )
         log(layout, f"TensorBoard: tensorboard --logdir {summary['tensorboard_dir']}")

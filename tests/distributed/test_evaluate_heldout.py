@@ -32,7 +32,10 @@ def test_heldout_of_a_run_is_what_it_validated_on(lifecycle_reference, tmp_path,
     assert (
         all_rows["samples"] > first and all_rows["tokens"] == all_rows["samples"] * config["model"]["seq_len"]
     )
-    assert "held-out" not in capsys.readouterr().err
+    printed = capsys.readouterr()
+    assert "held-out" not in printed.err
+    # the result line names the run whose split it is, not the data prefix alone (issue 39)
+    assert f"held-out split of {lifecycle_reference} (" in printed.out
     # not a run directory: said, exit 2
     assert main(["--heldout", str(tmp_path)]) == 2
     assert "config.json: no such file; --heldout takes a run directory" in capsys.readouterr().err

@@ -37,6 +37,7 @@ def test_changed_config_refused_and_extension_continues(lifecycle_reference, gut
     assert "recomputed over 16 steps" in extended.stdout
     # the summary line counts this launch's steps and the run's, not the run's alone (issue 39)
     assert "done: 4 steps in this launch (steps 13–16; the run has 16 of 16)" in extended.stdout
+    assert "device-hours (the run's totals, all launches)" in extended.stdout  # not this launch's
     scalars = read_scalars(str(out / "tensorboard"))
     assert sorted(scalars["train/loss"]) == list(range(1, 17))
     assert (out / "checkpoints" / "latest").read_text() == "global_step16"
