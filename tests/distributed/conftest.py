@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -56,6 +57,81 @@ def run_pretrain(
         text=True,
         timeout=timeout,
     )
+
+
+def run_ranks(
+    config: str,
+    overrides: list[str],
+    nproc: int = 2,
+    timeout: int = 400,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    """Run ``python -m megaformer.train`` as ``nproc`` ranks started here, by torchrun's contract
+    (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` in the environment):
+    for the tests whose subject is the training (layouts, numerics, checkpoints), not the launcher.
+    It skips ``launch/pretrain.sh``'s checks, the supervisor, DeepSpeed's runner and its per-node
+    ``launch.py`` (four Python start-ups, about 8 s of a launch on 2 cores); the launcher's own
+    behaviour keeps its tests through :func:`run_pretrain`.
+
+    Returns the finished job as a ``CompletedProcess``: ``stdout``/``stderr`` are the ranks' in rank
+    order, ``returncode`` the first non-zero rank's (0 when all succeeded). A rank that fails ends
+    the others 30 s later (they may wait in a collective for it), as DeepSpeed's launcher does.
+
+    Raises:
+        subprocess.TimeoutExpired: the job ran past ``timeout`` seconds (every rank is killed).
+    """
+    import tempfile
+    import time
+
+    base = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "LOCAL_RANK")}
+    base |= {
+        "DS_ACCELERATOR": "cpu",
+        # as pretrain.sh sets it (a value already in the environment wins)
+        "OMP_NUM_THREADS": base.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc))),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), base.get("PYTHONPATH", "")) if p),
+        **(env or {}),
+    }
+    cmd = [sys.executable, "-u", "-m", "megaformer.train", config, *overrides]
+    with tempfile.TemporaryDirectory() as logs, contextlib.ExitStack() as files:
+        # files, not pipes: a rank blocked on a full pipe would hang the others in a collective
+        outs = [
+            files.enter_context(open(os.path.join(logs, f"{r}.{k}"), "w+"))
+            for r in range(nproc)
+            for k in ("out", "err")
+        ]
+        procs = [
+            subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                env=base | {"RANK": str(r), "LOCAL_RANK": str(r)},
+                stdout=outs[2 * r],
+                stderr=outs[2 * r + 1],
+            )
+            for r in range(nproc)
+        ]
+        deadline, failed_at = time.monotonic() + timeout, None
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+                failed_at = now
+            if now > deadline or (failed_at is not None and now > failed_at + 30):
+                for p in procs:
+                    p.kill()
+                    p.wait()
+                if now > deadline:
+                    raise subprocess.TimeoutExpired(cmd, timeout)
+            time.sleep(0.1)
+        texts = []
+        for f in outs:
+            f.seek(0)
+            texts.append(f.read())
+    codes = [p.returncode for p in procs]
+    rc = next((c for c in codes if c != 0), 0)
+    return subprocess.CompletedProcess(cmd, rc, "".join(texts[0::2]), "".join(texts[1::2]))
 
 
 def read_scalars(tb_dir: str) -> dict[str, dict[int, float]]:

@@ -4,7 +4,7 @@ With it, DeepSpeed 0.19's ``BF16_Optimizer`` adds each parameter's bf16 gradient
 accumulation buffer from a post-accumulate-grad hook during backward and frees the bf16 gradient;
 without it, one pass after each micro-batch's backward does the same addition and the bf16
 gradients stay allocated (2 bytes per parameter: ``megaformer.tools.plan`` counts the difference).
-Here both run through the launcher on real text in bf16 with fp32 accumulation at ZeRO-1 and two
+Here both run as multi-process runs on real text in bf16 with fp32 accumulation at ZeRO-1 and two
 micro-batches per step, in the layouts where megaformer's own gradient work meets DeepSpeed's:
 tp 2 with sequence parallelism × dp 2 (the sequence-parallel gradients' TP all-reduce in backward,
 the data-parallel reduction of the fp32 buffers, per-layer diagnostics through
@@ -22,9 +22,9 @@ import json
 
 import pytest
 
-from tests.distributed.conftest import read_scalars, run_pretrain
+from tests.distributed.conftest import read_scalars, run_ranks
 
-pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
+pytestmark = pytest.mark.slow  # multi-process training runs (run_ranks): outside `scripts/check.sh --fast`
 
 CONFIG = "configs/normformer-quickstart.yaml"
 TINY = [
@@ -67,7 +67,7 @@ def test_immediate_grad_update_gives_the_same_run(layout, gutenberg_prefix, tmp_
     scalars = {}
     for immediate in (False, True):
         run_dir = tmp_path / f"immediate-{immediate}"
-        proc = run_pretrain(
+        proc = run_ranks(
             CONFIG,
             [
                 *TINY,
@@ -101,7 +101,7 @@ def test_bf16_zero2_with_fp32_accumulation_follows_the_bf16_optimizer(gutenberg_
     scalars = {}
     for zero in (1, 2):
         run_dir = tmp_path / f"zero{zero}"
-        proc = run_pretrain(
+        proc = run_ranks(
             CONFIG,
             [
                 *TINY,

@@ -1,4 +1,4 @@
-"""End to end through launch/pretrain.sh with a blend of two real-text datasets and the index cache."""
+"""End to end, 2 ranks, with a blend of two real-text datasets and the index cache."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from tests.distributed.conftest import DATA, REPO, read_scalars, run_pretrain
+from tests.distributed.conftest import DATA, REPO, read_scalars, run_ranks
 from tests.distributed.test_train_launch import CONFIG, TINY, _check
 
-pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
+pytestmark = pytest.mark.slow  # multi-process training runs (run_ranks): outside `scripts/check.sh --fast`
 
 BOOKS_A = ("pg42.txt.xz", "244-0.txt.xz")  # two different sets of novels
 BOOKS_B = ("pg2097.txt.xz", "pg345.txt.xz")
@@ -46,7 +46,7 @@ def blend_runs(tmp_path_factory):
     runs = []
     for k in range(2):
         out = tmp / f"run{k}"
-        proc = run_pretrain(CONFIG, [*overrides, f"output.dir={out}"])
+        proc = run_ranks(CONFIG, [*overrides, f"output.dir={out}"])
         _check(proc)
         runs.append((out, proc))
     return tmp / "cache", runs

@@ -1,4 +1,4 @@
-"""Compute-matched runs through launch/pretrain.sh: equal device-hours, different step counts, and a
+"""Compute-matched multi-process runs: equal device-hours, different step counts, and a
 budget decision that survives a kill and resume."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import shutil
 
 import pytest
 
-from tests.distributed.conftest import read_scalars, run_pretrain
+from tests.distributed.conftest import read_scalars, run_ranks
 from tests.distributed.test_train_launch import CONFIG, TINY, _check
 
-pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
+pytestmark = pytest.mark.slow  # multi-process training runs (run_ranks): outside `scripts/check.sh --fast`
 
 BUDGET = 0.02  # device-hours: 36 s of wall-clock on 2 processes
 # A body deep and wide enough for NormFormer's extra LayerNorms to cost measurable time next to the
@@ -26,7 +26,7 @@ def _budget_run(prefix: str, out, scheme: list[str]):
     # train.budget_overrun=1: these runs test the decision (its step count, the schedule, the
     # resume); the end-at-the-budget rule, which a loaded CI machine would trigger a step or two
     # early, is tested on its own below.
-    proc = run_pretrain(
+    proc = run_ranks(
         CONFIG,
         [*TINY, *SHAPE, *scheme, f"data.prefix={prefix}", "train.steps=5000", "train.warmup_steps=45",
          "train.budget_measure_steps=40", f"train.budget_device_hours={BUDGET}", "train.eval_interval=25",
@@ -91,7 +91,7 @@ def test_a_run_slower_than_its_calibration_ends_at_the_budget(gutenberg_prefix, 
     than train.budget_overrun (default +10 %: a guard against a wrong calibration); evaluated and
     saved there, complete (exit 0), and said so."""
     out = tmp_path / "slow"
-    proc = run_pretrain(
+    proc = run_ranks(
         CONFIG,
         [*TINY, f"data.prefix={gutenberg_prefix}", "train.steps=5000", "train.eval_interval=1000",
          "train.save_interval=0", "train.log_interval=50", "train.budget_device_hours=0.004",

@@ -1,4 +1,4 @@
-"""train.compile through the launcher and the DeepSpeed engine (issue 19): a run whose blocks are
+"""train.compile in multi-process runs through the DeepSpeed engine (issue 19): a run whose blocks are
 compiled (inductor's C++ backend, 2 processes on gloo) repeats the eager run step for step, with
 dropout on, at TP = 2 with sequence parallelism, ZeRO-1 and full recomputation (DeepSpeed's
 checkpoint around each compiled block, the dropout states replayed), evaluation included, the
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.conftest import read_scalars, run_pretrain
+from tests.distributed.conftest import read_scalars, run_ranks
 
-pytestmark = pytest.mark.slow  # runs through the launcher; each rank compiles the block
+pytestmark = pytest.mark.slow  # multi-process training runs (run_ranks); each rank compiles the block
 
 CONFIG = "configs/normformer-quickstart.yaml"
 TINY = [
@@ -40,7 +40,7 @@ TINY = [
 
 def _run(tmp_path, gutenberg_prefix, name: str, extra: list[str]):
     out = tmp_path / name
-    proc = run_pretrain(CONFIG, [*TINY, *extra, f"data.prefix={gutenberg_prefix}", f"output.dir={out}"])
+    proc = run_ranks(CONFIG, [*TINY, *extra, f"data.prefix={gutenberg_prefix}", f"output.dir={out}"])
     assert proc.returncode == 0, (
         f"{name}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     )

@@ -1,4 +1,4 @@
-"""Training dynamics through launch/pretrain.sh (2 processes, gloo): runs that survive divergence,
+"""Training dynamics in multi-process runs (2 processes, gloo): runs that survive divergence,
 the learning rate the optimizer really used under fp16 overflows, per-layer gradient norms equal at
 every layout, the learning-rate stability test's stop."""
 
@@ -11,15 +11,15 @@ import pytest
 
 from megaformer.config.schema import TrainConfig
 from megaformer.training.schedule import lr_at
-from tests.distributed.conftest import CPU_FP16_PATH, read_scalars, run_pretrain
+from tests.distributed.conftest import CPU_FP16_PATH, read_scalars, run_ranks
 from tests.distributed.test_train_launch import CONFIG, TINY, _check
 
-pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
+pytestmark = pytest.mark.slow  # multi-process training runs (run_ranks): outside `scripts/check.sh --fast`
 
 
 def test_lr_1000_without_clipping_ends_cleanly_and_counts_nonfinite_steps(gutenberg_prefix, tmp_path):
     # ZeRO 0, fp32: nothing skips the non-finite updates, so the weights themselves become inf/NaN.
-    proc = run_pretrain(
+    proc = run_ranks(
         CONFIG,
         [*TINY, f"data.prefix={gutenberg_prefix}", "train.steps=6", "train.lr=1000", "train.grad_clip=0",
          "train.zero_stage=0", "train.eval_interval=3", f"output.dir={tmp_path}"],
@@ -45,7 +45,7 @@ def test_fp16_skipped_steps_counted_and_lr_is_the_optimizers(gutenberg_prefix, t
     engine_json = tmp_path / "fp16.json"
     engine_json.write_text(json.dumps({"fp16": {"initial_scale_power": 19, "hysteresis": 1}}))
     overrides = ["train.steps=8", "train.warmup_steps=4", "train.lr=3e-3", "train.min_lr=3e-4"]
-    proc = run_pretrain(
+    proc = run_ranks(
         CONFIG,
         [*TINY, f"data.prefix={gutenberg_prefix}", *overrides, "train.precision=fp16",
          "train.zero_stage=1", f"train.deepspeed_config={engine_json}", "train.eval_interval=8",
@@ -73,7 +73,7 @@ def test_per_layer_grad_norms_equal_at_tp2_and_pp2(gutenberg_prefix, tmp_path):
               "train.zero_stage=1"]  # fmt: skip
     runs = {}
     for name, layout in (("tp1", []), ("tp2", ["parallel.tp_size=2"]), ("pp2", ["parallel.pp_size=2"])):
-        proc = run_pretrain(CONFIG, [*common, *layout, f"output.dir={tmp_path}/{name}"])
+        proc = run_ranks(CONFIG, [*common, *layout, f"output.dir={tmp_path}/{name}"])
         _check(proc)
         runs[name] = read_scalars(str(tmp_path / name / "tensorboard"))
     ref = runs["tp1"]
@@ -104,7 +104,7 @@ def test_per_layer_grad_norms_equal_at_tp2_and_pp2(gutenberg_prefix, tmp_path):
 def test_lr_stability_test_stops_at_a_finite_divergence_lr(gutenberg_prefix, tmp_path):
     """Pre-LN, lr rising by a fixed amount per step from 0, no clipping: the run stops at the first
     step whose loss exceeds 1.5 × its running minimum (or is not finite), saves and records it."""
-    proc = run_pretrain(
+    proc = run_ranks(
         CONFIG,
         [*TINY, f"data.prefix={gutenberg_prefix}", "model.post_attn_ln=false", "model.head_scale=false",
          "model.ffn_ln=false", "train.lr_decay=ramp", "train.lr_ramp=0.02", "train.grad_clip=0",

@@ -9,10 +9,10 @@ import shutil
 import numpy as np
 import pytest
 
-from tests.distributed.conftest import read_scalars, run_pretrain
+from tests.distributed.conftest import read_scalars, run_pretrain, run_ranks
 from tests.distributed.test_train_launch import CONFIG, TINY, _check
 
-pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
+pytestmark = pytest.mark.slow  # multi-process training runs: outside `scripts/check.sh --fast`
 
 
 def _fails_fast(prefix: str, tmp_path, *needles: str) -> None:
@@ -59,7 +59,7 @@ def test_num_workers_does_not_change_the_losses(gutenberg_prefix, tmp_path):
     losses = {}
     for workers in (0, 2):
         out = tmp_path / f"w{workers}"
-        proc = run_pretrain(
+        proc = run_ranks(
             CONFIG,
             [*TINY, f"data.prefix={gutenberg_prefix}", "train.steps=20", f"data.num_workers={workers}",
              "model.hidden_dropout=0.1", f"output.dir={out}", f"data.index_cache_dir={tmp_path / 'cache'}"],
@@ -78,7 +78,7 @@ def test_validation_loss_is_the_same_at_dp1_and_dp2(gutenberg_prefix, tmp_path, 
     valid = {}
     for nproc in (1, 2):
         out = tmp_path / f"dp{nproc}"
-        proc = run_pretrain(
+        proc = run_ranks(
             CONFIG,
             [*TINY, f"data.prefix={gutenberg_prefix}", "train.steps=10", "train.eval_interval=5",
              f"train.precision={precision}", f"output.dir={out}"],

@@ -1,4 +1,4 @@
-"""configs/mlm-quickstart.yaml through launch/pretrain.sh on 2 CPU processes (tiny, a few steps): the
+"""configs/mlm-quickstart.yaml as 2 CPU ranks (tiny, a few steps): the
 masked LM trains (finite, decreasing loss), logs its masked-token validation loss and perplexity, and
 the causal-only tools refuse its checkpoint."""
 
@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from tests.distributed.conftest import REPO, read_scalars, run_pretrain
+from tests.distributed.conftest import REPO, read_scalars, run_ranks
 
-pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
+pytestmark = pytest.mark.slow  # multi-process training runs (run_ranks): outside `scripts/check.sh --fast`
 
 TINY = [
     "model.hidden_size=64",
@@ -33,7 +33,7 @@ TINY = [
 
 def test_mlm_quickstart_trains_and_logs_the_masked_validation_loss(gutenberg_prefix, tmp_path):
     out = tmp_path / "run"
-    proc = run_pretrain(
+    proc = run_ranks(
         "configs/mlm-quickstart.yaml", [*TINY, f"data.prefix={gutenberg_prefix}", f"output.dir={out}"]
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

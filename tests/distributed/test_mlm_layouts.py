@@ -1,4 +1,4 @@
-"""The masked LM (model.objective=mlm) through launch/pretrain.sh on real text at four layouts, all from
+"""The masked LM (model.objective=mlm) as multi-process runs on real text at four layouts, all from
 the same seed and samples: one process (2 micro-batches of 4 per step), tp = 2, pp = 2 (2 pipeline
 micro-batches) and dp = 2 (one micro-batch per rank). Each repeats the one-process run step for step
 within 1e-4 relative: the training loss (fairseq's Σ NLL / N over the step's masked tokens, whose
@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.conftest import read_scalars, run_pretrain
+from tests.distributed.conftest import read_scalars, run_ranks
 
-pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
+pytestmark = pytest.mark.slow  # multi-process training runs (run_ranks): outside `scripts/check.sh --fast`
 
 CONFIG = "configs/mlm-quickstart.yaml"
 TINY = [
@@ -47,7 +47,7 @@ def runs(gutenberg_prefix, tmp_path_factory):
     out = {}
     for name, (nproc, extra) in RUNS.items():
         run_dir = tmp_path_factory.mktemp(f"mlm_{name}")
-        proc = run_pretrain(
+        proc = run_ranks(
             CONFIG, [*TINY, *extra, f"data.prefix={gutenberg_prefix}", f"output.dir={run_dir}"], nproc=nproc
         )
         assert proc.returncode == 0, (

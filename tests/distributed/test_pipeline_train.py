@@ -1,4 +1,5 @@
-"""Pipeline parallelism (issue 5) end to end through launch/pretrain.sh on gloo, real text.
+"""Pipeline parallelism (issue 5) end to end on gloo, real text (the ranks
+started as DeepSpeed's launcher starts them: tests/distributed/conftest.py run_ranks).
 
 One reference run in one process (pp = 1: the layer list without the pipeline engine); the other
 layouts repeat its per-step losses from the same seed (same weights) and the same samples:
@@ -23,9 +24,9 @@ import shutil
 
 import pytest
 
-from tests.distributed.conftest import CPU_FP16_PATH, read_scalars, run_pretrain
+from tests.distributed.conftest import CPU_FP16_PATH, read_scalars, run_pretrain, run_ranks
 
-pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
+pytestmark = pytest.mark.slow  # multi-process training runs: outside `scripts/check.sh --fast`
 
 CONFIG = "configs/normformer-quickstart.yaml"
 # Every layout sees the same 8 samples per step: 1 process = 2 micro-batches of 4, pp = 2 (dp = 1)
@@ -75,7 +76,7 @@ def runs(gutenberg_prefix, tmp_path_factory):
     out = {}
     for name, (nproc, extra) in RUNS.items():
         run_dir = tmp_path_factory.mktemp(name)
-        proc = run_pretrain(
+        proc = run_ranks(
             CONFIG, [*TINY, *extra, f"data.prefix={gutenberg_prefix}", f"output.dir={run_dir}"], nproc=nproc
         )
         _check(name, proc)
@@ -125,7 +126,7 @@ def test_checkpoint_loads_at_another_layout_with_the_same_next_loss(
     runs, gutenberg_prefix, tmp_path, source, nproc, layout
 ):
     src_dir, _, full = runs[source]
-    proc = run_pretrain(
+    proc = run_ranks(
         CONFIG,
         [*TINY, *layout, f"data.prefix={gutenberg_prefix}",
          f"train.init_from={src_dir / 'checkpoints' / 'global_step5'}", f"output.dir={tmp_path}"],
@@ -144,7 +145,7 @@ def test_pp2_resume_auto_continues_exactly(runs, gutenberg_prefix, tmp_path):
     shutil.copytree(src_dir / "checkpoints", tmp_path / "checkpoints")
     shutil.rmtree(tmp_path / "checkpoints" / "global_step10")
     (tmp_path / "checkpoints" / "latest").write_text("global_step5")
-    proc = run_pretrain(
+    proc = run_ranks(
         CONFIG,
         [
             *TINY,
@@ -164,7 +165,7 @@ def test_pp2_resume_auto_continues_exactly(runs, gutenberg_prefix, tmp_path):
 
 
 def test_pp2_dp2_zero1_bf16_trains_with_one_writer(gutenberg_prefix, tmp_path):
-    proc = run_pretrain(
+    proc = run_ranks(
         CONFIG,
         [*TINY, "parallel.pp_size=2", "train.zero_stage=1", "train.precision=bf16", "train.steps=20",
          "train.micro_batch_size=2", "train.eval_interval=20", "train.save_interval=0",
@@ -185,7 +186,7 @@ def test_pp2_dp2_zero1_bf16_trains_with_one_writer(gutenberg_prefix, tmp_path):
 
 def test_pp2_fp16_dynamic_loss_scaling_runs_on_cpu(gutenberg_prefix, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", CPU_FP16_PATH)
-    proc = run_pretrain(
+    proc = run_ranks(
         CONFIG,
         [*TINY, "parallel.pp_size=2", "train.zero_stage=1", "train.precision=fp16", "train.steps=3",
          "train.warmup_steps=1", "train.eval_interval=3", "train.save_interval=0",

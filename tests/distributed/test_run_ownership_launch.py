@@ -149,9 +149,14 @@ def test_kill9_frees_the_directory_and_stop_signals_reach_every_rank(gutenberg_p
     _wait_for(killed, tmp_path / "killed.log", "step 2/1000")
     os.killpg(killed.pid, signal.SIGKILL)
     killed.wait()
-    # ... under `timeout`, whose SIGTERM (to its process group) stops every rank with a checkpoint
-    timed = _start(overrides, tmp_path / "timed.log", ("timeout", "-s", "TERM", "75"))
+    # ... under `timeout`, whose SIGTERM (to its child, then its process group) stops every rank with
+    # a checkpoint. Its time runs out once the run trains: GNU timeout's timer is a SIGALRM, and one
+    # sent from here is its expiry (the same two SIGTERMs, exit 124), without a fixed wait that
+    # must outlast the start-up on a loaded machine.
+    timed = _start(overrides, tmp_path / "timed.log", ("timeout", "-s", "TERM", "600"))
     try:
+        _wait_for(timed, tmp_path / "timed.log", "step 2/1000")
+        timed.send_signal(signal.SIGALRM)
         assert timed.wait(timeout=300) == 124, (tmp_path / "timed.log").read_text()[-3000:]
     finally:
         if timed.poll() is None:

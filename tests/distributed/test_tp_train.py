@@ -1,4 +1,4 @@
-"""Tensor parallelism end to end: launch/pretrain.sh on real text at tp_size = 2 repeats the tp_size = 1
+"""Tensor parallelism end to end, the trainer's ranks on real text at tp_size = 2 repeats the tp_size = 1
 run step for step (also for model.norm_scheme post_ln / deepnorm and model.qkv_ln), and a TP=2
 checkpoint resharded to TP=1 and on to TP=4 gives the same logits."""
 
@@ -18,9 +18,9 @@ import torch.multiprocessing as mp
 from megaformer.checkpoint.reshard import load_module, reshard
 from megaformer.config.schema import ModelConfig
 from megaformer.model import NormFormerLM
-from tests.distributed.conftest import REPO, free_port, read_scalars, run_pretrain
+from tests.distributed.conftest import REPO, free_port, read_scalars, run_ranks
 
-pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
+pytestmark = pytest.mark.slow  # multi-process training runs (run_ranks): outside `scripts/check.sh --fast`
 
 CONFIG = "configs/normformer-quickstart.yaml"
 # Two processes: tp=1 gives dp=2 (4 samples per rank), tp=2 gives dp=1 with 2 accumulation steps:
@@ -61,7 +61,7 @@ def runs(gutenberg_prefix, tmp_path_factory):
     out = {}
     for name, (nproc, extra) in RUNS.items():
         run_dir = tmp_path_factory.mktemp(name)
-        proc = run_pretrain(
+        proc = run_ranks(
             CONFIG, [*TINY, *extra, f"data.prefix={gutenberg_prefix}", f"output.dir={run_dir}"], nproc=nproc
         )
         assert proc.returncode == 0, (
@@ -191,7 +191,7 @@ def test_generate_samples_text_from_a_tp2_checkpoint(runs, tmp_path):
     assert "Traceback" not in bad.stderr, bad.stderr
 
 
-# model.norm_scheme / model.qkv_ln through the launcher: each at TP = 2 repeats its TP = 1 run.
+# model.norm_scheme / model.qkv_ln as multi-process runs: each at TP = 2 repeats its TP = 1 run.
 NORMFORMER_OFF = ["model.post_attn_ln=false", "model.head_scale=false", "model.ffn_ln=false"]
 SCHEMES = {
     "post_ln": ["model.norm_scheme=post_ln", *NORMFORMER_OFF, "model.resid_scale=false"],
@@ -208,7 +208,7 @@ def test_every_norm_scheme_trains_the_same_at_tp2_as_at_tp1(scheme, gutenberg_pr
     for tp in (1, 2):
         run_dir = tmp_path / f"tp{tp}"
         overrides = [*TINY, *SCHEMES[scheme], *SHORT, f"parallel.tp_size={tp}", "train.zero_stage=0"]
-        proc = run_pretrain(CONFIG, [*overrides, f"data.prefix={gutenberg_prefix}", f"output.dir={run_dir}"])
+        proc = run_ranks(CONFIG, [*overrides, f"data.prefix={gutenberg_prefix}", f"output.dir={run_dir}"])
         assert proc.returncode == 0, (
             f"tp{tp}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
         )
