@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     (:mod:`megaformer.training.run_lock`)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.check_config:  # before torch and DeepSpeed are imported: a fraction of a second
-        from megaformer.training.resume_rules import check_before_launch
+        from megaformer.checkpoint.resume_rules import check_before_launch
 
         try:
             # the resume / extension / init_from rules too, from the checkpoints' manifests: said

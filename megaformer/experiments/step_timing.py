@@ -118,7 +118,7 @@ def run(spec: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
     from megaformer.experiments.calibrate import round_order
-    from megaformer.training.builders import log
+    from megaformer.parallel.layout import log
 
     layout, steppers = _build(spec, world_size)
     names = list(steppers)

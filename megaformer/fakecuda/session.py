@@ -102,7 +102,7 @@ class _InPhase:
 
 
 class _NoCheckpoints:
-    """Stands in for the checkpointer: FakeTensors cannot be written. Records what would be saved."""
+    """Stands in for the checkpoint manager: FakeTensors cannot be written. Records what would be saved."""
 
     def __init__(self) -> None:
         self.saves: list[int] = []

@@ -15,55 +15,9 @@ from typing import Any
 import torch
 
 from megaformer.config import RunConfig
+from megaformer.parallel.layout import Layout, log
 from megaformer.parallel.rng import DropoutRNG
 from megaformer.parallel.state import ParallelState
-
-
-@dataclass(frozen=True)
-class Layout:
-    """This process's place in the job: its ranks, its groups and its device."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    backend: str
-    device: torch.device
-    state: ParallelState
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def dp_rank(self) -> int:
-        return self.state.dp_rank
-
-    @property
-    def dp_size(self) -> int:
-        return self.state.dp_size
-
-    @property
-    def tp_group(self) -> Any:
-        """The tensor-parallel group, or None at tp = 1 (the layers then skip communication)."""
-        return self.state.split_tp_group
-
-    def rng_layout(self) -> dict[str, int]:
-        """The coordinates a generator-state file is valid for (:mod:`megaformer.checkpoint.rng_state`)."""
-        s = self.state
-        return {
-            "tp": s.tp_size,
-            "pp": s.pp_size,
-            "dp": s.dp_size,
-            "tp_rank": s.tp_rank,
-            "pp_rank": s.pp_rank,
-            "dp_rank": s.dp_rank,
-        }
-
-
-def log(layout: Layout, message: str) -> None:
-    """Print ``[megaformer] message`` on global rank 0."""
-    if layout.is_main:
-        print(f"[megaformer] {message}", flush=True)
 
 
 def build_layout(cfg: RunConfig, dp_size: int) -> Layout:
@@ -208,7 +162,7 @@ def build_optimizer(
 
     ``param_order``: the order of each group's parameters (:func:`megaformer.model.param_groups`):
     ``"aligned"`` for a new run; a resumed run takes the order its checkpoint was saved in
-    (:func:`~megaformer.training.checkpointer.saved_param_order`), since DeepSpeed's flat optimizer
+    (:func:`~megaformer.checkpoint.manager.saved_param_order`), since DeepSpeed's flat optimizer
     state follows it."""
     from megaformer.model import param_groups
     from megaformer.training.schedule import build_scheduler

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from megaformer.config import TrainConfig
+from megaformer.config import RunConfig, TrainConfig
 
 
 def lr_at(step: int, t: TrainConfig, total_steps: int | None = None) -> float:
@@ -108,3 +108,17 @@ def apply_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR) -> float:
     # as step() sets it
     scheduler._last_lr = lrs
     return lrs[0]
+
+
+def extension_rule(cfg: RunConfig, step: int, old_steps: int) -> str:
+    """The log line that states the learning-rate rule of an extension from ``old_steps`` to
+    ``cfg.train.steps`` and its effect on the update after ``step`` (the checkpoint's): given to
+    :func:`megaformer.checkpoint.resume_rules.check_resume_config` by the trainer."""
+    t = cfg.train
+    old_lr, new_lr = lr_at(step, t, old_steps), lr_at(step, t)
+    return (
+        f"extending the run from {old_steps} to {t.steps} steps (train.extend_steps=true): the "
+        f"learning-rate schedule is recomputed over {t.steps} steps (warmup {t.warmup_steps} unchanged, "
+        f"{t.lr_decay} decay to min_lr {t.min_lr:g} now ending at step {t.steps}); the next update "
+        f"(step {step + 1}) takes lr {new_lr:.3e} where the old schedule had {old_lr:.3e}"
+    )

@@ -12,7 +12,8 @@ the plain engine (the grid is DeepSpeed's ``mpu``); with ``pp_size`` > 1 it is a
 ``train_batch`` per step, the gradient-accumulation steps being the pipeline's micro-batches).
 
 Parts (each its own module, testable alone): :mod:`.preflight` (checks before any process group),
-:mod:`.builders` (layout, data, model, optimizer), :mod:`.ds_adapter` (DeepSpeed), :mod:`.checkpointer`,
+:mod:`.builders` (layout, data, model, optimizer), :mod:`.ds_adapter` (DeepSpeed),
+:mod:`megaformer.checkpoint` (its manager saves and resumes),
 :mod:`.metrics`, and here the evaluator and the loop. Losses and norms stay on the device; they are
 read to the host once per log interval (:class:`~.metrics.DeferredScalars`).
 
@@ -32,9 +33,37 @@ import numpy as np
 import torch
 
 from data_tools.files import atomic_write_json
+from megaformer.checkpoint import integrity as ckpt_integrity
+from megaformer.checkpoint.manager import CheckpointManager, init_weights_from, saved_param_order
 from megaformer.config import RunConfig, to_dict
-from megaformer.training.builders import Data, Layout, log
+from megaformer.data.loader import train_loader, valid_loader
+from megaformer.parallel.layout import Layout, log
+from megaformer.parallel.rng import DropoutRNG
+from megaformer.training.budget import BudgetKeeper, overspent
+from megaformer.training.builders import (
+    Data,
+    build_data,
+    build_layout,
+    build_model,
+    build_optimizer,
+    count_parameters_global,
+)
+from megaformer.training.deepspeed_config import build_deepspeed_config
+from megaformer.training.diagnostics import LayerDiagnostics, StepHealth, param_norm_squared
+from megaformer.training.ds_adapter import LossScaleExhaustedError, initialize
+from megaformer.training.flops import ComputeMeter, device_peak_flops, model_flops_per_token
+from megaformer.training.metrics import (
+    DeferredScalars,
+    MetricsWriter,
+    StepTimer,
+    format_step_line,
+    peak_memory_gib,
+)
+from megaformer.training.preflight import run_preflight
+from megaformer.training.schedule import Schedule, extension_rule
+from megaformer.training.stopping import BUDGET_SPENT, StopCheck
 from megaformer.training.summary_file import null_non_finite
+from megaformer.training.tracking import WandbTracker, provenance
 
 
 def to_device(batches: Iterable, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -67,8 +96,6 @@ class Evaluator:
         """``samples``: what to evaluate (default ``data.valid``; the test set for the test loss).
         ``batches``: global batches per evaluation (default ``train.eval_batches``; 0: every full
         global batch of ``samples``)."""
-        from megaformer.data.loader import valid_loader
-
         t = cfg.train
         samples = data.valid if samples is None else samples
         batches = t.eval_batches if batches is None else batches
@@ -102,8 +129,6 @@ def train_batches(
     """This data-parallel rank's micro-batches from ``start_step`` on, on the layout's device: what
     the training loop feeds :meth:`~.ds_adapter.Engine.train_step` (also the step-time
     calibration's, :mod:`megaformer.experiments.step_timing`)."""
-    from megaformer.data.loader import train_loader
-
     t = cfg.train
     loader = train_loader(
         data.train,
@@ -131,7 +156,7 @@ class TrainLoop:
         cfg: RunConfig,
         layout: Layout,
         data: Data,
-        checkpointer: Any,
+        checkpoints: Any,
         start_step: int,
         compute: Any,
         schedule: Any,
@@ -140,12 +165,9 @@ class TrainLoop:
     ) -> None:
         """``batches``: the batch source, ``start_step -> iterator of micro-batches`` on the device
         (default :func:`train_batches`); the fake-CUDA dry run passes one that marks the data phase."""
-        from megaformer.training.budget import BudgetKeeper
-        from megaformer.training.metrics import DeferredScalars, MetricsWriter
-
         self.engine, self.cfg, self.layout, self.data = engine, cfg, layout, data
         self.batch_source = batches or (lambda start: train_batches(cfg, layout, data, start))
-        self.checkpointer = checkpointer
+        self.checkpoints = checkpoints
         self.start_step = start_step
         self.compute = compute  # a flops.ComputeMeter: tokens, device-hours, TFLOP/s, MFU
         self.schedule = schedule  # maps a step to its learning rate; the loop decides when to stop
@@ -197,8 +219,6 @@ class TrainLoop:
         """Run health (non-finite and skipped steps, the divergence stop; a resumed run continues
         its count of ``nonfinite_steps``) and, every ``train.diagnostics_interval`` steps, per-layer
         gradient norms and learned scales (:mod:`.diagnostics`)."""
-        from megaformer.training.diagnostics import LayerDiagnostics, StepHealth
-
         t, engine = self.cfg.train, self.engine
         self.health = StepHealth(engine, self.layout.device, t.precision == "fp16", t.divergence_factor)
         self.health.count += nonfinite_steps
@@ -219,9 +239,6 @@ class TrainLoop:
 
     def _step_scalars(self, done: int, loss: Any, lr: float, step_time: float) -> dict[str, Any]:
         """Scalars of the step just taken (device tensors stay on the device)."""
-        from megaformer.training.diagnostics import param_norm_squared
-        from megaformer.training.metrics import peak_memory_gib
-
         grad_norm = self.engine.grad_norm()
         values = {
             "train/loss": loss,
@@ -252,10 +269,6 @@ class TrainLoop:
     def run(self, resumed: bool, stop: Any = None) -> float:
         """Train from ``start_step`` to :attr:`total`, or to the step boundary where ``stop`` (a
         :class:`~.stopping.StopCheck`) says to stop; save there; return the wall-clock seconds."""
-        from megaformer.training.budget import overspent
-        from megaformer.training.metrics import StepTimer
-        from megaformer.training.stopping import BUDGET_SPENT
-
         t, start_step = self.cfg.train, self.start_step
         if self.budget is not None and self.budget.calibrated:
             self._decide_budget_calibrated(start_step)
@@ -290,7 +303,7 @@ class TrainLoop:
                 self._decide_budget(done)
             self._log_and_evaluate(done, start_step)
             if t.save_interval and done % t.save_interval == 0 and done < self.total:
-                self._paused(self.checkpointer.save, done, self._client_extra())
+                self._paused(self.checkpoints.save, done, self._client_extra())
                 last_saved = done
             timer.lap()  # do not charge logging, evaluation and checkpoints to the next step
             self.stopped = stop() if stop is not None and step < self.total else None
@@ -309,15 +322,13 @@ class TrainLoop:
             log(self.layout, f"step {step} | test loss {self.test_loss:.4f} | test ppl {ppl:.2f}")
         if last_saved != step:
             self.metrics.flush()  # every step's scalars are written before the checkpoint is
-            self.checkpointer.save(step, self._client_extra())
+            self.checkpoints.save(step, self._client_extra())
         self.writer.close()
         return time.perf_counter() - started
 
     def _train_step(self, batches: Iterator, step: int, lr: float) -> torch.Tensor | None:
         """One step; None when fp16's loss scaler gave up at its minimum scale (the run diverged:
         recorded, the loop ends at ``step``, the last completed one)."""
-        from megaformer.training.ds_adapter import LossScaleExhaustedError
-
         try:
             return self.engine.train_step(batches)
         except LossScaleExhaustedError as e:
@@ -406,8 +417,6 @@ class TrainLoop:
         return extra
 
     def _log_and_evaluate(self, done: int, start_step: int) -> None:
-        from megaformer.training.metrics import format_step_line
-
         t, total = self.cfg.train, self.total
         evaluate = done % t.eval_interval == 0 or done == total
         if done % t.log_interval == 0 or done == total or done == start_step + 1 or evaluate:
@@ -464,8 +473,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
 
     Returns:
         The run summary (also written to ``<output.dir>/summary.json`` by rank 0). A run found
-        already complete (:func:`~.checkpointer.finished_run`; its last checkpoint verified) is
-        not trained: no model is built and nothing written, rank 0 says so, and its
+        already complete (:func:`~megaformer.checkpoint.manager.finished_run`; its last
+        checkpoint verified) is not trained: no model is built and nothing written, rank 0 says so, and its
         ``summary.json`` is returned as it is (``{"stopped": None}`` without one).
 
     Raises:
@@ -474,48 +483,31 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         DataFormatError: a missing or corrupt dataset, or one that does not fit the model
             (before any process group starts).
     """
-    from megaformer.training.builders import build_data, build_layout
-    from megaformer.training.checkpointer import (
-        Checkpointer,
-        check_output_dir,
-        clear_output_dir,
-        finished_run,
-        resolve_resume,
-        verify_before_load,
-    )
-    from megaformer.training.preflight import run_preflight
-    from megaformer.training.resume_rules import check_init_from_steps
-    from megaformer.training.stopping import StopCheck
-
     t = cfg.train
     stop = StopCheck(t.exit_signals, t.exit_duration_mins)  # first: a signal during start-up counts
     preflight = run_preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # no process group yet
-    check_output_dir(cfg)  # a fresh start into another run's directory: refused before any group
-    check_init_from_steps(cfg)
+    CheckpointManager.check_fresh_start(cfg)  # another run's directory: refused before any group
     layout = build_layout(cfg, preflight.dp_size)
-    ckpt_dir = os.path.join(cfg.output.dir, "checkpoints")
-    load_dir = resolve_resume(cfg, ckpt_dir)
-    if load_dir is None:
-        clear_output_dir(cfg, layout)
-    verify_before_load(cfg, load_dir, layout)  # sha256 of every file, before anything is built
+    checkpoints = CheckpointManager(cfg, layout, explain_extension=extension_rule)
+    plan = checkpoints.prepare()  # sha256 of every file to load, before anything is built
     # A complete run relaunched: said once its last checkpoint is known intact, and before anything
     # is written (config.json, TensorBoard events, summary.json).
-    finished = finished_run(cfg) if load_dir is not None else None
-    if finished is not None:
-        log(layout, finished[0])
-        return {**(finished[1] or {}), "stopped": None}  # main exits 0: the run is complete
+    if plan.finished is not None:
+        log(layout, plan.finished[0])
+        return {**(plan.finished[1] or {}), "stopped": None}  # main exits 0: the run is complete
+    load_dir = plan.load_dir
     if layout.is_main:
-        os.makedirs(ckpt_dir, exist_ok=True)
+        os.makedirs(checkpoints.ckpt_dir, exist_ok=True)
         atomic_write_json(os.path.join(cfg.output.dir, "config.json"), _config_record(cfg))
     data = build_data(cfg, layout, preflight.stats, preflight.datasets)
     _log_data(cfg, layout, data)
 
     built = build_engine(cfg, layout, preflight.dp_size, load_dir)
     engine, dropout_rng, n_params, init_step, schedule, param_order = built
-    checkpointer = Checkpointer(engine, cfg, layout, dropout_rng, param_order)
-    start_step, client_state = checkpointer.resume(load_dir) if load_dir is not None else (init_step, {})
+    checkpoints.attach(engine, dropout_rng, param_order)
+    start_step, client_state = checkpoints.resume(load_dir) if load_dir is not None else (init_step, {})
     compute = compute_meter(cfg, layout, start_step, client_state)
-    loop = TrainLoop(engine, cfg, layout, data, checkpointer, start_step, compute, schedule, client_state)
+    loop = TrainLoop(engine, cfg, layout, data, checkpoints, start_step, compute, schedule, client_state)
     elapsed = loop.run(resumed=load_dir is not None, stop=stop)
     return _summary(cfg, layout, loop, data, n_params, start_step, elapsed)
 
@@ -524,16 +516,8 @@ def build_engine(cfg: RunConfig, layout: Any, dp_size: int, load_dir: str | None
     """The model (weights from ``train.init_from`` on a fresh start), optimizer, schedule and
     DeepSpeed engine of this rank; returns ``(engine, dropout_rng, n_params, init_step, schedule,
     param_order)``: the optimizer's parameter order, aligned for a new run, the checkpoint's for a
-    resume (:func:`~megaformer.training.checkpointer.saved_param_order`). Public: the step-timing
+    resume (:func:`~megaformer.checkpoint.manager.saved_param_order`). Public: the step-timing
     job and the fake-CUDA dry run build their engine with it."""
-    from megaformer.checkpoint import integrity as ckpt_integrity
-    from megaformer.parallel.rng import DropoutRNG
-    from megaformer.training.builders import build_model, build_optimizer, count_parameters_global
-    from megaformer.training.checkpointer import init_weights_from, saved_param_order
-    from megaformer.training.deepspeed_config import build_deepspeed_config
-    from megaformer.training.ds_adapter import initialize
-    from megaformer.training.schedule import Schedule
-
     t, s = cfg.train, layout.state
     torch.manual_seed(t.seed)
     dropout_rng = DropoutRNG(
@@ -572,8 +556,6 @@ def build_engine(cfg: RunConfig, layout: Any, dp_size: int, load_dir: str | None
 def _config_record(cfg: RunConfig) -> dict[str, Any]:
     """The run's ``config.json``: the config's sections and, under ``provenance``, the git commit and
     the versions of megaformer, torch and deepspeed (:func:`~.tracking.provenance`)."""
-    from megaformer.training.tracking import provenance
-
     return {**to_dict(cfg), "provenance": provenance()}
 
 
@@ -582,7 +564,6 @@ def _wandb_tracker(cfg: RunConfig, layout: Layout) -> Any:
     o = cfg.output
     if not (o.wandb_project and layout.is_main):
         return None
-    from megaformer.training.tracking import WandbTracker
 
     return WandbTracker(o.wandb_project, o.wandb_entity, o.wandb_run_name, o.dir, _config_record(cfg), True)
 
@@ -594,8 +575,6 @@ def compute_meter(cfg: RunConfig, layout: Layout, start_step: int, client_state:
     they measure together); rank 0 logs the model FLOPs and the peak. Public: the fake-CUDA dry run
     meters its steps with it.
     """
-    from megaformer.training.flops import ComputeMeter, device_peak_flops, model_flops_per_token
-
     flops = model_flops_per_token(cfg.model, cfg.model.padded_vocab_size(cfg.parallel.tp_size))
     peak, where = device_peak_flops(layout.device)
     tokens = int(client_state.get("tokens", start_step * cfg.train.global_batch_size * cfg.model.seq_len))

@@ -102,8 +102,8 @@ def strict_collectives(seen: list[str]):
 
 
 def _layout(tp: int, pp: int, dp: int):
+    from megaformer.parallel.layout import Layout
     from megaformer.parallel.state import ParallelState
-    from megaformer.training.builders import Layout
 
     state = ParallelState.build(tp, pp, dp)
     return Layout(dist.get_rank(), dist.get_world_size(), 0, "gloo", torch.device("cpu"), state)

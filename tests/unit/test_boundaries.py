@@ -216,6 +216,42 @@ def test_no_import_cycle_between_packages_and_no_private_name_imported_across():
     assert package_imports(REPO)[1] == []
 
 
+# What each lower room may not import (inside functions too): checkpoints sit below training and
+# the tools (the trainer and the tools both use them); the performance model below the commands.
+BELOW = {
+    "megaformer.config": ("*",),  # the config imports nothing else of the project
+    "megaformer.checkpoint": ("megaformer.training", "megaformer.tools", "megaformer.experiments"),
+    "megaformer.parallel": ("megaformer.training", "megaformer.checkpoint", "megaformer.tools"),
+}
+
+
+def rooms_breached(root: Path) -> list[str]:
+    """Every import of a room above by a room below (:data:`BELOW`), as ``below -> above (path:line)``."""
+    edges, _ = package_imports(root)
+    return [
+        f"{low} -> {high} ({where})"
+        for low, highs in BELOW.items()
+        for high, where in sorted(edges.get(low, {}).items())
+        if high in highs or "*" in highs
+    ]
+
+
+def test_the_config_and_checkpoint_packages_import_nothing_above_them():
+    assert rooms_breached(REPO) == []
+
+
+def test_the_rooms_check_catches_a_planted_import(tmp_path):
+    for package in PACKAGES:
+        (tmp_path / package).mkdir()
+    (tmp_path / "megaformer/checkpoint").mkdir()
+    (tmp_path / "megaformer/checkpoint/m.py").write_text(
+        "def f():\n    from megaformer.training.builders import log\n"
+    )
+    assert rooms_breached(tmp_path) == [
+        "megaformer.checkpoint -> megaformer.training (megaformer/checkpoint/m.py:2)"
+    ]
+
+
 @pytest.mark.parametrize(
     ("files", "needle"),
     [

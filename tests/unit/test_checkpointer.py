@@ -1,4 +1,4 @@
-"""Checkpointer.save when a write fails (a full disk): the cause is named, the partial directory
+"""CheckpointManager.save when a write fails (a full disk): the cause is named, the partial directory
 goes (a single process: nobody else writes into it), `latest` stays."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megaformer.checkpoint import manager as ck
 from megaformer.checkpoint.integrity import CheckpointError
 from megaformer.config import load_config
-from megaformer.training import checkpointer as ck
 
 
 class FullDiskEngine:
@@ -30,7 +30,8 @@ def test_a_failed_write_removes_the_directory_and_keeps_latest(tmp_path, monkeyp
     (tmp_path / "checkpoints" / "latest").write_text("global_step4")
     monkeypatch.setattr(ck, "save_rng_state", lambda *a, **k: None)
     layout = SimpleNamespace(rank=0, world_size=1, is_main=True, rng_layout=dict, device=torch.device("cpu"))
-    saver = ck.Checkpointer(FullDiskEngine(), cfg, layout, dropout_rng=None)
+    saver = ck.CheckpointManager(cfg, layout)
+    saver.attach(FullDiskEngine(), dropout_rng=None)
     with pytest.raises(CheckpointError) as err:
         saver.save(8)
     msg = str(err.value)
@@ -52,7 +53,9 @@ def test_a_full_disk_is_named_although_torch_hides_the_errno(tmp_path, monkeypat
     monkeypatch.setattr(storage, "probe", lambda directory: OSError(errno.ENOSPC, "No space left on device"))
     layout = SimpleNamespace(rank=0, world_size=1, is_main=True, rng_layout=dict, device=torch.device("cpu"))
     with pytest.raises(CheckpointError) as err:
-        ck.Checkpointer(FullDiskEngine(), cfg, layout, dropout_rng=None).save(4)
+        saver = ck.CheckpointManager(cfg, layout)
+        saver.attach(FullDiskEngine(), dropout_rng=None)
+        saver.save(4)
     msg = str(err.value)
     assert "global_step4 failed: no space left on device (4,096 bytes written under" in msg
     assert "No checkpoint was completed ('latest' absent)" in msg

@@ -69,6 +69,6 @@ def test_every_group_gets_the_configured_timeout(monkeypatch):
 
 
 def test_the_timeout_may_change_on_resume():
-    from megaformer.training.resume_rules import MAY_CHANGE
+    from megaformer.checkpoint.resume_rules import MAY_CHANGE
 
     assert "parallel.timeout_minutes" in MAY_CHANGE

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from megaformer.checkpoint.resume_rules import check_resume_config, config_changes
 from megaformer.config import ConfigError, load_config, to_dict
-from megaformer.training.resume_rules import check_resume_config, config_changes
-from megaformer.training.schedule import lr_at
+from megaformer.training.schedule import extension_rule, lr_at
 
 CONFIG = "configs/normformer-quickstart.yaml"
 BASE = ["train.steps=20", "train.warmup_steps=2", "train.lr_decay=linear"]
@@ -41,7 +41,7 @@ def test_steps_change_alone_names_the_flag_and_extension_states_the_lr_rule():
     with pytest.raises(ConfigError, match=r"add train.extend_steps=true"):
         check_resume_config(_saved(), load_config(CONFIG, [*BASE, "train.steps=30"]), 20, "ckpt")
     ext = load_config(CONFIG, [*BASE, "train.steps=30", "train.extend_steps=true"])
-    lines = check_resume_config(_saved(), ext, 20, "ckpt")
+    lines = check_resume_config(_saved(), ext, 20, "ckpt", extension_rule)
     t = ext.train
     assert lr_at(20, t, 20) != lr_at(20, t)  # the old schedule had ended: the rule matters
     assert f"takes lr {lr_at(20, t):.3e} where the old schedule had {lr_at(20, t, 20):.3e}" in lines[0]
@@ -53,7 +53,7 @@ def test_steps_change_alone_names_the_flag_and_extension_states_the_lr_rule():
 
 
 def test_a_fresh_start_into_a_run_directory_is_refused_unless_asked(tmp_path):
-    from megaformer.training.checkpointer import check_output_dir
+    from megaformer.checkpoint.manager import check_output_dir
 
     run = tmp_path / "run"
     fresh = load_config(CONFIG, [f"output.dir={run}"])
@@ -75,7 +75,7 @@ def test_a_fresh_start_into_a_run_directory_is_refused_unless_asked(tmp_path):
 
 def test_init_from_at_or_past_train_steps_is_refused_before_the_run(tmp_path):
     from megaformer.checkpoint.integrity import write_manifest
-    from megaformer.training.resume_rules import check_init_from_steps
+    from megaformer.checkpoint.resume_rules import check_init_from_steps
 
     tag = tmp_path / "src" / "checkpoints" / "global_step20"
     tag.mkdir(parents=True)
@@ -104,8 +104,8 @@ def test_init_from_compares_the_model_config_with_missing_keys_at_their_defaults
     # counts as its default, as for a resume; a real difference is named with both values, and is
     # refused before any process group from the manifest's config.
     from megaformer.checkpoint.integrity import write_manifest
+    from megaformer.checkpoint.resume_rules import check_init_from_steps, refuse_other_model
     from megaformer.config import to_dict
-    from megaformer.training.resume_rules import check_init_from_steps, refuse_other_model
 
     tag = tmp_path / "src" / "checkpoints" / "global_step20"
     tag.mkdir(parents=True)
@@ -131,8 +131,8 @@ def test_init_from_compares_the_model_config_with_missing_keys_at_their_defaults
 def test_a_key_newer_than_the_checkpoint_counts_as_its_default():
     # A checkpoint written before a key existed must resume when the key is left at its default,
     # and still be refused when the key is set to something else.
+    from megaformer.checkpoint.resume_rules import check_resume_config
     from megaformer.config import ConfigError, load_config, to_dict
-    from megaformer.training.resume_rules import check_resume_config
 
     cfg = load_config("configs/normformer-quickstart.yaml", [])
     saved = to_dict(cfg)
@@ -163,7 +163,7 @@ def test_every_rule_is_checked_before_the_launch_from_the_manifests(tmp_path):
     a spent step count are refused from the checkpoints' manifests, in one process, before any
     worker starts (issue 39: 12-19 s, once per rank, then the launcher's 'Killing subprocess')."""
     from megaformer.checkpoint.integrity import write_manifest
-    from megaformer.training.resume_rules import check_before_launch
+    from megaformer.checkpoint.resume_rules import check_before_launch
 
     run = tmp_path / "run"
     tag = run / "checkpoints" / "global_step10"

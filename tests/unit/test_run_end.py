@@ -13,8 +13,8 @@ import torch
 
 from data_tools.files import atomic_write_json
 from megaformer.checkpoint import integrity
+from megaformer.checkpoint.manager import finished_run
 from megaformer.config import ConfigError, load_config, to_dict
-from megaformer.training.checkpointer import finished_run
 from megaformer.training.schedule import Schedule, apply_schedule, build_scheduler, lr_at
 from megaformer.training.summary_file import null_non_finite
 

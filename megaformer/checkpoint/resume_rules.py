@@ -16,6 +16,7 @@ manifests, from its first model-states file, memory-mapped).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from megaformer.config import ConfigError, RunConfig, to_dict
@@ -74,7 +75,13 @@ def config_changes(saved: dict, cfg: RunConfig) -> dict[str, tuple[Any, Any]]:
     return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
 
 
-def check_resume_config(saved: dict, cfg: RunConfig, step: int, where: str) -> list[str]:
+def check_resume_config(
+    saved: dict,
+    cfg: RunConfig,
+    step: int,
+    where: str,
+    explain_extension: Callable[[RunConfig, int, int], str] | None = None,
+) -> list[str]:
     """Refuse a resume whose config differs from the saved one in a key that may not change.
 
     Args:
@@ -82,6 +89,9 @@ def check_resume_config(saved: dict, cfg: RunConfig, step: int, where: str) -> l
         cfg: the new run's config.
         step: the checkpoint's step.
         where: the checkpoint directory (for the messages).
+        explain_extension: ``(cfg, step, old_steps) -> line`` stating an extension's learning-rate
+            rule (the trainer passes :func:`megaformer.training.schedule.extension_rule`; the
+            schedule is training's, so this package does not import it). None: a plain line.
 
     Returns:
         Log lines: the keys that changed and were allowed, the learning-rate rule of an extension.
@@ -101,7 +111,11 @@ def check_resume_config(saved: dict, cfg: RunConfig, step: int, where: str) -> l
                 f"train.steps={new_steps}: the checkpoint {where} is at step {step}; set train.steps above it"
             )
         else:
-            lines.append(extension_rule(cfg, step, old_steps))
+            lines.append(
+                explain_extension(cfg, step, old_steps)
+                if explain_extension is not None
+                else f"extending the run from {old_steps} to {new_steps} steps (train.extend_steps=true)"
+            )
     if refused:
         listed = "; ".join(f"{k}: saved {old!r}, now {new!r}" for k, (old, new) in refused.items())
         model_changed = any(k.startswith("model.") for k in refused)
@@ -117,20 +131,6 @@ def check_resume_config(saved: dict, cfg: RunConfig, step: int, where: str) -> l
     if allowed:
         lines.append("resume: changed since the checkpoint (allowed): " + ", ".join(allowed))
     return lines
-
-
-def extension_rule(cfg: RunConfig, step: int, old_steps: int) -> str:
-    """The log line that states the learning-rate rule of an extension and its effect at ``step``."""
-    from megaformer.training.schedule import lr_at
-
-    t = cfg.train
-    old_lr, new_lr = lr_at(step, t, old_steps), lr_at(step, t)
-    return (
-        f"extending the run from {old_steps} to {t.steps} steps (train.extend_steps=true): the "
-        f"learning-rate schedule is recomputed over {t.steps} steps (warmup {t.warmup_steps} unchanged, "
-        f"{t.lr_decay} decay to min_lr {t.min_lr:g} now ending at step {t.steps}); the next update "
-        f"(step {step + 1}) takes lr {new_lr:.3e} where the old schedule had {old_lr:.3e}"
-    )
 
 
 def saved_config(tag_dir: str) -> dict | None:

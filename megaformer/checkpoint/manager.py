@@ -1,5 +1,12 @@
 """Checkpoints of a run: save, exact resume (same layout), and ``init_from`` (weights, any layout).
 
+The trainer talks to one object, :class:`CheckpointManager`: :meth:`~CheckpointManager.check_fresh_start`
+before any process group (a fresh start into another run's directory, an ``init_from`` that leaves
+nothing to train), :meth:`~CheckpointManager.prepare` for the :class:`ResumePlan` (where to resume
+from, verified; or that the run is already complete), then :meth:`~CheckpointManager.save` and
+:meth:`~CheckpointManager.resume` once the engine exists. The functions below are its parts, public
+for the tools and tests.
+
 A checkpoint is DeepSpeed's ``checkpoints/global_stepN`` (module, optimizer, scheduler, our
 ``client_state``: step, consumed samples, the run config) plus every rank's generator states
 (:mod:`megaformer.checkpoint.rng_state`) and a ``manifest.json`` of every file's size and sha256.
@@ -20,18 +27,34 @@ A reader (resume, ``init_from``, ``reshard``, ``generate``) checks the files aga
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megaformer.checkpoint import integrity
+from megaformer.checkpoint.reshard import consolidate, load_full, resolve_tag_dir
+from megaformer.checkpoint.resume_rules import (
+    check_init_from_steps,
+    check_resume_config,
+    refuse_other_model,
+    saved_config,
+)
 from megaformer.checkpoint.rng_state import load_rng_state, save_rng_state
+from megaformer.checkpoint.storage import write_failure
 from megaformer.config import ConfigError, RunConfig, to_dict
+from megaformer.model import PARAM_ORDERS
+from megaformer.parallel.comm import all_reduce_ints
+from megaformer.parallel.layout import Layout, log
 from megaformer.parallel.rng import DropoutRNG
-from megaformer.training.builders import Layout, log
+
+ExplainExtension = Callable[[RunConfig, int, int], str]
+"""``(cfg, step, old_steps) -> log line``: an extension's learning-rate rule (the schedule is training's)."""
 
 
 def resolve_resume(cfg: RunConfig, ckpt_dir: str) -> str | None:
@@ -56,7 +79,9 @@ def resolve_resume(cfg: RunConfig, ckpt_dir: str) -> str | None:
     return resume
 
 
-def finished_run(cfg: RunConfig) -> tuple[str, dict | None] | None:
+def finished_run(
+    cfg: RunConfig, explain_extension: ExplainExtension | None = None
+) -> tuple[str, dict | None] | None:
     """Whether this launch would continue a run that is already complete: (message, its summary
     or None), or None to go on.
 
@@ -74,10 +99,6 @@ def finished_run(cfg: RunConfig) -> tuple[str, dict | None] | None:
         ConfigError: a key that may not change differs from the saved config; ``latest`` is
             empty or names no directory (:class:`~megaformer.checkpoint.integrity.CheckpointError`).
     """
-    import json
-
-    from megaformer.training.resume_rules import check_resume_config, saved_config
-
     ckpt_dir = os.path.join(cfg.output.dir, "checkpoints")
     load_dir = resolve_resume(cfg, ckpt_dir)
     if load_dir is None:
@@ -107,7 +128,7 @@ def finished_run(cfg: RunConfig) -> tuple[str, dict | None] | None:
     if step != cfg.train.steps and not ended_here:
         return None
     if saved is not None:
-        check_resume_config(saved, cfg, step, tag_dir)
+        check_resume_config(saved, cfg, step, tag_dir, explain_extension)
     where = (
         f"its summary: {os.path.abspath(summary_path)}"
         if isinstance(summary, dict)
@@ -165,8 +186,6 @@ def clear_output_dir(cfg: RunConfig, layout: Layout) -> None:
     Every rank looks before any deletes, and the answer is shared: a rank that looked after rank 0
     had deleted would find nothing, skip the collective below, and the next one would pair
     different operations (a hang, seen with a run that left only TensorBoard events)."""
-    from megaformer.parallel.comm import all_reduce_ints
-
     if not cfg.output.overwrite:
         return
     (holders,) = all_reduce_ints([1 if holds_a_run(cfg.output.dir) else 0])
@@ -183,30 +202,80 @@ def clear_output_dir(cfg: RunConfig, layout: Layout) -> None:
     all_reduce_ints([0])
 
 
-class Checkpointer:
-    """Saves and restores the run's state for one rank.
+@dataclass(frozen=True)
+class ResumePlan:
+    """What a launch does with the checkpoints it finds (:meth:`CheckpointManager.prepare`).
+
+    Attributes:
+        load_dir: the checkpoints directory whose ``latest`` the run resumes from (verified against
+            its manifest, its config compared with this run's), or None for a fresh start.
+        finished: for a run that is already complete, ``(message, its summary or None)``: nothing is
+            trained or written (:func:`finished_run`); else None.
+    """
+
+    load_dir: str | None
+    finished: tuple[str, dict | None] | None = None
+
+
+class CheckpointManager:
+    """Every checkpoint concern of one rank's run behind one object: the checks before the process
+    groups start, the resume plan, saving (atomically, with a manifest) and resuming.
 
     Args:
-        engine: the :class:`~megaformer.training.ds_adapter.Engine`.
         cfg: the run config (stored in every checkpoint; ``reshard`` and ``init_from`` read it).
         layout: this rank's layout.
-        dropout_rng: the dropout generator states saved and restored with the checkpoint.
+        explain_extension: states an extension's learning-rate rule in the log (the trainer passes
+            :func:`megaformer.training.schedule.extension_rule`).
+
+    Order: :meth:`check_fresh_start` (a static check, before :func:`build_layout`), :meth:`prepare`,
+    :meth:`attach` (once the engine exists), then :meth:`resume` and :meth:`save`.
     """
 
     def __init__(
-        self,
-        engine: Any,
-        cfg: RunConfig,
-        layout: Layout,
-        dropout_rng: DropoutRNG,
-        param_order: str = "aligned",
+        self, cfg: RunConfig, layout: Layout, explain_extension: ExplainExtension | None = None
     ) -> None:
-        self.engine = engine
-        self.param_order = param_order  # the optimizer's (build_optimizer), named in each manifest
         self.cfg = cfg
         self.layout = layout
-        self.dropout_rng = dropout_rng
+        self.explain_extension = explain_extension
         self.ckpt_dir = os.path.join(cfg.output.dir, "checkpoints")
+        self.engine: Any = None
+        self.dropout_rng: DropoutRNG | None = None
+        self.param_order = "aligned"  # the optimizer's (build_optimizer), named in each manifest
+
+    @staticmethod
+    def check_fresh_start(cfg: RunConfig) -> None:
+        """The checks that need no process group: a fresh start into another run's directory
+        (:func:`check_output_dir`) and an ``init_from`` that leaves nothing to train.
+
+        Raises:
+            ConfigError: naming the directory or the step, and the fix.
+        """
+        check_output_dir(cfg)
+        check_init_from_steps(cfg)
+
+    def prepare(self) -> ResumePlan:
+        """Decide where the run starts (collective: every rank calls it). A fresh start under
+        ``output.overwrite=true`` clears the earlier run; the checkpoint to load (resume or
+        ``init_from``) is verified against its manifest before anything is built; a run already
+        complete is recognised before anything is written.
+
+        Raises:
+            ConfigError: ``train.resume`` without a checkpoint, a key that may not change.
+            CheckpointError: damaged files, naming them and the newest intact checkpoint.
+        """
+        load_dir = resolve_resume(self.cfg, self.ckpt_dir)
+        if load_dir is None:
+            clear_output_dir(self.cfg, self.layout)
+        verify_before_load(self.cfg, load_dir, self.layout, self.explain_extension)
+        finished = finished_run(self.cfg, self.explain_extension) if load_dir is not None else None
+        return ResumePlan(load_dir, finished)
+
+    def attach(self, engine: Any, dropout_rng: DropoutRNG, param_order: str = "aligned") -> None:
+        """Give the manager what it saves: the :class:`~megaformer.training.ds_adapter.Engine`
+        (its ``save``/``load``), the dropout generator states and the optimizer's parameter order."""
+        self.engine = engine
+        self.dropout_rng = dropout_rng
+        self.param_order = param_order
 
     def tag_dir(self, step: int) -> str:
         return os.path.join(self.ckpt_dir, f"global_step{step}")
@@ -235,8 +304,6 @@ class Checkpointer:
             "config": to_dict(self.cfg),
             **(extra or {}),
         }
-        from megaformer.parallel.comm import all_reduce_ints
-
         if lay.is_main and os.path.isdir(tag_dir):
             # A leftover of a save that was interrupted (`latest` never named it): its files must
             # not join this checkpoint's manifest.
@@ -274,8 +341,6 @@ class Checkpointer:
         """The error of a save that failed on this rank (or that another rank left), its cause
         named (:func:`~.storage.write_failure`). Alone, the rank removes the partial directory;
         with others it leaves it, as they may still be writing into it."""
-        from megaformer.checkpoint.storage import write_failure
-
         why, known = write_failure(tag_dir, error)
         try:
             with open(os.path.join(self.ckpt_dir, "latest"), encoding="utf-8") as f:
@@ -318,7 +383,8 @@ class Checkpointer:
                 log(self.layout, f"removed checkpoint {tag} (train.keep_last_checkpoints={keep})")
 
     def resume(self, load_dir: str) -> tuple[int, dict]:
-        """Load the checkpoint ``load_dir/latest`` names (same layout); return (step, client state).
+        """Load the checkpoint ``load_dir/latest`` names (same layout) into the attached engine and
+        generator states; return (step, client state).
 
         Raises:
             ConfigError: DeepSpeed could not load it.
@@ -340,8 +406,6 @@ class Checkpointer:
         )
         if not restored:  # from any rank: rank 0's line below speaks for the count only
             print(f"[megaformer] rank {lay.rank}: {why}", flush=True)
-        from megaformer.parallel.comm import all_reduce_ints
-
         count = all_reduce_ints([int(restored)])[0]
         log(lay, f"restored generator states on {count}/{lay.world_size} ranks")
         return step, client_state
@@ -354,9 +418,6 @@ def init_weights_from(model: torch.nn.Module, cfg: RunConfig, layout: Layout) ->
     Raises:
         ConfigError: a checkpoint of another model configuration.
     """
-    from megaformer.checkpoint.reshard import consolidate, load_full, resolve_tag_dir
-    from megaformer.training.resume_rules import refuse_other_model
-
     tag_dir = resolve_tag_dir(cfg.train.init_from)
     # Only this rank's stage's parameters, memory-mapped: at 2.7B, 8 ranks of a node holding the
     # whole fp32 model each would need ~86 GB of host memory.
@@ -381,16 +442,19 @@ def init_weights_from(model: torch.nn.Module, cfg: RunConfig, layout: Layout) ->
     return step
 
 
-def verify_before_load(cfg: RunConfig, load_dir: str | None, layout: Layout) -> None:
+def verify_before_load(
+    cfg: RunConfig,
+    load_dir: str | None,
+    layout: Layout,
+    explain_extension: ExplainExtension | None = None,
+) -> None:
     """Verify the checkpoint a run is about to load (resume's ``latest``, else ``train.init_from``)
     against its manifest, before the model is built (every rank; see :func:`verify_collectively`):
     for a resume every file but a missing generator-state file; for ``init_from`` the weights."""
-    from megaformer.checkpoint.reshard import resolve_tag_dir
-
     if load_dir is not None:
         tag_dir = integrity.resolve_latest(load_dir)
         verify_collectively(tag_dir, layout, integrity.NEEDS_RESUME)
-        _check_config(cfg, tag_dir, layout)
+        _check_config(cfg, tag_dir, layout, explain_extension)
     elif cfg.train.init_from:
         verify_collectively(resolve_tag_dir(cfg.train.init_from), layout, integrity.NEEDS_WEIGHTS)
 
@@ -406,8 +470,6 @@ def saved_param_order(tag_dir: str) -> str:
     Raises:
         CheckpointError: an unreadable manifest, or an order this version does not know.
     """
-    from megaformer.model import PARAM_ORDERS
-
     body = integrity.read_manifest(tag_dir) or {}
     order = body.get("optimizer_param_order", "declared")
     if order not in PARAM_ORDERS:
@@ -418,17 +480,17 @@ def saved_param_order(tag_dir: str) -> str:
     return order
 
 
-def _check_config(cfg: RunConfig, tag_dir: str, layout: Layout) -> None:
+def _check_config(
+    cfg: RunConfig, tag_dir: str, layout: Layout, explain_extension: ExplainExtension | None
+) -> None:
     """Compare the checkpoint's saved config with this run's (:mod:`.resume_rules`); log the
     allowed changes and an extension's learning-rate rule."""
-    from megaformer.training.resume_rules import check_resume_config, saved_config
-
     saved = saved_config(tag_dir)
     if saved is None:
         log(layout, f"{tag_dir}: no saved config to compare with this run's")
         return
     step = int(os.path.basename(os.path.normpath(tag_dir)).removeprefix("global_step") or 0)
-    for line in check_resume_config(saved, cfg, step, tag_dir):
+    for line in check_resume_config(saved, cfg, step, tag_dir, explain_extension):
         log(layout, line)
 
 
