@@ -14,7 +14,7 @@ of ``torch.exp`` and ``F.gelu`` (16 Mi float32 elements), which on a CPU are com
 loss's softmax and the FFN's GeLU run at these rates, not at memory speed); the rate of skinny
 GEMMs (one dimension 64, 128 or 256) as a fraction of that round's large-GEMM rate; and the
 parameters per second of ``torch.optim.AdamW``'s step (defaults: the per-tensor loop on CPU). The
-step-time model (:mod:`megaformer.tools.steptime`, ``cpu_device``) reads this JSON. Not a test.
+step-time model (:mod:`megaformer.perf.steptime`, ``cpu_device``) reads this JSON. Not a test.
 
 The rates of exp, GeLU and AdamW above are of tensors of 16 Mi elements (64 MiB): above glibc
 malloc's largest mmap threshold (32 MiB), so every fresh output is new pages, zero-filled by the

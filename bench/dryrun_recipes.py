@@ -87,8 +87,8 @@ def run_all(only: list[str] | None = None) -> None:
 def rows() -> list[dict]:
     """One row per recipe: measured (from its saved report) and planned (the planner, now)."""
     from megaformer.config import load_config
-    from megaformer.fakecuda.session import GRADIENT_BUFFER_SITES
-    from megaformer.tools.plan import DEVICES, make_plan
+    from megaformer.perf.fakecuda.session import GRADIENT_BUFFER_SITES
+    from megaformer.perf.plan import DEVICES, make_plan
 
     out = []
     for name, config, _nodes, gpu, _overrides in RECIPES:

@@ -9,7 +9,7 @@ optimizer and DeepSpeed engine are built by the trainer's own builders
 (:mod:`megaformer.training.builders`, :func:`megaformer.training.ds_adapter.initialize`), the
 batches are random tokens already on the device (the loader is not measured), dropout as in the
 recipe. After 3 warm-up steps, ``--steps`` steps are timed between two ``cuda.synchronize``;
-micro-batch = the recipe's, or what the planner (:mod:`megaformer.tools.plan`) says fits, with 4
+micro-batch = the recipe's, or what the planner (:mod:`megaformer.perf.plan`) says fits, with 4
 accumulation steps. MFU = model FLOPs (:func:`megaformer.training.flops.model_flops_per_token`,
 recomputation not counted) per second over the GPU's datasheet bf16 peak. Cases that run out of
 memory are reported as such. After the timed steps one more step runs under ``torch.profiler`` to
@@ -53,7 +53,7 @@ def _micro_batch(cfg, smoke: bool, device=None) -> int:
     ``Device``; default: the visible CUDA device), else the largest that does."""
     import dataclasses
 
-    from megaformer.tools import plan as planner
+    from megaformer.perf import plan as planner
 
     if smoke:
         return cfg.train.micro_batch_size
@@ -98,7 +98,7 @@ def case_rows(
 ) -> list[dict]:
     """The cases :func:`main` would run on a ``gpu`` (a planner device name), without running them:
     ``recipe``, ``zero``, ``recompute`` and ``overrides`` (for predictions made elsewhere)."""
-    from megaformer.tools.plan import DEVICES
+    from megaformer.perf.plan import DEVICES
 
     rows = []
     for recipe, zero, recompute in _cases(sizes, smoke=False, only=only, pairs=pairs):

@@ -135,7 +135,7 @@ def case_key(row: dict, gpu: str) -> str:
 def predict(row: dict, gpu: str, smoke: bool) -> dict:
     """Planner and dry-run predictions for one bench case (the same config, one GPU)."""
     from megaformer.config import load_config
-    from megaformer.tools.plan import DEVICES, cpu_device, make_plan
+    from megaformer.perf.plan import DEVICES, cpu_device, make_plan
 
     path = f"configs/paper/{row['recipe']}.yaml"
     cfg = load_config(path, row["overrides"])
@@ -143,7 +143,7 @@ def predict(row: dict, gpu: str, smoke: bool) -> dict:
     plan = make_plan(cfg, device, 1)
     out: dict = {"planner_peak_gib": plan.peak / GIB, "planner_step_s_at_40pct_mfu": plan.step_time_s}
     if not smoke:  # the step-time model (plan --predict) for the same config on one such GPU
-        from megaformer.tools import steptime
+        from megaformer.perf import steptime
 
         try:
             out["steptime"] = steptime.predict(cfg, steptime.DEVICE_SPECS[gpu], 1, 1).as_dict()
@@ -151,8 +151,8 @@ def predict(row: dict, gpu: str, smoke: bool) -> dict:
             hint = "bench/gpu_check.py --repredict THIS.json on a CPU machine"
             out["steptime"] = {"error": f"{str(e).splitlines()[0]}; run {hint}"}
     try:
-        from megaformer.fakecuda.build import build_shim
-        from megaformer.fakecuda.launch import run_session
+        from megaformer.perf.fakecuda.build import build_shim
+        from megaformer.perf.fakecuda.launch import run_session
 
         build_shim()
     except Exception as e:  # a CUDA torch or no compiler: the committed predictions, if any

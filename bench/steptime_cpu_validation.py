@@ -35,7 +35,7 @@ sys.path.insert(0, REPO)
 
 from data_tools.files import atomic_write_json  # noqa: E402
 from megaformer.config import load_config  # noqa: E402
-from megaformer.tools.steptime import cpu_device, predict  # noqa: E402
+from megaformer.perf.steptime import cpu_device, predict  # noqa: E402
 
 QUICKSTART = "configs/normformer-quickstart.yaml"
 README_QUICKSTART_TOKENS_PER_S = 2341.0

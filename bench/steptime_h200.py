@@ -5,7 +5,7 @@ row against the model.
 
 No GPU needed: it reads the two H200 loans' files (``bench/results/gpu/2026-11-26-h200*/``, the
 ``torch.profiler`` key averages of two training steps and the measured rows) and the model's own
-counts (:mod:`megaformer.tools.optrace`'s block trace on fake CUDA, so it needs the shim: a CPU torch
+counts (:mod:`megaformer.perf.optrace`'s block trace on fake CUDA, so it needs the shim: a CPU torch
 and a C++ compiler).
 
 **The fit** (:func:`fit`), each constant from the profiles' device time of one class of kernel
@@ -37,8 +37,8 @@ against the model's count of that class's work, per step (a profile holds 2 step
 
 **The check** (:func:`rows`): every H200 row of today's program (the second loan's eleven at 002d8bc,
 and the first loan's eager Pre-LN row, the same program then) against
-:func:`megaformer.tools.steptime.predict` with the constants in
-:data:`megaformer.tools.steptime.H200_FIT`. The step times of eight of them enter no fit (355M, 1.3B
+:func:`megaformer.perf.steptime.predict` with the constants in
+:data:`megaformer.perf.devices.H200_FIT`. The step times of eight of them enter no fit (355M, 1.3B
 Pre-LN, eager, no attention dropout); the three profiled rows' step times enter only the host term.
 The first loan's compiled rows and eager NormFormer row measured another program (misaligned
 NormFormer parameters, the unfused loss in compiled blocks; BENCHMARKS.md) and are listed, not
@@ -59,7 +59,7 @@ sys.path.insert(0, REPO)
 
 from data_tools.files import atomic_write_json  # noqa: E402
 from megaformer.config import load_config  # noqa: E402
-from megaformer.tools import optrace, steptime  # noqa: E402
+from megaformer.perf import devices, optrace, steptime  # noqa: E402
 
 GPU = "h200-141gb"
 LOAN1 = os.path.join(REPO, "bench", "results", "gpu", "2026-11-26-h200")
@@ -182,7 +182,7 @@ def model_counts(cfg) -> dict:
     fwd = [0.5 * op.flops for op in attn if "backward" not in op.name]
     bwd = [0.5 * op.flops for op in attn if "backward" in op.name]
     n, v = t.micro_batch_size * m.seq_len, m.padded_vocab_size(1)
-    from megaformer.tools.plan import layer_param_counts
+    from megaformer.perf.plan import layer_param_counts
 
     counts = layer_param_counts(m, 1)
     params = float(sum(counts) - (counts[-1] if m.tie_embeddings else 0))  # the tied output: one tensor
@@ -261,7 +261,7 @@ def _rest_points(profiled: list, stream: float, copy: float) -> tuple[list, list
 
 
 def fit(profiles: tuple = PROFILES) -> dict:
-    """The constants of :data:`megaformer.tools.steptime.H200_FIT` from ``profiles`` (module
+    """The constants of :data:`megaformer.perf.devices.H200_FIT` from ``profiles`` (module
     docstring; at least two: two unknowns per least-squares fit), with each profile's categories and
     the model's counts. Without the 1.3B profile, the streaming rate is
     :data:`ASSUMED_STREAM_FRACTION` and the copy rate the attention copies' alone."""
@@ -423,12 +423,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=OUT, help="JSON to write (default: %(default)s)")
     args = parser.parse_args(argv)
     result = fit()
-    used = steptime.H200_FIT
+    used = devices.H200_FIT
     result["constants_used"] = dict(used)
     result["rows"] = rows()
     result["holdout"] = holdout()
     atomic_write_json(args.out, result)
-    print("constant                         fitted    in steptime.H200_FIT")
+    print("constant                         fitted    in devices.H200_FIT")
     for k, v in result["fitted"].items():
         print(f"{k:32s} {v:9.4g} {used[k]:9.4g}")
     print()

@@ -6,13 +6,13 @@ after the measured H200 rows beside the model's predictions.
 First, every measured H200 row of today's program with its prediction and error, and NormFormer /
 Pre-LN measured and predicted (``bench/steptime_h200.py``'s rows: the only measurements; the model's
 GPU constants are fitted to those loans' profiles). Then the predictions: the step-time model
-(:mod:`megaformer.tools.steptime`) for the eight paper recipes
+(:mod:`megaformer.perf.steptime`) for the eight paper recipes
 (``configs/paper/``) and the three layout recipes (``configs/normformer-*-{3d,zero2}*.yaml``) at
 their own layout, on nodes of 8 GPUs. On a V100 a paper recipe takes its ``# V100 overrides:`` line
 (fp16, its micro-batch and recompute); any other bf16 recipe runs fp16 there. Where the global batch
 does not split into the recipe's micro-batch over dp, the micro-batch is lowered to the largest that
 does (noted); where dp exceeds the global batch the cell is empty. ``fits`` is the memory planner's
-verdict (:func:`megaformer.tools.plan.make_plan`) for the layout on that GPU. Also NormFormer's
+verdict (:func:`megaformer.perf.plan.make_plan`) for the layout on that GPU. Also NormFormer's
 predicted step-time overhead over Pre-LN (baseline recipe) per size, and the term breakdown of the
 recipes on one H100 node. Predictions, not measurements. Prints markdown tables and writes JSON.
 """
@@ -31,9 +31,9 @@ sys.path.insert(0, REPO)
 
 from data_tools.files import atomic_write_json  # noqa: E402
 from megaformer.config import load_config  # noqa: E402
-from megaformer.tools import optrace  # noqa: E402
-from megaformer.tools.plan import DEVICES, _with, make_plan  # noqa: E402
-from megaformer.tools.steptime import DEVICE_SPECS, predict  # noqa: E402
+from megaformer.perf import optrace  # noqa: E402
+from megaformer.perf.plan import DEVICES, make_plan, with_train  # noqa: E402
+from megaformer.perf.steptime import DEVICE_SPECS, predict  # noqa: E402
 
 GPUS = ("v100-32gb", "a100-80gb", "h100-80gb")
 NODES = (1, 8, 64)
@@ -73,7 +73,7 @@ def cell_config(path: str, gpu: str, nodes: int) -> tuple[object | None, str]:
     overrides = v100_overrides(path) if gpu == "v100-32gb" else []
     cfg = load_config(os.path.join(REPO, path), overrides)
     if not DEVICES[gpu].bf16 and cfg.train.precision == "bf16":
-        cfg = _with(cfg, precision="fp16")
+        cfg = with_train(cfg, precision="fp16")
     world = nodes * GPUS_PER_NODE
     t, par = cfg.train, cfg.parallel
     dp = world // (par.tp_size * par.pp_size)
@@ -83,7 +83,7 @@ def cell_config(path: str, gpu: str, nodes: int) -> tuple[object | None, str]:
     while t.global_batch_size % (micro * dp):
         micro -= 1
     if micro != t.micro_batch_size:
-        return _with(cfg, micro_batch_size=micro), f"micro-batch {micro}"
+        return with_train(cfg, micro_batch_size=micro), f"micro-batch {micro}"
     return cfg, ""
 
 
@@ -287,7 +287,7 @@ def main() -> int:
         args.out,
         {
             "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "what": "predictions of megaformer.tools.steptime (not measurements)",
+            "what": "predictions of megaformer.perf.steptime (not measurements)",
             "gpus_per_node": GPUS_PER_NODE,
             "cells": cells,
             "normformer_overhead": overhead,

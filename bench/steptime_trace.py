@@ -3,14 +3,14 @@
 For each recipe (``configs/paper/*.yaml``, ``configs/normformer-*.yaml``) at its own layout (micro-batch,
 TP size, sequence parallelism, precision, recompute), one transformer block, one micro-batch, one rank:
 GEMM FLOPs, attention FLOPs (causal not halved), memory-bound bytes and TP bytes (ring bytes each rank
-sends), from :func:`megaformer.tools.optrace.trace_block` and from the formula of
-:func:`megaformer.tools.steptime._block_costs` (read with unit-rate devices:
-:func:`~megaformer.tools.optrace.formula_counts`). Prints the table and writes
+sends), from :func:`megaformer.perf.optrace.trace_block` and from the formula of
+:func:`megaformer.perf.costs.formula_block_costs` (read with unit-rate devices:
+:func:`~megaformer.perf.optrace.formula_counts`). Prints the table and writes
 ``bench/results/steptime_trace.json`` with, per recipe, both counts, their ratios, the trace's memory
 bytes by op and phase, and the seconds the traces took.
 
 The memory-bound bytes three ways: the eager trace, the compiled block as estimated by
-:func:`megaformer.tools.optrace.fuse` (inductor's fusion of the memory-bound ops between extern
+:func:`megaformer.perf.optrace.fuse` (inductor's fusion of the memory-bound ops between extern
 kernels, plus megaformer's opaque dropout / attention-dropout operators: an estimate, an upper bound
 on what fusion saves), and the formula; and NormFormer's bytes over the Pre-LN baseline's, eager and
 fused, for each ``configs/paper`` pair; ``cols apart``: the fused estimate with each column reduction
@@ -56,7 +56,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megaformer.config import load_config  # noqa: E402
-from megaformer.tools import optrace  # noqa: E402
+from megaformer.perf import optrace  # noqa: E402
 
 METRICS = ("gemm_flops", "attention_flops", "memory_bytes", "tp_wire_bytes")
 ABLATIONS = {

@@ -194,8 +194,14 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(args.data_prefix + ".idx").exists():
         sys.exit(f"error: {args.data_prefix}.idx not found; build it (scripts/quickstart.sh) or pass one")
     git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    commit = git.stdout.strip()
-    record: dict = {"commit": commit, "runs": {}}
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
+    )
+    record: dict = {
+        "commit": git.stdout.strip(),
+        "uncommitted_changes": bool(dirty.stdout.strip()),
+        "runs": {},
+    }
     for name in args.runs:
         record["runs"][name] = fingerprint(name, args.data_prefix)
         r = record["runs"][name]

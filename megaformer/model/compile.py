@@ -50,7 +50,7 @@ def why_not_compiled(device: torch.device, *, zero_stage: int = 0) -> str | None
             "`torch.compiler.disable()`d function')"
         )
     if device.type == "cuda":
-        if "megaformer.fakecuda.runtime" in sys.modules:  # a dry run: tensors without values
+        if "megaformer.perf.fakecuda.runtime" in sys.modules:  # a dry run: tensors without values
             return "fake CUDA (a dry run) has no device for inductor's Triton kernels; a GPU run compiles"
         try:
             import triton  # noqa: F401

@@ -98,8 +98,8 @@ from megaformer.parallel.utils import (
 
 def fused_kernels_available() -> bool:
     """Whether ``model.fused_kernels='auto'`` may use the Triton kernels: Triton is installed and
-    this is not a fake-CUDA dry run (tensors without values; :mod:`megaformer.fakecuda`)."""
-    if "megaformer.fakecuda.runtime" in sys.modules:
+    this is not a fake-CUDA dry run (tensors without values; :mod:`megaformer.perf.fakecuda`)."""
+    if "megaformer.perf.fakecuda.runtime" in sys.modules:
         return False
     return importlib.util.find_spec("triton") is not None
 

@@ -3,15 +3,16 @@
 ``python -m megaformer.tools.dryrun CONFIG [overrides] --nodes N --gpus-per-node G --gpu a100-80gb
 [--rank R]``
 
-For a login node without GPUs. The chosen rank (default: the first rank of the pipeline stage the
-planner predicts to need the most memory) runs its first two optimizer steps at full size on fake
-CUDA (:mod:`megaformer.fakecuda`): the trainer's builders, the DeepSpeed engine of the config's
-ZeRO stage and precision, the pipeline engine, TP and sequence parallelism as configured, the
-training loop and one evaluation; FakeTensors carry shapes, dtypes and devices, not values. It
-prints
+The command over :mod:`megaformer.perf.dryrun` (what the layout implies) and
+:mod:`megaformer.perf.fakecuda` (the rank's run). For a login node without GPUs. The chosen rank
+(default: the first rank of the pipeline stage the planner predicts to need the most memory) runs
+its first two optimizer steps at full size on fake CUDA (:mod:`megaformer.perf.fakecuda`): the
+trainer's builders, the DeepSpeed engine of the config's ZeRO stage and precision, the pipeline
+engine, TP and sequence parallelism as configured, the training loop and one evaluation; FakeTensors
+carry shapes, dtypes and devices, not values. It prints
 
 * the peak device memory of the fake allocations by category (parameters, gradients, optimizer
-  state, activations, other) beside the planner's figure for each (``megaformer.tools.plan``);
+  state, activations, other) beside the planner's figure for each (:mod:`megaformer.perf.plan`);
 * the collectives per step (operation, group, calls, bytes) beside what the layout implies
   (Megatron's counts: under TP, 2 all-reduces of ``b·s·h`` per layer in forward and 2 in backward;
   the data-parallel gradient reduction of ZeRO);
@@ -35,10 +36,16 @@ import time
 from typing import Any
 
 from megaformer.config import ConfigError, load_config
-from megaformer.fakecuda.gpus import gpu_name
+from megaformer.perf.dryrun import (
+    busiest_rank,
+    expected_collectives,
+    measured_by_group,
+    memory_rows,
+    plan_for,
+)
+from megaformer.perf.fakecuda.gpus import gpu_name
 
 GIB = 1024**3
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -64,83 +71,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--output", default=None, help="JSON report path")
     return parser.parse_args(argv)
-
-
-def plan_for(cfg: Any, gpu: str, world: int) -> Any:
-    """The planner's prediction for ``cfg`` on ``world`` GPUs of kind ``gpu``."""
-    from megaformer.tools.plan import DEVICES, make_plan
-
-    return make_plan(cfg, DEVICES[gpu], world)
-
-
-def busiest_rank(plan: Any, cfg: Any) -> int:
-    """The first rank (dp 0, tp 0) of the stage with the largest predicted memory."""
-    from megaformer.parallel.state import rank_of
-
-    stage = max(plan.stages, key=lambda s: s.total).stage
-    return rank_of(stage, 0, 0, tp=cfg.parallel.tp_size, dp=plan.dp)
-
-
-def expected_collectives(cfg: Any, plan: Any, stage: int, gas: int) -> list[dict]:
-    """What the layout implies per optimizer step on one rank of ``stage``: under TP (Megatron-LM,
-    Shoeybi et al. 2019, Sec. 3), two all-reduces of ``b·s·h`` activations per layer in forward and
-    two in backward per micro-batch, two more under full recompute (with sequence parallelism,
-    all-gathers and reduce-scatters of the same total size instead; Korthikanti et al. 2022); under
-    data parallelism, the gradients of the rank's parameters reduced once per step (ZeRO-1/2: reduce
-    or reduce-scatter, sized as the gradients in the training precision). The measured TP count is
-    higher by what these leave out: the vocabulary-parallel embedding and loss, partitioned
-    activation checkpoints (one all-gather per layer per micro-batch) and the pipeline engine's
-    partitioned stage outputs."""
-    m, par, t = cfg.model, cfg.parallel, cfg.train
-    lo, hi = plan.stages[stage].layers
-    layers = sum(1 for i in range(lo, hi) if 1 <= i <= m.num_layers)
-    act_bytes = 2 if t.precision in ("bf16", "fp16") else 4
-    rows = []
-    if par.tp_size > 1:
-        per = t.micro_batch_size * m.seq_len * m.hidden_size * act_bytes
-        kind = "all-gather + reduce-scatter" if par.sequence_parallel else "all-reduce"
-        # full recompute reruns each block's forward in backward: its two collectives again
-        n = 6 if t.recompute_mode == "full" else 4
-        what = f"activations ({kind}), {n} per layer per micro-batch" + (
-            " (full recompute)" if n == 6 else ""
-        )
-        rows.append({"group": "tp", "what": what, "calls": n * layers * gas, "bytes": n * layers * gas * per})
-    if plan.dp > 1:
-        params = plan.stages[stage].params
-        rows.append(
-            {
-                "group": "dp",
-                "what": "gradient reduction, once per step",
-                "calls": None,
-                "bytes": params * act_bytes,
-            }
-        )
-    return rows
-
-
-def measured_by_group(report: dict, step: str) -> dict[str, dict]:
-    """``{group: {"calls", "bytes", "ops"}}`` of one step's collectives in a session report."""
-    out: dict[str, dict] = {}
-    for c in report.get("collectives", {}).get(step, []):
-        g = out.setdefault(c["group"], {"calls": 0, "bytes": 0, "ops": set()})
-        g["calls"] += c["calls"]
-        g["bytes"] += c["bytes"]
-        g["ops"].add(c["op"])
-    return out
-
-
-def memory_rows(report: dict, stage_plan: Any) -> list[dict]:
-    """Measured peak bytes by category beside the planner's (activations = activations + logits;
-    other = the planner's buffers)."""
-    planned = {
-        "parameters": stage_plan.weights,
-        "gradients": stage_plan.grads,
-        "optimizer_state": stage_plan.optimizer,
-        "activations": stage_plan.activations + stage_plan.logits,
-        "other": stage_plan.buffers,
-    }
-    got = report.get("peak_by_category", {})
-    return [{"category": k, "measured": got.get(k, 0), "planned": planned[k]} for k in CATEGORIES]
 
 
 def _gib(x: float) -> str:
@@ -206,10 +136,10 @@ def run(args: argparse.Namespace) -> dict:
         ConfigError: a config, layout, rank or engine JSON that cannot run (before anything starts).
         ShimUnavailableError: no compiler or torch headers to build the fake-CUDA shim.
     """
-    from megaformer.fakecuda.expectations import verdict
-    from megaformer.fakecuda.gpus import GPUS
-    from megaformer.fakecuda.launch import run_rank_of_job
     from megaformer.parallel.state import coords_of
+    from megaformer.perf.fakecuda.expectations import verdict
+    from megaformer.perf.fakecuda.gpus import GPUS
+    from megaformer.perf.fakecuda.launch import run_rank_of_job
     from megaformer.training.deepspeed_config import check_engine_combination, read_engine_json
     from megaformer.training.preflight import validate_layout
 
@@ -328,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     said = default_layout(args)
     if said:
         print(said, flush=True)
-    from megaformer.fakecuda.build import ShimUnavailableError
+    from megaformer.perf.fakecuda.build import ShimUnavailableError
 
     try:
         result = run(args)

@@ -3,7 +3,7 @@
 With it, DeepSpeed 0.19's ``BF16_Optimizer`` adds each parameter's bf16 gradient into its fp32
 accumulation buffer from a post-accumulate-grad hook during backward and frees the bf16 gradient;
 without it, one pass after each micro-batch's backward does the same addition and the bf16
-gradients stay allocated (2 bytes per parameter: ``megaformer.tools.plan`` counts the difference).
+gradients stay allocated (2 bytes per parameter: ``megaformer.perf.plan`` counts the difference).
 Here both run as multi-process runs on real text in bf16 with fp32 accumulation at ZeRO-1 and two
 micro-batches per step, in the layouts where megaformer's own gradient work meets DeepSpeed's:
 tp 2 with sequence parallelism × dp 2 (the sequence-parallel gradients' TP all-reduce in backward,

@@ -1,6 +1,6 @@
 """The fake-CUDA tier: GPU code paths (CUDA tensors, NCCL's rules, DeepSpeed's GPU engines) run on
 this CPU machine through a shim built from the installed torch's headers
-(``megaformer/fakecuda``). Marked ``fakecuda``; each case is its own subprocess.
+(``megaformer/perf/fakecuda``). Marked ``fakecuda``; each case is its own subprocess.
 
 Skipped, with the reason printed, only where the shim cannot be built because there is no C++
 compiler or no torch headers; on a machine with g++ a failed build fails the tier (CI must not
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megaformer.fakecuda.build import ShimUnavailableError, build_shim, compiler
+from megaformer.perf.fakecuda.build import ShimUnavailableError, build_shim, compiler
 
 
 def pytest_collection_modifyitems(config, items):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PAPER = [f"{size}-{kind}" for size in ("125m", "355m", "1.3b", "2.7b") for kind in ("baseline", "normformer")]
-# The masked-LM recipes (synthetic masked rows: megaformer/fakecuda/session.py SyntheticMaskedSamples).
+# The masked-LM recipes (synthetic masked rows: megaformer/perf/fakecuda/session.py SyntheticMaskedSamples).
 PAPER += [f"mlm-125m-{kind}" for kind in ("baseline", "normformer", "normformer-resscale")]
 
 

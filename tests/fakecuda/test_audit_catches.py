@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from megaformer.fakecuda.expectations import verdict
-from megaformer.fakecuda.launch import run_python, run_session
+from megaformer.perf.fakecuda.expectations import verdict
+from megaformer.perf.fakecuda.launch import run_python, run_session
 
 SMALL = "configs/normformer-quickstart.yaml"
 BF16 = ["train.precision=bf16", "train.deepspeed_config=configs/deepspeed/paper-bf16-a100.json"]
@@ -64,7 +64,7 @@ def test_dropout_states_follow_the_device_of_the_tensors_they_serve(shim):
     Philox states (16 bytes) before its first draw; drawing on another device afterwards is refused."""
     code = """
 import torch
-from megaformer.fakecuda.runtime import GPUS, fake_mode, install_cuda_stubs
+from megaformer.perf.fakecuda.runtime import GPUS, fake_mode, install_cuda_stubs
 from megaformer.parallel.rng import DropoutRNG, cuda_philox_state
 install_cuda_stubs(GPUS["a100-80gb"])
 rng = DropoutRNG(7)

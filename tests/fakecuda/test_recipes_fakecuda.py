@@ -5,7 +5,7 @@ precision, the pipeline engine at pp > 1, TP) for two optimizer steps and one ev
 the recipe's model, micro-batch and sequence length; the step has at most ``max(2, pp)``
 micro-batches here instead of the recipe's 8–32, to keep the tier inside CI's time (each micro-batch
 is the recipe's own; ``python -m megaformer.tools.dryrun`` runs the full count). Asserted from the
-audit (:mod:`megaformer.fakecuda.expectations`): every collective and p2p op got CUDA tensors
+audit (:mod:`megaformer.perf.fakecuda.expectations`): every collective and p2p op got CUDA tensors
 only; no host sync in forward or backward but the ones listed with their reasons; the host syncs
 and copies per step each listed and within their bound; the recipe's dtypes for parameters,
 gradients and optimizer state; the loss and gradient norm computed on the device; the peak of the
@@ -19,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from megaformer.config import load_config
-from megaformer.fakecuda.expectations import verdict
-from megaformer.fakecuda.launch import run_rank_of_job
-from megaformer.fakecuda.runtime import GPUS
+from megaformer.perf.fakecuda.expectations import verdict
+from megaformer.perf.fakecuda.launch import run_rank_of_job
+from megaformer.perf.fakecuda.runtime import GPUS
 from tests.fakecuda.recipes import recipe_cases
 
 # Every recipe at full size (about 3 min on 2 cores): the full run's, outside `scripts/check.sh --fast`.

@@ -23,6 +23,8 @@ DEEPSPEED_ALLOWED = (
     "megaformer/checkpoint/formats.py",  # lists the classes DeepSpeed pickles into its checkpoints
     "megaformer/pipeline/module.py",
     "megaformer/tools/",
+    "megaformer/perf/plan.py",  # DeepSpeed's own stage partitioning, so the plan splits as it does
+    "megaformer/perf/optrace.py",  # the traced block's activation checkpointing asks deepspeed.comm
 )
 # DeepSpeed's own attributes on its objects: read or written by the adapter only.
 DEEPSPEED_ATTRIBUTES = {
@@ -236,6 +238,44 @@ def rooms_breached(root: Path) -> list[str]:
     ]
 
 
+def module_cycles(root: Path, package: str) -> list[str]:
+    """Import cycles between the modules directly in ``package`` (a folder under ``root``; imports
+    inside functions counted), as ``a -> b -> a``."""
+    here = root / package.replace(".", "/")
+    names = {p.stem for p in here.glob("*.py") if p.stem != "__init__"}
+    edges: dict[str, set[str]] = {name: set() for name in names}
+    for name in names:
+        for node in ast.walk(ast.parse((here / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == package:
+                edges[name] |= {alias.name for alias in node.names if alias.name in names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(package + "."):
+                target = node.module[len(package) + 1 :].split(".")[0]
+                if target in names:
+                    edges[name].add(target)
+    found = set()
+    for start in sorted(names):
+        stack = [[start]]
+        while stack:
+            route = stack.pop()
+            for nxt in sorted(edges[route[-1]]):
+                if nxt == start:
+                    found.add(" -> ".join([*route, nxt]))
+                elif nxt not in route:
+                    stack.append([*route, nxt])
+    return sorted(found)
+
+
+def test_the_performance_model_imports_in_one_direction():
+    assert module_cycles(REPO, "megaformer.perf") == []
+
+
+def test_the_module_cycle_check_catches_a_planted_circle(tmp_path):
+    (tmp_path / "megaformer/perf").mkdir(parents=True)
+    (tmp_path / "megaformer/perf/a.py").write_text("from megaformer.perf.b import x\n")
+    (tmp_path / "megaformer/perf/b.py").write_text("def f():\n    from megaformer.perf import a\n")
+    assert module_cycles(tmp_path, "megaformer.perf") == ["a -> b -> a", "b -> a -> b"]
+
+
 def test_the_config_and_checkpoint_packages_import_nothing_above_them():
     assert rooms_breached(REPO) == []
 
@@ -264,8 +304,8 @@ def test_the_rooms_check_catches_a_planted_import(tmp_path):
             "megaformer.config -> megaformer.checkpoint (megaformer/config/b.py:2)",
         ),
         (
-            {"megaformer/fakecuda/s.py": "from megaformer.training.trainer import _build_engine\n"},
-            "megaformer/fakecuda/s.py:1: megaformer.training.trainer._build_engine",
+            {"megaformer/perf/fakecuda/s.py": "from megaformer.training.trainer import _build_engine\n"},
+            "megaformer/perf/fakecuda/s.py:1: megaformer.training.trainer._build_engine",
         ),
     ],
 )
@@ -344,8 +384,8 @@ def test_nothing_replaces_another_objects_private_parts_or_methods_unannounced()
 def test_the_reach_in_check_catches_a_planted_patch(tmp_path):
     for package in PACKAGES:
         (tmp_path / package).mkdir()
-    (tmp_path / "megaformer/fakecuda").mkdir()
-    (tmp_path / "megaformer/fakecuda/s.py").write_text(
+    (tmp_path / "megaformer/perf/fakecuda").mkdir(parents=True)
+    (tmp_path / "megaformer/perf/fakecuda/s.py").write_text(
         "def f(engine, loop, audit, m, k):\n"
         "    engine.forward = lambda x: x\n"
         "    loop._batches = iter\n"
@@ -355,7 +395,7 @@ def test_the_reach_in_check_catches_a_planted_patch(tmp_path):
         "    k._compiled_call_impl = None\n"
     )
     assert reach_ins(tmp_path) == [
-        "megaformer/fakecuda/s.py:2: engine.forward",
-        "megaformer/fakecuda/s.py:3: loop._batches",
-        "megaformer/fakecuda/s.py:4: setattr(..., '_last_lr')",
+        "megaformer/perf/fakecuda/s.py:2: engine.forward",
+        "megaformer/perf/fakecuda/s.py:3: loop._batches",
+        "megaformer/perf/fakecuda/s.py:4: setattr(..., '_last_lr')",
     ]

@@ -11,7 +11,7 @@ from megaformer.config.load import check_model_config
 from megaformer.config.schema import HEAD_SCALE_POSITIONS, ConfigError, ModelConfig
 from megaformer.model import NormFormerLM
 from megaformer.model.normformer import NormFormerBlock, NormFormerEmbedding, sinusoidal_positions
-from megaformer.tools.plan import layer_param_counts
+from megaformer.perf.plan import layer_param_counts
 from megaformer.training.diagnostics import sharded_scales
 
 CFG = ModelConfig(

@@ -7,7 +7,7 @@ from importlib import metadata
 
 import pytest
 
-from megaformer.fakecuda import build
+from megaformer.perf.fakecuda import build
 
 
 def test_no_compiler_is_named(monkeypatch, tmp_path):

@@ -213,8 +213,8 @@ def test_a_failed_step_time_prediction_is_recorded_and_the_rows_still_written(mo
     the rows are still written (the H200's second run lost its table to it)."""
     # fakecuda.launch binds build_shim at import: imported here, before the patch, it keeps the real
     # one (gpu_check imports it under the patch, and the stub would outlive this test).
-    from megaformer.fakecuda import build, launch
-    from megaformer.tools import steptime
+    from megaformer.perf import steptime
+    from megaformer.perf.fakecuda import build, launch
 
     assert launch.build_shim is build.build_shim
 

@@ -1,5 +1,5 @@
-"""The fake-CUDA op trace of one block (megaformer.tools.optrace) against the block's known
-operations and the step-time formula (megaformer.tools.steptime._block_costs).
+"""The fake-CUDA op trace of one block (megaformer.perf.optrace) against the block's known
+operations and the step-time formula (megaformer.perf.costs.formula_block_costs).
 
 Small blocks (d = 64, 4 heads, ffn 256, 2 × 32 tokens, bf16), traced in two child processes (tp 1,
 tp 2 on the fake process group): a few seconds. Skipped only where the shim cannot be built (no
@@ -13,8 +13,8 @@ from collections import Counter
 import pytest
 
 from megaformer.config import load_config
-from megaformer.fakecuda.build import ShimUnavailableError, build_shim, compiler
-from megaformer.tools import optrace
+from megaformer.perf import optrace
+from megaformer.perf.fakecuda.build import ShimUnavailableError, build_shim, compiler
 
 B, S, D, F, H = 2, 32, 64, 256, 4
 N = B * S
@@ -149,12 +149,12 @@ def test_tp2_collective_bytes_equal_the_formula(traces, name):
 
 
 def test_block_costs_match_the_steptime_tuple(traces):
-    from megaformer.tools.steptime import DEVICE_SPECS, _block_costs
+    from megaformer.perf.steptime import DEVICE_SPECS, formula_block_costs
 
     cfg, t = traces["pre_ln_tp2"]
     dev = DEVICE_SPECS["h100-80gb"]
     ours = optrace.block_costs(cfg, dev, 2, 8)
-    theirs = _block_costs(cfg, dev, 2, 8)
+    theirs = formula_block_costs(cfg, dev, 2, 8)
     assert len(ours) == len(theirs) == 5
     assert ours[0] == pytest.approx(theirs[0], rel=1e-12)  # the same GEMMs at the same roofline
     assert ours[1] == pytest.approx(theirs[1], rel=1e-12)  # causal: halved in both
@@ -299,7 +299,7 @@ def test_normformer_adds_almost_no_fused_traffic(traces, tp):
 
 
 def test_block_costs_compiled_uses_the_fused_bytes(traces):
-    from megaformer.tools.steptime import DEVICE_SPECS
+    from megaformer.perf.steptime import DEVICE_SPECS
 
     cfg, t = traces["pre_ln"]
     dev = DEVICE_SPECS["h100-80gb"]

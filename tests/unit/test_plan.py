@@ -13,7 +13,8 @@ import torch
 
 from megaformer.config import load_config
 from megaformer.model import NormFormerLM, count_parameters
-from megaformer.tools import plan as planner
+from megaformer.perf import plan as planner
+from megaformer.tools import plan as plan_command
 from tests.unit.test_recipes import MLM_RECIPES, RECIPES, ZERO2_A100, _header, _layouts, _path
 
 GIB = 1024**3
@@ -77,7 +78,7 @@ def test_a_zero2_recipe_layout_is_the_faster_stage_as_its_header_says(name):
     the step-time model predicts a shorter step than ZeRO-1 at ZeRO-1's own largest fitting
     micro-batch, at the recipe's world, and the header quotes both steps (python -m
     megaformer.tools.plan FILE --gpu a100-80gb --nodes N --predict, with train.zero_stage=1)."""
-    from megaformer.tools import steptime
+    from megaformer.perf import steptime
 
     world, _, micro, _ = _layouts(name)["A100"]
     cfg = load_config(_path(name))
@@ -132,7 +133,7 @@ def test_a_layout_that_does_not_fit_gets_a_suggestion_that_does():
 
 
 def test_command_prints_memory_flops_time_and_the_recipe_devices(capsys):
-    rc = planner.main(
+    rc = plan_command.main(
         [_path("1.3b-normformer"), "--gpu", "a100-80gb", "--nodes", "2", "--gpus-per-node", "8"]
     )
     out = capsys.readouterr().out
@@ -147,11 +148,12 @@ def test_command_prints_memory_flops_time_and_the_recipe_devices(capsys):
 def test_gpu_aliases_are_accepted_and_an_unknown_one_is_named(capsys):
     """``--gpu h100`` is what users type (issue 23): the aliases of the dry run, any case."""
     assert (
-        planner.main([_path("125m-baseline"), "--gpu", "H100", "--nodes", "1", "--gpus-per-node", "8"]) == 0
+        plan_command.main([_path("125m-baseline"), "--gpu", "H100", "--nodes", "1", "--gpus-per-node", "8"])
+        == 0
     )
     assert "H100-SXM5-80GB" in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        planner.main([_path("125m-baseline"), "--gpu", "h1000"])
+        plan_command.main([_path("125m-baseline"), "--gpu", "h1000"])
     err = capsys.readouterr().err
     assert "unknown GPU 'h1000'" in err and "h100-80gb" in err and "(or v100, a100" in err
 
@@ -160,12 +162,12 @@ def test_predict_prints_one_device_hours_figure_the_prediction(capsys):
     """Issue 36: ``plan --predict`` printed 6,072 device-hours at an assumed 40 % MFU beside the
     model's figure; with --predict it prints one, labelled a prediction, and no assumed MFU."""
     args = [_path("1.3b-normformer"), "--gpu", "a100", "--nodes", "2", "--gpus-per-node", "8", "--predict"]
-    assert planner.main(args + ["--counts", "formula"]) == 0
+    assert plan_command.main(args + ["--counts", "formula"]) == 0
     out = capsys.readouterr().out
     assert out.count("device-hours") == 1 and "assumed MFU" not in out
     line = next(x for x in out.splitlines() if "device-hours" in x)
     assert line.startswith("predicted:") and "a prediction" in out
-    assert planner.main(args[:-1]) == 0  # without --predict: the assumed-MFU figure, named so
+    assert plan_command.main(args[:-1]) == 0  # without --predict: the assumed-MFU figure, named so
     out = capsys.readouterr().out
     assert out.count("device-hours") == 1 and "at an assumed MFU of 40%" in out
 
@@ -185,7 +187,7 @@ def test_the_suggested_layout_for_another_device_is_the_recipe_headers(name, dev
 
 def test_the_1_3b_a100_40gb_line_names_the_headers_layout(capsys):
     args = [_path("1.3b-normformer"), "--gpu", "a100", "--nodes", "2", "--gpus-per-node", "8"]
-    planner.main(args)
+    plan_command.main(args)
     line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("A100-SXM4-40GB"))
     assert "the recipe header's layout fits: add train.micro_batch_size=4 (peak 28.4 GiB)" in line
     assert "suggested" not in line

@@ -1,4 +1,4 @@
-"""The step-time model (megaformer.tools.steptime): formulas, MFU definition, CPU validation."""
+"""The step-time model (megaformer.perf.steptime): formulas, MFU definition, CPU validation."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import os
 import pytest
 
 from megaformer.config import load_config
-from megaformer.tools import plan as plan_tool
-from megaformer.tools.steptime import (
+from megaformer.perf.steptime import (
     DEVICE_SPECS,
     DeviceSpec,
     _cpu_adamw,
@@ -21,6 +20,7 @@ from megaformer.tools.steptime import (
     ring_allreduce_bytes,
     ring_gather_bytes,
 )
+from megaformer.tools import plan as plan_tool
 from megaformer.training.flops import ComputeMeter, model_flops_per_token
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -244,7 +244,7 @@ def test_cpu_device_reads_the_new_keys(tmp_path):
 def test_gpu_predictions_count_the_blocks_operations_from_the_fake_cuda_trace():
     """On a GPU the block's operations come from its fake-CUDA trace (the same GEMMs as the formula),
     compiled blocks with the trace's fusion estimate; ``counts='formula'`` keeps the formula."""
-    from megaformer.tools import optrace
+    from megaformer.perf import optrace
 
     if not optrace.available():
         pytest.skip("no C++ compiler for the fake-CUDA shim: predictions use the formula")
@@ -266,7 +266,7 @@ def test_gpu_loss_term_counts_the_fused_or_the_eager_passes():
     """The loss on a GPU: the fused kernels (where train.compile compiles) read the 16-bit logits
     three times and write the gradient once; eager, the passes over the fp32 copy make 72 bytes per
     logit (the H200 profile's loss, bench/results/gpu/2026-11-26-h200)."""
-    from megaformer.tools import steptime
+    from megaformer.perf import steptime
 
     cfg = load_config("configs/paper/125m-baseline.yaml", ["train.zero_stage=1"])
     eager = load_config("configs/paper/125m-baseline.yaml", ["train.zero_stage=1", "train.compile=false"])
@@ -303,7 +303,7 @@ def test_host_term_counts_the_parameter_tensors():
     """The exposed host time per step grows with the parameter tensors DeepSpeed loops over: a
     Pre-LN block has 12 (two LayerNorms, qkv, W_O, fc1, fc2: weight and bias each), NormFormer's
     adds its post-attention LN, HeadScale, FFN LN and ResScale where switched on."""
-    from megaformer.tools.steptime import param_tensors
+    from megaformer.perf.steptime import param_tensors
 
     base = _cfg("configs/paper/125m-baseline.yaml")
     assert param_tensors(base) == 12 * 12 + 3  # + word embedding, final LayerNorm weight and bias

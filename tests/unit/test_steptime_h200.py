@@ -2,7 +2,7 @@
 
 ``bench/steptime_h200.py`` fits the model's GPU constants to the committed H200 profiles and
 predicts every measured row; these tests repeat both from the committed files: the constants in
-:data:`megaformer.tools.steptime.H200_FIT` are the fit's (rounded), and every row of today's program
+:data:`megaformer.perf.devices.H200_FIT` are the fit's (rounded), and every row of today's program
 is predicted within 10 %. The fake-CUDA block trace needs the shim (a C++ compiler).
 """
 
@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from megaformer.tools import optrace, steptime
+from megaformer.perf import devices, optrace
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -49,9 +49,9 @@ def test_profile_parser_reads_the_committed_h200_profile():
 
 def test_h200_constants_are_the_fit_of_the_committed_profiles(bench):
     fitted = bench.fit()["fitted"]
-    assert set(fitted) == set(steptime.H200_FIT)
+    assert set(fitted) == set(devices.H200_FIT)
     for name, value in fitted.items():
-        assert steptime.H200_FIT[name] == pytest.approx(value, rel=0.01), name
+        assert devices.H200_FIT[name] == pytest.approx(value, rel=0.01), name
 
 
 def test_every_measured_h200_row_of_todays_program_is_predicted_within_10_percent(bench):

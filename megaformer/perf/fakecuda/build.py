@@ -3,7 +3,7 @@
 The shim registers c10's fake CUDA device guard and a CUDA hooks object reporting one device, so
 that a CPU-only torch lets FakeTensors on device ``"cuda"`` go through autograd, SDPA, fused AdamW
 and dropout (``../shared/docs/FACTS-FAKE-CUDA.md``). It must be loaded before ``import torch``
-(``LD_PRELOAD``), so every fake-CUDA run is its own process (:mod:`megaformer.fakecuda.launch`).
+(``LD_PRELOAD``), so every fake-CUDA run is its own process (:mod:`megaformer.perf.fakecuda.launch`).
 
 No torch import here: the build reads the torch installation's paths from its package metadata.
 """
@@ -40,7 +40,7 @@ def torch_dir() -> Path:
 
 
 def cache_dir() -> Path:
-    """Where built shims are kept: ``$MEGAFORMER_CACHE/fakecuda`` or ``~/.cache/megaformer/fakecuda``."""
+    """Where built shims are kept: ``$MEGAFORMER_CACHE/fakecuda`` or ``~/.cache/megaformer/perf/fakecuda``."""
     root = os.environ.get("MEGAFORMER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "megaformer")
     return Path(root) / "fakecuda"
 

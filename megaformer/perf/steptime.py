@@ -19,13 +19,13 @@ layout (tp, pp, dp, ZeRO, precision, recompute, micro-batches) and a :class:`Dev
     (FlashAttention-2, Dao 2023, arXiv:2307.08691, Sec. 4.1 counts causal FLOPs halved the same way),
     the forward (a third of the FLOPs) and the backward each at its own fraction, with or without
     dropout in the kernel (:meth:`DeviceSpec.attention_flops_per_s`; on the H200, cuDNN's kernels:
-    :data:`H200_FIT`). Selective recompute adds one attention forward. The CPU with attention dropout
-    runs the math kernel: the full FLOPs at the matmul rate plus ~80 bytes per ``T × T`` element (fp32 scores,
-    softmax, mask and their gradients).
+    :data:`~.devices.H200_FIT`). Selective recompute adds one attention forward. The CPU with
+    attention dropout runs the math kernel: the full FLOPs at the matmul rate plus ~80 bytes per
+    ``T × T`` element (fp32 scores, softmax, mask and their gradients).
 ``memory``
     memory-bound operations at HBM speed (on a GPU each kind of kernel at its measured fraction of
     HBM, :meth:`DeviceSpec.bytes_per_s`: inductor's fused kernels with and without a LayerNorm,
-    ATen's strided / dtype-converting copies, streaming kernels; :data:`H200_FIT`): per token and
+    ATen's strided / dtype-converting copies, streaming kernels; :data:`~.devices.H200_FIT`): per token and
     block, the elements read + written in the forward by LN1, LN2 (2d each), two residual adds
     (3d each), two hidden dropouts (2d + a 1-byte mask), GeLU on the fc1 output (2f), the head
     reshapes of q, k, v and the attention output (8d),
@@ -45,7 +45,7 @@ layout (tp, pp, dp, ZeRO, precision, recompute, micro-batches) and a :class:`Dev
     forward + backward rate per element (a recompute's forward ≈ 1/3 more), each in place of its memory
     traffic where slower.
 ``optimizer``
-    DeepSpeed 0.19's buffers as :mod:`megaformer.tools.plan` describes them, at memory speed:
+    DeepSpeed 0.19's buffers as :mod:`megaformer.perf.plan` describes them, at memory speed:
     AdamW reads gradient, weight, m, v and writes weight, m, v in fp32, 28 bytes per parameter of
     this rank's partition (Ψ/dp under ZeRO ≥ 1); the copy to 16-bit weights 6 Ψ/dp; the BF16
     optimizer's fp32 gradient accumulation 18 Ψ per micro-batch, parameter by parameter as
@@ -93,16 +93,16 @@ device-hours = ``train.steps × step × world / 3600``.
     the time the GPU waits for the host per step, ``host_step_s + host_per_tensor_s × tensors``
     (the parameter tensors of the rank, :func:`param_tensors`: DeepSpeed's per-parameter loops at
     the step boundary; kernel launches): the measured H200 steps less their profiles' device time,
-    1.8–2.9 % of those steps (:data:`H200_FIT`); 0 on the CPU (its measured rates include it).
+    1.8–2.9 % of those steps (:data:`~.devices.H200_FIT`); 0 on the CPU (its measured rates include it).
 
 Not modelled: kernel launch / Python dispatch overhead on the CPU (a few percent on the CPU
 quickstart), the data loader, evaluation and checkpoint time, NCCL's tree algorithm (lower
 latency at many nodes), network contention between data- and tensor-parallel groups, clock
 throttling.
 
-The terms above are the formula (:func:`_block_costs`). On a GPU, where the fake-CUDA shim builds,
+The terms above are the formula (:func:`formula_block_costs`). On a GPU, where the fake-CUDA shim builds,
 a block's GEMMs, attention kernel, memory-bound bytes and TP collectives are instead counted from
-the block's fake-CUDA trace (:mod:`megaformer.tools.optrace`), and for compiled blocks (the
+the block's fake-CUDA trace (:mod:`megaformer.perf.optrace`), and for compiled blocks (the
 default on CUDA) the memory-bound bytes are the trace's estimate of inductor's fused kernels
 (:func:`block_costs`; ``plan --counts formula`` gives the formula's prediction).
 """
@@ -110,326 +110,24 @@ default on CUDA) the memory-bound bytes are the trace's estimate of inductor's f
 from __future__ import annotations
 
 import functools
-import itertools
-import json
 import math
-import os
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from megaformer.config.schema import RunConfig
-from megaformer.tools.plan import engine_json
-from megaformer.training.flops import PEAK_TFLOPS, model_flops_per_token
-
-CPU_DEVICE_JSON = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-    "bench",
-    "results",
-    "cpu_device.json",
+from megaformer.perf.costs import (
+    bubble_fraction,
+    collective_time,
+    formula_block_costs,
+    gemm_seconds,
+    link,
+    ring_allreduce_bytes,
+    ring_gather_bytes,
+    thin_fraction,
 )
-
-
-@dataclass(frozen=True)
-class DeviceSpec:
-    """One device for the step-time model (bandwidths in GB/s per device, one direction).
-
-    ``peak_tflops`` is the datasheet dense fp16/bf16 peak that MFU is measured against (a CPU: its
-    measured fp32 matmul peak); ``matmul_fraction`` what large GEMMs achieve of it,
-    ``attention_fraction`` what the causal fused attention kernel achieves (FLOPs it does / peak),
-    ``hbm_fraction`` what a streaming copy achieves of the HBM bandwidth. ``exp_per_s`` and
-    ``gelu_per_s``: elements per second of ``exp`` and GeLU where they are compute-bound (a CPU:
-    measured; a GPU's special-function units keep them memory-bound: infinite). ``adamw_per_s``:
-    parameters per second of the optimizer step where it is compute-bound (the CPU's per-tensor
-    AdamW, measured). ``thin_gemm``: (smallest GEMM dimension, fraction of the large-GEMM rate)
-    points measured on the CPU; a GEMM whose smallest dimension is below the largest point runs at
-    the fraction interpolated in log(dimension) (none for GPUs: the roofline only).
-    ``layernorm_per_s`` (input elements per second of a LayerNorm forward + backward),
-    ``loss_per_s`` (logits per second of the softmax cross-entropy forward + backward) and
-    ``adamw_small_per_s`` (the optimizer step's parameters per second on tensors below
-    ``adamw_large_elems`` elements, ``adamw_per_s`` being the rate above): where these are
-    compute-bound (a CPU, measured by ``bench/cpu_device.py``); infinite for GPUs (memory-bound).
-    """
-
-    name: str
-    peak_tflops: float
-    matmul_fraction: float
-    attention_fraction: float
-    hbm_gbs: float
-    hbm_fraction: float
-    nvlink_gbs: float
-    nvlink_latency_us: float
-    internode_gbs: float
-    internode_latency_us: float
-    cpu: bool = False
-    exp_per_s: float = math.inf
-    gelu_per_s: float = math.inf
-    adamw_per_s: float = math.inf
-    thin_gemm: tuple[tuple[int, float], ...] = ()
-    layernorm_per_s: float = math.inf
-    loss_per_s: float = math.inf
-    adamw_small_per_s: float = math.inf
-    adamw_large_elems: float = math.inf
-    attention_fwd_fraction: float = math.nan
-    attention_bwd_fraction: float = math.nan
-    attention_dropout_fwd_fraction: float = math.nan
-    attention_dropout_bwd_fraction: float = math.nan
-    fused_fraction: float = math.nan
-    fused_norm_fraction: float = math.nan
-    copy_fraction: float = math.nan
-    host_step_s: float = 0.0
-    host_per_tensor_s: float = 0.0
-
-    @property
-    def matmul_flops(self) -> float:
-        return self.peak_tflops * 1e12 * self.matmul_fraction
-
-    @property
-    def memory_bytes_per_s(self) -> float:
-        return self.hbm_gbs * 1e9 * self.hbm_fraction
-
-    def attention_flops_per_s(self, *, backward: bool, dropout: bool) -> float:
-        """FLOP/s (causal FLOPs halved) of the fused attention kernel in one direction, with or
-        without dropout inside the kernel: ``peak × attention_[dropout_]{fwd,bwd}_fraction``, or
-        ``peak × attention_fraction`` where those are not set (NaN: the CPU, the formula)."""
-        name = f"attention_{'dropout_' if dropout else ''}{'bwd' if backward else 'fwd'}_fraction"
-        fraction = getattr(self, name)
-        return self.peak_tflops * 1e12 * (self.attention_fraction if math.isnan(fraction) else fraction)
-
-    def bytes_per_s(self, kind: str) -> float:
-        """HBM bytes per second of a class of memory-bound kernel: ``stream`` (vectorised
-        elementwise kernels: ATen's contiguous copies, ``add_``, dropout, fused AdamW;
-        ``hbm_fraction``), ``fused`` (inductor's generated pointwise / column-reduction kernels and
-        the fused loss; ``fused_fraction``), ``fused_norm`` (inductor's kernels that compute a
-        LayerNorm; ``fused_norm_fraction``), ``copy`` (ATen's non-vectorised elementwise kernel:
-        strided and dtype-converting copies; ``copy_fraction``), each a fraction of ``hbm_gbs``;
-        an unset (NaN) fraction falls back to ``hbm_fraction``.
-
-        Raises:
-            ValueError: an unknown ``kind``.
-        """
-        fractions = {
-            "stream": self.hbm_fraction,
-            "fused": self.fused_fraction,
-            "fused_norm": self.fused_norm_fraction,
-            "copy": self.copy_fraction,
-        }
-        if kind not in fractions:
-            raise ValueError(f"kind={kind!r}: use one of {', '.join(fractions)}")
-        fraction = fractions[kind]
-        return self.hbm_gbs * 1e9 * (self.hbm_fraction if math.isnan(fraction) else fraction)
-
-
-H200_FIT = {
-    "matmul_fraction": 0.760,
-    "hbm_fraction": 0.762,
-    "attention_fwd_fraction": 0.372,
-    "attention_bwd_fraction": 0.251,
-    "attention_dropout_fwd_fraction": 0.152,
-    "attention_dropout_bwd_fraction": 0.186,
-    "fused_fraction": 0.669,
-    "fused_norm_fraction": 0.246,
-    "copy_fraction": 0.276,
-    "host_step_s": 0.0112,
-    "host_per_tensor_s": 4.37e-05,
-}
-"""The step-time model's GPU constants fitted once to the committed H200 profiles and measurements
-(``bench/steptime_h200.py``, which derives each from ``bench/results/gpu/2026-11-26-h200*/``, writes
-``bench/results/gpu/steptime_h200_fit.json`` and checks these values against it; a test repeats that
-check). Fractions of the datasheet peak (989 TFLOP/s, 4,800 GB/s):
-
-- ``matmul_fraction``: the profiles' GEMM device time (``aten::mm`` + ``aten::addmm``) against the
-  model's GEMM FLOPs (125M Pre-LN / NormFormer, 1.3B NormFormer).
-- ``attention_*``: the fused attention kernels' causal FLOPs over their device time, forward and
-  backward: with dropout, cuDNN's dropout kernels in the 125M and 1.3B profiles (192 forwards per
-  96 micro-batch blocks: the compiled operator's rerun, counted by the model); without, the 355M
-  recipe's (no dropout) cuDNN kernels in the first loan's profile.
-- ``hbm_fraction`` (``stream``): DeepSpeed's per-parameter fp32 ``add_`` and the fused AdamW in the
-  1.3B profile, bytes over time.
-- ``copy_fraction``: ATen's non-vectorised ``elementwise_kernel`` (the attention operator's four
-  ``.contiguous()`` copies per block and micro-batch) and ``unrolled_elementwise_kernel`` (the BF16
-  optimizer's bf16 -> fp32 gradient copies), bytes over time.
-- ``fused_fraction``, ``fused_norm_fraction``: least squares over the three profiles of the device
-  time not in the kernels above (the Triton kernels of the compiled blocks, the fused loss) against
-  the model's bytes of the fused regions without / with a LayerNorm and of the loss.
-- ``host_step_s``, ``host_per_tensor_s``: the measured step less the profile's device time (the GPU
-  idle while the host works: kernel launches and DeepSpeed's per-parameter Python at the step
-  boundary), least squares against the parameter tensors of the model.
-
-Held out of every fit: the step times of the 355M rows, 1.3B Pre-LN, the two eager 125M rows and the
-two 125M rows without attention dropout (only the three profiled rows' step times enter, through the
-host term)."""
-
-# The H200's kernel-class constants, carried to the other GPUs where they are fractions of HBM or a
-# host property (an assumption: not measured there); the attention dropout kernels as the same
-# fraction of each GPU's own no-dropout kernels as on the H200.
-_MEMORY_FIT = {
-    k: H200_FIT[k] for k in ("hbm_fraction", "fused_fraction", "fused_norm_fraction", "copy_fraction")
-}
-_HOST_FIT = {k: H200_FIT[k] for k in ("host_step_s", "host_per_tensor_s")}
-_DROPOUT_FWD = H200_FIT["attention_dropout_fwd_fraction"] / H200_FIT["attention_fwd_fraction"]
-_DROPOUT_BWD = H200_FIT["attention_dropout_bwd_fraction"] / H200_FIT["attention_bwd_fraction"]
-
-
-def _gpu(
-    name: str, peak: float, matmul: float, attention: tuple[float, float], hbm_gbs: float, links: tuple
-) -> DeviceSpec:
-    """A GPU's :class:`DeviceSpec`: ``attention`` = (forward, backward) no-dropout fractions."""
-    fwd, bwd = attention
-    return DeviceSpec(
-        name,
-        peak,
-        matmul,
-        (fwd + 2 * bwd) / 3,
-        hbm_gbs,
-        _MEMORY_FIT["hbm_fraction"],
-        *links,
-        attention_fwd_fraction=fwd,
-        attention_bwd_fraction=bwd,
-        attention_dropout_fwd_fraction=fwd * _DROPOUT_FWD,
-        attention_dropout_bwd_fraction=bwd * _DROPOUT_BWD,
-        **{k: v for k, v in _MEMORY_FIT.items() if k != "hbm_fraction"},
-        **_HOST_FIT,
-    )
-
-
-_H200_ATTENTION = (H200_FIT["attention_fwd_fraction"], H200_FIT["attention_bwd_fraction"])
-DEVICE_SPECS = {
-    "v100-32gb": _gpu(
-        "V100-SXM2-32GB fp16", PEAK_TFLOPS["V100"], 0.80, (0.30, 0.30), 900, (130, 5, 6.25, 10)
-    ),
-    "a100-40gb": _gpu("A100-SXM4-40GB bf16", PEAK_TFLOPS["A100"], 0.80, (0.50, 0.50), 1555, (230, 5, 25, 8)),
-    "a100-80gb": _gpu("A100-SXM4-80GB bf16", PEAK_TFLOPS["A100"], 0.80, (0.50, 0.50), 2039, (230, 5, 25, 8)),
-    "h100-80gb": _gpu(
-        "H100-SXM5-80GB bf16",
-        PEAK_TFLOPS["H100"],
-        H200_FIT["matmul_fraction"],
-        _H200_ATTENTION,
-        3350,
-        (360, 4, 50, 8),
-    ),
-    "h200-141gb": _gpu(
-        "H200-SXM-141GB bf16",
-        PEAK_TFLOPS["H200"],
-        H200_FIT["matmul_fraction"],
-        _H200_ATTENTION,
-        4800,
-        (360, 4, 50, 8),
-    ),
-}
-"""The GPUs, with their sources:
-
-- peaks: :data:`megaformer.training.flops.PEAK_TFLOPS` (dense fp16/bf16 tensor-core TFLOP/s, NVIDIA
-  datasheets: V100 SXM2 125, A100 SXM4 312, H100 / H200 SXM 989).
-- HBM GB/s: datasheets (V100 SXM2 900, A100 40GB 1,555, A100 80GB 2,039, H100 SXM5 3,350, H200
-  4,800); the fraction each kind of kernel achieves (streaming 76 %, inductor's fused kernels 67 %,
-  those with a LayerNorm 25 %, ATen's strided / converting copies 28 %) measured on the H200
-  (:data:`H200_FIT`) and assumed on the others (the 85 % streaming rate assumed before 2026-11-28 came
-  from STREAM-like copies on A100 / H100 reaching 85–93 %).
-- matmul_fraction: H200 76 %, measured (:data:`H200_FIT`); H100 SXM the same (the same GH100 die and
-  700 W limit; assumption: ~70 % was assumed before, ≈ 700 of 989 TFLOP/s as cuBLAS benchmarks
-  report); large bf16 / fp16 cuBLAS GEMMs reach ~80 % of peak on V100 and A100 (NVIDIA's "Matrix
-  Multiplication Background" guide, deep-learning performance docs; Megatron-LM's 52 % end-to-end MFU
-  on A100, Narayanan et al. 2021 Table 1, needs GEMMs well above that; assumption).
-- attention (causal, head dim 64–128, FLOPs actually done / peak, forward / backward): H200 and H100
-  (the same die) cuDNN's kernels measured on the H200, 37.2 % / 25.1 % without dropout, 15.2 % /
-  18.6 % with it (:data:`H200_FIT`); A100 FlashAttention-2 ≈ 150–190 of 312 TFLOP/s (Dao 2023, Fig.
-  4–5): 0.5 both ways; V100 has no flash kernel, SDPA's memory-efficient kernel (xFormers, cutlass)
-  ≈ 35–40 of 125: 0.30 (assumption); with dropout, A100 and V100 at the H200's ratio of dropout to
-  no-dropout rates (41 % / 74 %; an assumption: their kernels are not cuDNN's). ``attention_fraction``
-  (used where the per-direction ones are not set) is their FLOP-weighted mean.
-- host_step_s, host_per_tensor_s: the H200 machine's (:data:`H200_FIT`), the same on every GPU
-  (a host property; assumption).
-- nvlink_gbs: NCCL all-reduce bus bandwidth within a node, per GPU (nccl-tests on DGX-1 V100
-  ≈ 130 of NVLink2's 150 GB/s per direction; DGX A100 ≈ 230 of NVLink3's 300; DGX H100 ≈ 360 of
-  NVLink4's 450, without NVLS), latency per ring step a few µs (assumption).
-- internode_gbs: one NIC per GPU: V100 DGX-1 4 × 100 Gb/s EDR per 8 GPUs = 6.25 GB/s per GPU; A100
-  DGX 8 × 200 Gb/s HDR = 25 GB/s; H100 / H200 DGX 8 × 400 Gb/s NDR = 50 GB/s (datasheets of the
-  DGX systems); latency per hop 8–10 µs with NCCL's overhead (assumption).
-"""
-
-
-def cpu_device(threads: int = 2, processes: int = 1, path: str = CPU_DEVICE_JSON) -> DeviceSpec:
-    """This machine's CPU from ``bench/cpu_device.py``'s JSON: each of ``processes`` processes runs
-    ``threads`` threads; matmul and attention rates are those measured at ``threads`` threads, the
-    memory bandwidth the one measured at ``threads × processes`` threads shared by the processes.
-    Communication between processes (gloo over loopback TCP / shared memory): 2 GB/s, 50 µs per
-    message (assumption, not measured).
-
-    Where the JSON has them (``bench/cpu_device.py`` since 2026-11-25, issue 19; measured on this
-    2-core AMD EPYC VM, torch 2.13 CPU, at the 125M block's shapes): GEMMs run at the block's
-    linear layers' forward + backward rate (``block_gemm_gflops``: ``matmul_fraction`` = it / the
-    peak: 0.96 at 2 threads, 0.99 at 1; the square-GEMM peak stays what MFU is measured against); GeLU at
-    3 evaluations per ``gelu_fwd_bwd_gelems`` element (forward ≈ 1, backward ≈ 2, as the module
-    docstring counts); LayerNorms at ``layernorm_gelems``; the loss at ``cross_entropy_glogits``;
-    AdamW at ``adamw_block_gparams`` on tensors under 8 Mi elements (32 MiB of fp32, glibc malloc's
-    largest mmap threshold, ``DEFAULT_MMAP_THRESHOLD_MAX`` in malloc/malloc.c: larger temporaries
-    are fresh pages, zero-filled on first touch) and ``adamw_gparams`` (16 Mi elements) above."""
-    with open(path) as f:
-        data = json.load(f)["threads"]
-    own = data[str(threads)]
-    total = data.get(str(threads * processes), own)
-    peak = own["peak_matmul_gflops"] / 1e3
-    gelu_per_s = 3 * own["gelu_fwd_bwd_gelems"] if "gelu_fwd_bwd_gelems" in own else own["gelu_gelems"]
-    return DeviceSpec(
-        name=f"CPU ({threads} thread(s) × {processes} process(es), measured)",
-        peak_tflops=peak,
-        matmul_fraction=min(1.0, own.get("block_gemm_gflops", math.inf) / own["peak_matmul_gflops"]),
-        attention_fraction=0.5 * own["attention_gflops"] / own["peak_matmul_gflops"],
-        hbm_gbs=total["copy_gbs"] / processes,
-        hbm_fraction=1.0,
-        nvlink_gbs=2.0,
-        nvlink_latency_us=50.0,
-        internode_gbs=2.0,
-        internode_latency_us=50.0,
-        cpu=True,
-        exp_per_s=own["exp_gelems"] * 1e9,
-        gelu_per_s=gelu_per_s * 1e9,
-        adamw_per_s=own.get("adamw_gparams", math.inf) * 1e9,
-        thin_gemm=tuple(sorted((int(k), min(1.0, v)) for k, v in own.get("thin_gemm_fraction", {}).items())),
-        layernorm_per_s=own.get("layernorm_gelems", math.inf) * 1e9,
-        loss_per_s=own.get("cross_entropy_glogits", math.inf) * 1e9,
-        adamw_small_per_s=own.get("adamw_block_gparams", math.inf) * 1e9,
-        adamw_large_elems=8 * 2**20 if "adamw_block_gparams" in own else math.inf,
-    )
-
-
-# --- collectives -----------------------------------------------------------------------------------
-
-
-def ring_allreduce_bytes(nbytes: float, n: int) -> float:
-    """Bytes each rank sends (and receives) in a ring all-reduce of ``nbytes``: ``2(n−1)/n · B``."""
-    return 2.0 * (n - 1) / n * nbytes if n > 1 else 0.0
-
-
-def ring_gather_bytes(nbytes: float, n: int) -> float:
-    """Bytes each rank sends in a ring reduce-scatter or all-gather of ``nbytes`` total: ``(n−1)/n·B``."""
-    return (n - 1) / n * nbytes if n > 1 else 0.0
-
-
-def bubble_fraction(pp: int, micro_batches: int) -> float:
-    """1F1B's pipeline bubble over the ideal time: ``(p − 1)/m`` (Narayanan et al. 2021, eq. (1))."""
-    return (pp - 1) / micro_batches
-
-
-def _link(dev: DeviceSpec, group_span: int, gpus_per_node: int) -> tuple[float, float]:
-    """(bytes/s, seconds per ring step) of a group spanning ``group_span`` consecutive ranks."""
-    if group_span <= gpus_per_node:
-        return dev.nvlink_gbs * 1e9, dev.nvlink_latency_us * 1e-6
-    return dev.internode_gbs * 1e9, dev.internode_latency_us * 1e-6
-
-
-def collective_time(kind: str, nbytes: float, n: int, bw: float, lat: float, bucket: float = 0.0) -> float:
-    """Seconds of a ring ``allreduce`` / ``gather`` (reduce-scatter, all-gather) of ``nbytes`` over
-    ``n`` ranks, in buckets of ``bucket`` bytes (0: one message)."""
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    messages = max(1, math.ceil(nbytes / bucket)) if bucket else 1
-    if kind == "allreduce":
-        return ring_allreduce_bytes(nbytes, n) / bw + messages * 2 * (n - 1) * lat
-    return ring_gather_bytes(nbytes, n) / bw + messages * (n - 1) * lat
-
-
-# --- the prediction --------------------------------------------------------------------------------
+from megaformer.perf.devices import DEVICE_SPECS, DeviceSpec, cpu_device
+from megaformer.perf.plan import engine_json
+from megaformer.training.flops import model_flops_per_token
 
 
 @dataclass
@@ -492,26 +190,6 @@ class StepTime:
         return out
 
 
-def thin_fraction(dev: DeviceSpec, smallest: float) -> float:
-    """The fraction of the large-GEMM rate at smallest dimension ``smallest`` (``thin_gemm``)."""
-    points = dev.thin_gemm
-    if not points or smallest >= points[-1][0]:
-        return 1.0
-    if smallest <= points[0][0]:
-        return points[0][1]
-    for (d0, f0), (d1, f1) in itertools.pairwise(points):
-        if smallest <= d1:
-            w = math.log(smallest / d0) / math.log(d1 / d0)
-            return f0 + w * (f1 - f0)
-    return 1.0
-
-
-def _gemm(dev: DeviceSpec, m: float, k: float, n: float, q: int) -> float:
-    """One GEMM's forward; its backward's two GEMMs have the same FLOPs and dimensions."""
-    rate = dev.matmul_flops * thin_fraction(dev, min(m, k, n))
-    return max(2 * m * k * n / rate, q * (m * k + k * n + m * n) / dev.memory_bytes_per_s)
-
-
 def _communication_bytes(cfg: RunConfig, q: int) -> float:
     """Bytes per element of the data-parallel gradient reduction: DeepSpeed 0.19 casts the gradients
     (also the BF16 optimizer's fp32 accumulation and ZeRO's fp32 ``grad_accum``) to
@@ -527,69 +205,10 @@ def _zero_config(cfg: RunConfig) -> dict:
     return engine_json(cfg).get("zero_optimization", {})
 
 
-def _block_costs(cfg: RunConfig, dev: DeviceSpec, q: int, gpus_per_node: int) -> tuple[float, ...]:
-    """One block, one micro-batch, on one rank: (GEMMs, attention, memory-bound, TP communication)
-    seconds, and the bytes of one activation ``b·s·d`` (the TP and p2p message)."""
-    m, par, t = cfg.model, cfg.parallel, cfg.train
-    tp = par.tp_size
-    b, s, d, f = t.micro_batch_size, m.seq_len, m.hidden_size, m.ffn_size
-    n = b * s  # tokens per micro-batch
-    sp = par.sequence_parallel and tp > 1
-    recompute = t.recompute_mode
-    fwd_passes = 2 if recompute == "full" else 1
-    gemm_fwd = (
-        _gemm(dev, n, d, 3 * d / tp, q)
-        + _gemm(dev, n, d / tp, d, q)
-        + _gemm(dev, n, d, f / tp, q)
-        + _gemm(dev, n, f / tp, d, q)
-    )
-    block_compute = gemm_fwd * (2 + fwd_passes)
-    attn_flops_fwd = 4.0 * b * s * s * d / tp  # QKᵀ and PV, causal not halved
-    if dev.cpu and m.attention_dropout > 0:
-        heads = m.num_attention_heads // tp
-        attn_fwd = attn_flops_fwd / dev.matmul_flops + 80.0 / 3 * b * heads * s * s / dev.memory_bytes_per_s
-        attn_bwd = 2 * attn_fwd
-    else:  # forward and backward (2× the forward's FLOPs) each at its own rate
-        dropout = m.attention_dropout > 0
-        attn_fwd = 0.5 * attn_flops_fwd / dev.attention_flops_per_s(backward=False, dropout=dropout)
-        attn_bwd = attn_flops_fwd / dev.attention_flops_per_s(backward=True, dropout=dropout)
-    block_attention = attn_fwd * (fwd_passes + (1 if recompute == "selective" else 0)) + attn_bwd
-    rep = 2 * d + 2 * d + 2 * 3 * d + 2 * 2 * d  # LN1, LN2, residual adds, dropouts (no mask)
-    rep += (2 * d if m.post_attn_ln else 0) + (2 * d if m.resid_scale else 0)
-    sharded = 8 * d + 2 * f + (2 * d if m.head_scale else 0) + (2 * f if m.ffn_ln else 0)
-    sharded += 6 * d if m.qkv_ln else 0
-    elements = rep / (tp if sp else 1) + sharded / tp
-    masks = (2 * d if m.hidden_dropout > 0 else 0) / (tp if sp else 1)  # 1 byte, written + read
-    block_bytes = n * (q * elements * (2 + fwd_passes) + 2 * masks)
-    # GeLU (forward; backward ≈ 2 GeLU evaluations) at its element rate where that is the slower
-    gelu_elems = n * f / tp * (2 + fwd_passes)
-    block_memory = block_bytes / dev.bytes_per_s("stream" if dev.cpu else "fused")
-    block_memory += max(
-        0.0, gelu_elems / dev.gelu_per_s - n * q * 2 * f / tp * (2 + fwd_passes) / dev.memory_bytes_per_s
-    )
-    # LayerNorms, forward + backward (a recompute's forward ≈ 1/3 more), at their element rate where slower
-    ln_elems = (2 * d + (d if m.post_attn_ln else 0)) / (tp if sp else 1)
-    ln_elems += ((f if m.ffn_ln else 0) + (3 * d if m.qkv_ln else 0)) / tp
-    block_memory += max(
-        0.0,
-        n * ln_elems * (2 + fwd_passes) / 3 / dev.layernorm_per_s
-        - n * q * 2 * ln_elems * (2 + fwd_passes) / dev.memory_bytes_per_s,
-    )
-    # TP collectives per block per micro-batch.
-    tp_bw, tp_lat = _link(dev, tp, gpus_per_node)
-    act = n * d * q
-    block_tp = (2 + 2 * fwd_passes) * collective_time("allreduce", act, tp, tp_bw, tp_lat)
-    if m.ffn_ln and tp > 1:
-        block_tp += (1 + fwd_passes) * collective_time(
-            "allreduce", n * 8.0 / (tp if sp else 1), tp, tp_bw, tp_lat
-        )
-    return block_compute, block_attention, block_memory, block_tp, act
-
-
 COUNTS = ("auto", "trace", "formula")
 """How :func:`predict` counts a block's operations: ``auto`` (a GPU: from the fake-CUDA trace where
 the shim builds, else by formula; a CPU: by formula), ``trace`` (a GPU: the trace, or an error),
-``formula`` (:func:`_block_costs`)."""
+``formula`` (:func:`formula_block_costs`)."""
 
 
 def block_costs(
@@ -599,37 +218,37 @@ def block_costs(
     bytes)`` and how they were counted (for the printout).
 
     On a GPU the operations are those of the block's fake-CUDA trace
-    (:func:`megaformer.tools.optrace.block_costs`: every GEMM with its shape, the attention
+    (:func:`megaformer.perf.optrace.block_costs`: every GEMM with its shape, the attention
     kernel, every memory-bound kernel's bytes, every collective), and where the blocks run compiled
     (``train.compile`` on, the default on CUDA, not under ZeRO-3:
-    :func:`megaformer.tools.optrace.compiles`) their memory-bound traffic is the trace's fusion
-    estimate (:func:`megaformer.tools.optrace.fuse`: what inductor's fused kernels read and
+    :func:`megaformer.perf.optrace.compiles`) their memory-bound traffic is the trace's fusion
+    estimate (:func:`megaformer.perf.optrace.fuse`: what inductor's fused kernels read and
     write), with the attention operator's forward rerun in backward. On a CPU, with
     ``counts='formula'``, or where the fake-CUDA shim cannot be built (no C++ compiler), the
-    formula (:func:`_block_costs`; eager kernels).
+    formula (:func:`formula_block_costs`; eager kernels).
 
     Raises:
         ValueError: ``counts`` not one of :data:`COUNTS`.
-        megaformer.fakecuda.build.ShimUnavailableError: ``counts='trace'`` and no shim here.
+        megaformer.perf.fakecuda.build.ShimUnavailableError: ``counts='trace'`` and no shim here.
     """
     if counts not in COUNTS:
         raise ValueError(f"counts={counts!r}: use one of {', '.join(COUNTS)}")
     if not dev.cpu and counts != "formula":
-        from megaformer.tools import optrace
+        from megaformer.perf import optrace
 
         if counts == "trace" or optrace.available():
             compiled = optrace.compiles(cfg)
             costs = optrace.block_costs(cfg, dev, q, gpus_per_node, compiled=compiled)
             how = "compiled block, fusion estimate" if compiled else "eager block"
             return costs, f"fake-CUDA trace ({how})"
-    return _block_costs(cfg, dev, q, gpus_per_node), "formula (eager kernels)"
+    return formula_block_costs(cfg, dev, q, gpus_per_node), "formula (eager kernels)"
 
 
 def loss_bytes_per_logit(cfg: RunConfig, q: int) -> float:
     """HBM bytes the loss reads and writes per logit on a GPU, forward + backward, in ``q``-byte
     logits (:func:`megaformer.parallel.vocab_parallel_cross_entropy`).
 
-    Fused (where the blocks are compiled, :func:`megaformer.tools.optrace.compiles`, or under
+    Fused (where the blocks are compiled, :func:`megaformer.perf.optrace.compiles`, or under
     ZeRO-3 with ``train.compile`` on): the max (read), the sum of exponentials with the target
     (read), the gradient (read, write): ``4q``. Eager, 16-bit logits: forward max (2), fp32 copy
     (2 + 4), shift (8), exp (8), sum (4); backward copy (6), shift (8), exp (8), divide (8), scale
@@ -652,7 +271,7 @@ def _busiest_stage(
     n = cfg.train.micro_batch_size * m.seq_len
     d, v = m.hidden_size, m.padded_vocab_size(tp)
     block_compute, block_attention, block_memory, block_tp, act = block
-    tp_bw, tp_lat = _link(dev, tp, gpus_per_node)
+    tp_bw, tp_lat = link(dev, tp, gpus_per_node)
     best = None
     for stage in plan.stages:
         lo, hi = stage.layers
@@ -664,7 +283,7 @@ def _busiest_stage(
             memory += n * q * 4 * d * 3 / dev.memory_bytes_per_s  # lookup, scale, dropout, gradient
             tpc += collective_time("allreduce", act, tp, tp_bw, tp_lat)
         if last:
-            compute += 3 * _gemm(dev, n, d, v / tp, q)
+            compute += 3 * gemm_seconds(dev, n, d, v / tp, q)
             if dev.cpu:
                 # the loss's measured rate (else softmax's exp in forward and again in backward), or
                 # 16 bytes per logit
@@ -751,7 +370,7 @@ def _dp_comm(
     zcfg = _zero_config(cfg)
     bucket = float(zcfg.get("reduce_bucket_size", 5e8)) * 4
     overlap = bool(zcfg.get("overlap_comm", False))
-    dp_bw, dp_lat = _link(dev, world, gpus_per_node)
+    dp_bw, dp_lat = link(dev, world, gpus_per_node)
     backward_mb = t_mb * 2 / 3
     if dp <= 1:
         return 0.0, 0.0
@@ -808,10 +427,10 @@ def predict(
     block's operations counted as ``counts`` says (:func:`block_costs`).
 
     Raises:
-        ConfigError: as :func:`megaformer.tools.plan.make_plan` (layout or batch does not divide).
+        ConfigError: as :func:`megaformer.perf.plan.make_plan` (layout or batch does not divide).
         ValueError, ShimUnavailableError: as :func:`block_costs`.
     """
-    from megaformer.tools.plan import DEVICES, Device, immediate_grad_update, make_plan
+    from megaformer.perf.plan import DEVICES, Device, immediate_grad_update, make_plan
 
     m, par, t = cfg.model, cfg.parallel, cfg.train
     mem_device = Device("cpu", 1e9, dev.peak_tflops, cpu=True) if dev.cpu else DEVICES["a100-80gb"]
@@ -828,7 +447,7 @@ def predict(
     bubble = (par.pp_size - 1) * t_mb
     p2p = 0.0
     if par.pp_size > 1:
-        bw, lat = _link(dev, world, gpus_per_node)
+        bw, lat = link(dev, world, gpus_per_node)
         p2p = gas * 2 * (act / bw + lat)
 
     part = params / dp if t.zero_stage >= 1 else params

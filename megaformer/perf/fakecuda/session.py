@@ -1,6 +1,6 @@
 """One rank of a GPU job, run on fake CUDA: the trainer's own parts, two optimizer steps, audited.
 
-``python -m megaformer.fakecuda.session REQUEST.json`` (started by :mod:`.launch`, the shim
+``python -m megaformer.perf.fakecuda.session REQUEST.json`` (started by :mod:`.launch`, the shim
 preloaded) plays rank ``rank`` of a ``world_size``-rank job: the fake process group, then the
 trainer's builders (:func:`~megaformer.training.builders.build_layout`, ``build_model``,
 ``build_optimizer``), the DeepSpeed config and engine of the recipe
@@ -199,7 +199,7 @@ def classify_peak(audit: Any, engine: Any) -> dict[str, int]:
     optimizer buffer whose path names a gradient: DeepSpeed's fp32 accumulation, ZeRO's partitions
     and buckets), ``optimizer_state`` (fp32 master weights, Adam moments), ``activations`` (made in
     forward and alive then), ``other`` (backward temporaries, communication buffers, the rest)."""
-    from megaformer.fakecuda.runtime import storage_key
+    from megaformer.perf.fakecuda.runtime import storage_key
 
     sizes, phases, labels = audit.peak_snapshot()
     category: dict[int, str] = dict(labels)  # gradients, labelled while they lived
@@ -245,7 +245,7 @@ def run(request: dict) -> dict:
     """Run the request (see the module docstring); return the report."""
 
     from megaformer.config import load_config
-    from megaformer.fakecuda.runtime import (
+    from megaformer.perf.fakecuda.runtime import (
         GPUS,
         Audit,
         check_shim_loaded,
@@ -305,7 +305,7 @@ def run(request: dict) -> dict:
         ]
         for step, rec in sorted(audit.collectives.items())
     }
-    from megaformer.fakecuda.runtime import ATTENTION_KERNELS
+    from megaformer.perf.fakecuda.runtime import ATTENTION_KERNELS
 
     report["attention_kernels"] = dict(ATTENTION_KERNELS)
     report["peak_bytes"] = audit.peak
@@ -451,7 +451,7 @@ def dtypes(engine: Any) -> dict[str, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: ``python -m megaformer.fakecuda.session REQUEST.json``; writes the report to
+    """Entry point: ``python -m megaformer.perf.fakecuda.session REQUEST.json``; writes the report to
     the request's ``report`` path; exit 0, or 3 with ``error`` and ``traceback`` in the report."""
     argv = sys.argv[1:] if argv is None else argv
     with open(argv[0]) as f:

@@ -14,9 +14,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from megaformer.fakecuda.build import build_shim
+from megaformer.perf.fakecuda.build import build_shim
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def fake_cuda_env(lib: Path | None = None) -> dict[str, str]:
@@ -84,7 +84,7 @@ def run_session(
         path = os.path.join(tmp, "request.json")
         with open(path, "w") as f:
             json.dump(request, f)
-        cmd = [sys.executable, "-m", "megaformer.fakecuda.session", path]
+        cmd = [sys.executable, "-m", "megaformer.perf.fakecuda.session", path]
         if stream:
             proc = subprocess.run(cmd, env=fake_cuda_env(lib), timeout=timeout, cwd=ROOT)
             output = ""

@@ -1,7 +1,7 @@
 """Fake CUDA in a CPU-only process: ``torch.cuda`` stand-ins, the fake process group, and the audit
 that checks what a GPU run would be refused or slowed by.
 
-Import only in a process started by :mod:`megaformer.fakecuda.launch` (the shim preloaded, before
+Import only in a process started by :mod:`megaformer.perf.fakecuda.launch` (the shim preloaded, before
 torch). What is real and what is not (``../shared/docs/FACTS-FAKE-CUDA.md``):
 
 * tensors on ``"cuda"`` are FakeTensors: shapes, dtypes, devices and storage sizes are real, values
@@ -29,9 +29,9 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
-from megaformer.fakecuda.gpus import GPUS, GpuModel  # noqa: F401  (re-exported)
+from megaformer.perf.fakecuda.gpus import GPUS, GpuModel  # noqa: F401  (re-exported)
 
-PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 class FakeCudaUnavailableError(RuntimeError):
@@ -47,7 +47,7 @@ def check_shim_loaded() -> None:
     except Exception as e:  # the CPU build's own error: no CUDA guard
         raise FakeCudaUnavailableError(
             f"fake CUDA is not available in this process ({type(e).__name__}: {e}); start it with "
-            "megaformer.fakecuda.launch (LD_PRELOAD of the shim before torch is imported)"
+            "megaformer.perf.fakecuda.launch (LD_PRELOAD of the shim before torch is imported)"
         ) from None
 
 

@@ -17,14 +17,14 @@ aten / c10d op with its input and output shapes and dtypes, and :func:`classify`
     as ``(M, K, N)`` with any batch folded into ``M``; FLOPs ``2·M·K·N``.
 ``attention``
     the fused SDPA kernels (flash / memory-efficient / cuDNN, forward and backward). FLOPs in the
-    convention of :mod:`megaformer.tools.steptime` and :mod:`megaformer.training.flops`: a forward
+    convention of :mod:`megaformer.perf.steptime` and :mod:`megaformer.training.flops`: a forward
     ``4·B·H·Sq·Sk·D`` (QKᵀ and PV, the causal mask not halved), a backward twice that (FlashAttention-2
     does 2.5× with its recomputed QKᵀ; the device's ``attention_fraction`` is calibrated on the 2×
     count, Dao 2023, arXiv:2307.08691, Sec. 4.1).
 ``collective``
     ``c10d`` / ``_c10d_functional`` all-reduce, all-gather, reduce-scatter, as ``(kind, bytes)`` with
     the bytes of the full buffer (the all-reduced tensor, the gathered output, the reduce-scattered
-    input): the ``nbytes`` of :func:`megaformer.tools.steptime.collective_time`.
+    input): the ``nbytes`` of :func:`megaformer.perf.steptime.collective_time`.
 ``view``
     no data moved: an op whose schema returns an alias of an input (``view``, ``t``, ``transpose``,
     ``expand``, ``as_strided``, ``detach``, ``alias``, ``slice``, ``unbind``, ...; ``alias_info`` of
@@ -37,12 +37,12 @@ aten / c10d op with its input and output shapes and dtypes, and :func:`classify`
     that only writes its ``self`` (``copy_``, ``fill_``, ``zero_``, random fills) does not read it.
 
 The trace runs in its own process (the shim must be preloaded before torch:
-:mod:`megaformer.fakecuda.launch`), about 4–8 s with torch's import (DeepSpeed's too under full
+:mod:`megaformer.perf.fakecuda.launch`), about 4–8 s with torch's import (DeepSpeed's too under full
 recompute); traces are cached in-process per (block shape, layout, precision): :func:`trace_key`.
 
-:func:`block_costs` turns a trace into the tuple :func:`megaformer.tools.steptime._block_costs`
+:func:`block_costs` turns a trace into the tuple :func:`megaformer.perf.costs.formula_block_costs`
 returns, with that module's ``_gemm``, ``collective_time``, ``_link`` and the device's rates;
-:func:`formula_counts` reads the formula's own counts (FLOPs, bytes) off ``_block_costs`` with unit
+:func:`formula_counts` reads the formula's own counts (FLOPs, bytes) off ``formula_block_costs`` with unit
 devices, for the comparison in ``bench/steptime_trace.py``.
 
 The trace is of EAGER kernels; on a GPU megaformer compiles each block (``train.compile``,
@@ -62,6 +62,16 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
+
+from megaformer.perf.costs import (
+    collective_time,
+    formula_block_costs,
+    gemm_seconds,
+    link,
+    ring_allreduce_bytes,
+    ring_gather_bytes,
+)
+from megaformer.perf.devices import DeviceSpec
 
 GEMM_OPS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.")
 """Name prefixes (``str(OpOverload)``) of the matmul ops ``F.linear`` / ``matmul`` lower to."""
@@ -131,7 +141,7 @@ class OpRecord:
 class BlockTrace:
     """One block, one micro-batch, one rank: the ops of forward + backward (+ recomputation) and
     their totals. FLOPs and bytes per micro-batch; ``act_bytes`` = ``b·s·d·q`` (the TP / p2p message
-    of :func:`~megaformer.tools.steptime._block_costs`); ``seconds``: wall time of the traced run
+    of :func:`~megaformer.perf.costs.formula_block_costs`); ``seconds``: wall time of the traced run
     (not of the process)."""
 
     key: TraceKey
@@ -171,8 +181,6 @@ class BlockTrace:
     def tp_wire_bytes(self) -> float:
         """Bytes each rank sends in the ring algorithm for all the block's collectives:
         ``2(n−1)/n·B`` per all-reduce, ``(n−1)/n·B`` per all-gather / reduce-scatter, ``n = tp``."""
-        from megaformer.tools.steptime import ring_allreduce_bytes, ring_gather_bytes
-
         n = self.key.tp
         return sum(
             ring_allreduce_bytes(b, n) if kind == "allreduce" else ring_gather_bytes(b, n)
@@ -224,7 +232,7 @@ def trace_key(cfg: Any, q: int | None = None, gpu: str = "h100-80gb") -> TraceKe
 
 
 def gpu_for(dev: Any) -> str:
-    """The fake GPU whose attention kernel a :class:`~megaformer.tools.steptime.DeviceSpec` runs:
+    """The fake GPU whose attention kernel a :class:`~megaformer.perf.devices.DeviceSpec` runs:
     ``v100-32gb`` (memory-efficient kernel) for a V100, else ``h100-80gb`` (flash for 16-bit)."""
     return "v100-32gb" if "V100" in dev.name.upper() else "h100-80gb"
 
@@ -232,8 +240,8 @@ def gpu_for(dev: Any) -> str:
 def available() -> bool:
     """Whether a trace can be taken here: the shim builds (a C++ compiler and torch's headers; cached
     after the first build, about 2 s). Where it cannot, use the formula
-    (:func:`megaformer.tools.steptime._block_costs`)."""
-    from megaformer.fakecuda.build import ShimUnavailableError, build_shim
+    (:func:`megaformer.perf.costs.formula_block_costs`)."""
+    from megaformer.perf.fakecuda.build import ShimUnavailableError, build_shim
 
     try:
         build_shim()
@@ -246,7 +254,7 @@ def trace_block(cfg: Any, q: int | None = None, gpu: str = "h100-80gb") -> Block
     """The trace of one block of ``cfg`` (module docstring), cached per :func:`trace_key`.
 
     Raises:
-        megaformer.fakecuda.build.ShimUnavailableError: no fake CUDA here (no compiler / headers).
+        megaformer.perf.fakecuda.build.ShimUnavailableError: no fake CUDA here (no compiler / headers).
         RuntimeError: the traced run failed (the child's error and output in the message).
     """
     return _trace_cached(trace_key(cfg, q, gpu))
@@ -274,13 +282,13 @@ def _trace_cached(key: TraceKey) -> BlockTrace:
 
 def _run_child(keys: list[TraceKey]) -> list[BlockTrace]:
     """Trace ``keys`` (one TP size) in a fake-CUDA child process (:func:`main`)."""
-    from megaformer.fakecuda.launch import ROOT, fake_cuda_env
+    from megaformer.perf.fakecuda.launch import ROOT, fake_cuda_env
 
     with tempfile.TemporaryDirectory(prefix="megaformer-optrace-") as tmp:
         request, out = os.path.join(tmp, "request.json"), os.path.join(tmp, "traces.json")
         with open(request, "w") as f:
             json.dump([k.as_json() for k in keys], f)
-        cmd = [sys.executable, "-m", "megaformer.tools.optrace", request, out]
+        cmd = [sys.executable, "-m", "megaformer.perf.optrace", request, out]
         proc = subprocess.run(cmd, env=fake_cuda_env(), capture_output=True, text=True, cwd=ROOT, timeout=900)
         if proc.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(
@@ -407,10 +415,10 @@ def classify(func: Any, args: tuple, kwargs: dict, out: Any, phase: str) -> OpRe
 
 
 def _recorder() -> Any:
-    """The run's :class:`~megaformer.fakecuda.runtime.Audit` (host reads answered, the small integer
+    """The run's :class:`~megaformer.perf.fakecuda.runtime.Audit` (host reads answered, the small integer
     tensors DeepSpeed's partitioned checkpoints read back kept, NCCL's device rule) that also
     appends an :class:`OpRecord` per op to ``.ops`` in phase ``.phase``."""
-    from megaformer.fakecuda.runtime import Audit
+    from megaformer.perf.fakecuda.runtime import Audit
 
     class Recorder(Audit):
         def __init__(self) -> None:
@@ -566,8 +574,8 @@ def _process_group(tp: int, deepspeed_comm: bool) -> tuple[Any, Any]:
     ``deepspeed_comm`` (its activation checkpointing asks ``deepspeed.comm`` for the rank)."""
     import torch.distributed as dist
 
-    from megaformer.fakecuda.runtime import init_fake_process_group
     from megaformer.parallel.state import ParallelState
+    from megaformer.perf.fakecuda.runtime import init_fake_process_group
 
     if (tp > 1 or deepspeed_comm) and not dist.is_initialized():
         init_fake_process_group(0, tp)
@@ -585,7 +593,7 @@ def _process_group(tp: int, deepspeed_comm: bool) -> tuple[Any, Any]:
 
 def _child(keys: list[TraceKey]) -> list[BlockTrace]:
     """Trace ``keys`` (all one TP size) in this fake-CUDA process."""
-    from megaformer.fakecuda.runtime import GPUS, check_shim_loaded, fake_mode, install_cuda_stubs
+    from megaformer.perf.fakecuda.runtime import GPUS, check_shim_loaded, fake_mode, install_cuda_stubs
 
     check_shim_loaded()
     install_cuda_stubs(GPUS[keys[0].gpu])
@@ -600,7 +608,7 @@ def _child(keys: list[TraceKey]) -> list[BlockTrace]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m megaformer.tools.optrace REQUEST.json OUT.json`` (shim preloaded): trace the
+    """``python -m megaformer.perf.optrace REQUEST.json OUT.json`` (shim preloaded): trace the
     :class:`TraceKey` s of the request (one TP size) and write the traces."""
     argv = sys.argv[1:] if argv is None else argv
     with open(argv[0]) as f:
@@ -971,14 +979,14 @@ def block_costs(
     compiled: bool = False,
     column_reductions_fuse: bool = True,
 ) -> tuple[float, float, float, float, float]:
-    """:func:`megaformer.tools.steptime._block_costs` from the block's trace: ``(GEMM seconds,
+    """:func:`megaformer.perf.costs.formula_block_costs` from the block's trace: ``(GEMM seconds,
     attention seconds, memory-bound seconds, TP communication seconds, b·s·d·q bytes)`` for one block,
     one micro-batch, one rank of ``cfg`` on ``dev``.
 
     Each traced GEMM at ``_gemm(dev, M, K, N, q)`` (its own shape, forward and backward alike); the
     attention kernels' FLOPs, halved where the kernel is causal (the formula halves always; the
     MLM's bidirectional attention does all of its FLOPs), forward and backward each at its own rate
-    with or without attention dropout (:meth:`~megaformer.tools.steptime.DeviceSpec.attention_flops_per_s`:
+    with or without attention dropout (:meth:`~megaformer.perf.devices.DeviceSpec.attention_flops_per_s`:
     on the H200 the dropout kernels run at 41 % / 74 % of the no-dropout ones); the eager memory
     ops' bytes at the rates of the compiled block's kernel classes (ATen's LayerNorm forward and
     backward kernels at ``fused_norm``, the other elementwise and reduction kernels at ``fused``:
@@ -987,24 +995,22 @@ def block_costs(
 
     ``compiled`` (the block as ``train.compile`` runs it on a GPU, :func:`compiles`): the memory-bound
     bytes are :func:`fuse`'s estimate of inductor's fusion, each kind at its kernel class's rate
-    (:meth:`~megaformer.tools.steptime.DeviceSpec.bytes_per_s`): the regions that compute a
+    (:meth:`~megaformer.perf.devices.DeviceSpec.bytes_per_s`): the regions that compute a
     LayerNorm (:func:`is_norm_region`) at ``fused_norm``, the other regions at ``fused``, the
     attention operator's layout copies at ``copy`` (ATen's non-vectorised kernel), the dropout
     masks at ``stream``; and the attention term adds the forward the compiled attention dropout
     reruns in backward, at the forward rate (``column_reductions_fuse``: :func:`fuse`'s). A CPU
     device (``dev.cpu``) runs CPU kernels the fake-CUDA trace does not show (the math attention
-    with dropout, ``bernoulli_`` dropout, compute-bound GeLU): the formula's ``_block_costs`` then,
+    with dropout, ``bernoulli_`` dropout, compute-bound GeLU): the formula's ``formula_block_costs`` then,
     compiled or not.
 
     Raises:
         as :func:`trace_block`.
     """
-    from megaformer.tools import steptime
-
     if dev.cpu:
-        return steptime._block_costs(cfg, dev, q, gpus_per_node)
+        return formula_block_costs(cfg, dev, q, gpus_per_node)
     trace = trace_block(cfg, q, gpu_for(dev))
-    compute = sum(steptime._gemm(dev, m, k, n, q) for m, k, n in trace.gemms)
+    compute = sum(gemm_seconds(dev, m, k, n, q) for m, k, n in trace.gemms)
     dropout = dict(trace.key.model).get("attention_dropout", 0.0) > 0.0
     fwd_flops = bwd_flops = 0.0  # causal halved
     for op in trace.of_kind("attention"):
@@ -1029,9 +1035,9 @@ def block_costs(
     attention = fwd_flops / dev.attention_flops_per_s(backward=False, dropout=dropout)
     attention += bwd_flops / dev.attention_flops_per_s(backward=True, dropout=dropout)
     tp = cfg.parallel.tp_size
-    bw, lat = steptime._link(dev, tp, gpus_per_node)
+    bw, lat = link(dev, tp, gpus_per_node)
     comm = sum(
-        steptime.collective_time("allreduce" if kind == "allreduce" else "gather", nbytes, tp, bw, lat)
+        collective_time("allreduce" if kind == "allreduce" else "gather", nbytes, tp, bw, lat)
         for kind, nbytes in trace.collectives
     )
     return compute, attention, memory, comm, float(trace.act_bytes)
@@ -1040,15 +1046,13 @@ def block_costs(
 def formula_counts(cfg: Any, q: int) -> dict[str, float]:
     """The formula's own counts for one block, one micro-batch: ``gemm_flops``, ``attention_flops``
     (causal not halved), ``memory_bytes``, ``tp_wire_bytes`` (ring bytes per rank), read off
-    :func:`~megaformer.tools.steptime._block_costs` with devices of unit rates (1 FLOP/s, 1 B/s,
+    :func:`~megaformer.perf.costs.formula_block_costs` with devices of unit rates (1 FLOP/s, 1 B/s,
     zero latency; the other rates infinite)."""
-    from megaformer.tools.steptime import DeviceSpec, _block_costs
-
     big = 1e30
     flops_dev = DeviceSpec("unit FLOP/s", 1e-12, 1.0, 1.0, big, 1.0, 1e-9, 0.0, 1e-9, 0.0)
     bytes_dev = DeviceSpec("unit B/s", big, 1.0, 1.0, 1e-9, 1.0, big, 0.0, big, 0.0)
-    compute, attention, _, tp_bytes, _ = _block_costs(cfg, flops_dev, q, gpus_per_node=8)
-    memory = _block_costs(cfg, bytes_dev, q, gpus_per_node=8)[2]
+    compute, attention, _, tp_bytes, _ = formula_block_costs(cfg, flops_dev, q, gpus_per_node=8)
+    memory = formula_block_costs(cfg, bytes_dev, q, gpus_per_node=8)[2]
     return {
         "gemm_flops": compute,
         "attention_flops": 2.0 * attention,  # the formula halves for the causal kernel
