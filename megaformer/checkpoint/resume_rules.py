@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megaformer.config import ConfigError, RunConfig, to_dict
+from megaformer.config.load import migrate_saved
 
 MAY_CHANGE = frozenset(
     {
@@ -36,7 +37,7 @@ MAY_CHANGE = frozenset(
         "train.resume",
         "train.init_from",
         "train.trust_checkpoint_code",
-        "train.budget_machine_factor",
+        "budget.machine_factor",
         "train.diagnostics_interval",
         "train.recompute",
         "train.activation_checkpointing",
@@ -67,10 +68,12 @@ def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
 
 def config_changes(saved: dict, cfg: RunConfig) -> dict[str, tuple[Any, Any]]:
     """``{"section.key": (saved value, new value)}`` for every key that differs. A key the saved
-    config lacks (written by an older megaformer) counts as its default value there, so a new key
-    left at its default does not stop the resume; a key only the saved config has shows None now."""
+        config lacks (written by an older megaformer) counts as its default value there, so a new key
+        left at its default does not stop the resume; a key only the saved config has shows None now. A
+    key that moved section since (:data:`~megaformer.config.load.MOVED_KEYS`) is compared under its
+    new name."""
     default = _flat(to_dict(RunConfig()))
-    old, new = _flat(saved), _flat(to_dict(cfg))
+    old, new = _flat(migrate_saved(saved)), _flat(to_dict(cfg))
     old = {k: old.get(k, default.get(k)) for k in set(old) | set(new)}
     return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
 

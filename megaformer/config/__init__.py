@@ -2,6 +2,7 @@
 
 from megaformer.config.load import data_parallel_size, load_config, to_dict, validate_layout
 from megaformer.config.schema import (
+    BudgetConfig,
     ConfigError,
     DataConfig,
     ModelConfig,
@@ -12,6 +13,7 @@ from megaformer.config.schema import (
 )
 
 __all__ = [
+    "BudgetConfig",
     "ConfigError",
     "DataConfig",
     "ModelConfig",

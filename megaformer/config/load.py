@@ -39,6 +39,7 @@ from megaformer.config.schema import (
     OBJECTIVES,
     POSITION_EMBEDDINGS,
     PRE_LN_ONLY,
+    BudgetConfig,
     ConfigError,
     DataConfig,
     ModelConfig,
@@ -53,8 +54,50 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "parallel": ParallelConfig,
     "train": TrainConfig,
+    "budget": BudgetConfig,
     "output": OutputConfig,
 }
+MOVED_KEYS: dict[tuple[str, str], tuple[str, str]] = {
+    ("train", f"budget_{name}"): ("budget", name)
+    for name in (
+        "device_hours",
+        "measure_steps",
+        "step_seconds",
+        "eval_seconds",
+        "fixed_seconds",
+        "overrun",
+        "machine_factor",
+    )
+}
+"""Keys that moved to another section (old -> new): refused in a config the user writes, with the
+new name; carried over in a run's own record (a ``config.json`` or a checkpoint's config, written by
+an earlier version), so that its runs still load, resume and compare (:func:`migrate_saved`)."""
+
+
+def migrate_saved(sections: dict[str, Any]) -> dict[str, Any]:
+    """A run's saved config (``{section: {key: value}}``, from its ``config.json`` or a checkpoint)
+    with every :data:`MOVED_KEYS` old key under its new name; a new copy, the input unchanged."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in sections.items()}
+    for (section, key), (new_section, new_key) in MOVED_KEYS.items():
+        body = out.get(section)
+        if isinstance(body, dict) and key in body:
+            out.setdefault(new_section, {})
+            out[new_section].setdefault(new_key, body.pop(key))
+    return out
+
+
+def _moved(where: str, section: str, key: str) -> None:
+    """Refuse an old key of :data:`MOVED_KEYS`, naming the new one.
+
+    Raises:
+        ConfigError: ``where: train.budget_overrun is now budget.overrun ...``.
+    """
+    if (section, key) in MOVED_KEYS:
+        new_section, new_key = MOVED_KEYS[(section, key)]
+        raise ConfigError(
+            f"{where}: {section}.{key} is now {new_section}.{new_key} (the run-length settings have their "
+            f"own section); write it under '{new_section}:' in the YAML, or as {new_section}.{new_key}=VALUE"
+        )
 
 
 def _suggest(name: str, choices: Iterable[str]) -> str:
@@ -196,8 +239,8 @@ def load_config(path: str | None, overrides: Iterable[str] = ()) -> RunConfig:
     """Load a YAML run config and apply ``section.key=value`` overrides.
 
     Args:
-        path: YAML file with any of the sections model / data / parallel / train / output, or None
-            for the defaults. A top-level ``base: other.yaml`` (relative to the file) starts from
+        path: YAML file with any of the sections model / data / parallel / train / budget / output,
+            or None for the defaults. A top-level ``base: other.yaml`` (relative to the file) starts from
             that config: this file's keys replace the base's, key by key (chains allowed).
         overrides: strings like ``train.steps=100`` applied after the file, in order.
 
@@ -210,6 +253,8 @@ def load_config(path: str | None, overrides: Iterable[str] = ()) -> RunConfig:
     raw: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     origin = path or "<defaults>"
     for file, sections in _layers(path) if path is not None else []:
+        if "provenance" in sections:  # a run's own config.json: an earlier version's names carry over
+            sections = migrate_saved(sections)
         for section, body in sections.items():
             if section == "provenance":  # written into a run's config.json by the trainer; informational
                 continue
@@ -224,6 +269,7 @@ def load_config(path: str | None, overrides: Iterable[str] = ()) -> RunConfig:
                 raise ConfigError(f"{file}: section '{section}' must be a mapping of key: value.")
             for key, value in body.items():
                 where = f"{file}: {section}.{key}"
+                _moved(file, section, str(key))
                 if (section, key) == ("data", "blend") and isinstance(value, list):
                     value = _blend_from_list(where, value)
                 raw[section][str(key)] = (value, where)
@@ -234,6 +280,7 @@ def load_config(path: str | None, overrides: Iterable[str] = ()) -> RunConfig:
                 f"override '{item}': unknown section '{section}'; valid: {sorted(SECTIONS)}."
                 + _suggest(section, SECTIONS)
             )
+        _moved(f"override '{item}'", section, name)
         raw[section][name] = (value, f"override '{item}'")
 
     built = {}
@@ -470,39 +517,40 @@ def check_train(cfg: RunConfig) -> None:
         f"{t.micro_batch_size}.",
     )
     _require(t.resume != "", "train.resume='': use none, auto or a checkpoint directory.")
-    _check_budget(t)
+    _check_budget(cfg)
     # Whether train.init_from / train.resume / train.deepspeed_config name readable files is checked
     # by the trainer's preflight (megaformer.training.preflight), before any process group starts:
     # loading a config reads the YAML and nothing else.
 
 
-def _check_budget(t: TrainConfig) -> None:
-    """The ``train.budget_*`` keys (see :class:`~megaformer.config.schema.TrainConfig`)."""
-    _require(t.budget_device_hours >= 0, f"train.budget_device_hours={t.budget_device_hours}: must be >= 0.")
-    calibrated = t.budget_step_seconds > 0
+def _check_budget(cfg: RunConfig) -> None:
+    """The ``budget`` section (see :class:`~megaformer.config.schema.BudgetConfig`)."""
+    t, b = cfg.train, cfg.budget
+    _require(b.device_hours >= 0, f"budget.device_hours={b.device_hours}: must be >= 0.")
+    calibrated = b.step_seconds > 0
     _require(
-        min(t.budget_step_seconds, t.budget_eval_seconds, t.budget_fixed_seconds, t.budget_overrun) >= 0,
-        f"train.budget_step_seconds={t.budget_step_seconds}, budget_eval_seconds={t.budget_eval_seconds}, "
-        f"budget_fixed_seconds={t.budget_fixed_seconds}, budget_overrun={t.budget_overrun}: must be >= 0.",
+        min(b.step_seconds, b.eval_seconds, b.fixed_seconds, b.overrun) >= 0,
+        f"budget.step_seconds={b.step_seconds}, budget.eval_seconds={b.eval_seconds}, "
+        f"budget.fixed_seconds={b.fixed_seconds}, budget.overrun={b.overrun}: must be >= 0.",
     )
     _require(
-        t.budget_machine_factor > 0 and (calibrated or t.budget_machine_factor == 1.0),
-        f"train.budget_machine_factor={t.budget_machine_factor}: must be > 0, and other than 1 only with "
-        "calibrated times (train.budget_step_seconds > 0), which it relates to this machine.",
+        b.machine_factor > 0 and (calibrated or b.machine_factor == 1.0),
+        f"budget.machine_factor={b.machine_factor}: must be > 0, and other than 1 only with "
+        "calibrated times (budget.step_seconds > 0), which it relates to this machine.",
     )
     _require(
-        not calibrated or t.budget_device_hours > 0,
-        f"train.budget_step_seconds={t.budget_step_seconds} needs train.budget_device_hours > 0 (the "
+        not calibrated or b.device_hours > 0,
+        f"budget.step_seconds={b.step_seconds} needs budget.device_hours > 0 (the "
         "budget it divides); set both, or neither.",
     )
-    if t.budget_device_hours > 0 and not calibrated:
-        _positive("train", t, "budget_measure_steps")
-        first = BUDGET_SKIP_STEPS + t.budget_measure_steps
+    if b.device_hours > 0 and not calibrated:
+        _positive("budget", b, "measure_steps")
+        first = BUDGET_SKIP_STEPS + b.measure_steps
         _require(
             t.lr_decay == "constant" or t.warmup_steps >= first,
-            f"train.budget_device_hours={t.budget_device_hours} fixes the run length after step {first} "
-            f"({BUDGET_SKIP_STEPS} + train.budget_measure_steps), but the decay starts at train.warmup_steps="
-            f"{t.warmup_steps}; raise train.warmup_steps to >= {first} or lower train.budget_measure_steps.",
+            f"budget.device_hours={b.device_hours} fixes the run length after step {first} "
+            f"({BUDGET_SKIP_STEPS} + budget.measure_steps), but the decay starts at train.warmup_steps="
+            f"{t.warmup_steps}; raise train.warmup_steps to >= {first} or lower budget.measure_steps.",
         )
 
 

@@ -366,42 +366,6 @@ class TrainConfig:
     extend_steps: bool = False
     """Allow a resumed run's train.steps to differ from the checkpoint's (extending a run). The
     learning-rate schedule is then rebuilt for the new length (see docs/train.md, "Extending a run")."""
-    budget_device_hours: float = 0.0
-    """Compute-matched run length, in device-hours summed over all ranks (0: off, the run takes
-    train.steps steps). The run measures its step time over train.budget_measure_steps steps
-    (after BUDGET_SKIP_STEPS = 5 warm-up steps) and one evaluation, fixes once the number of steps
-    that fills the budget (at most train.steps, which sizes the data), logs it, and ends the
-    learning-rate decay exactly there; the decision is saved in checkpoints, so a resumed run
-    keeps it. It must be taken during warmup: train.warmup_steps >= 5 + budget_measure_steps."""
-    budget_measure_steps: int = 20
-    """Steps whose mean wall-clock time (the slowest rank's) fixes the budget's step count."""
-    budget_step_seconds: float = 0.0
-    """A calibrated step time (seconds of the job's wall-clock; megaformer.experiments.compare and
-    sweep measure every config of a comparison interleaved, so that the machine's drift hits all
-    alike): the run fixes its length from it before the first step instead of timing itself,
-    and the warmup constraint above does not apply. 0: the run times itself."""
-    budget_eval_seconds: float = 0.0
-    """One evaluation's calibrated wall-clock seconds, used with train.budget_step_seconds."""
-    budget_fixed_seconds: float = 0.0
-    """The calibrated one-time wall-clock seconds of a run (the first steps' warm-up beyond the
-    step time, the final checkpoint), taken out of the budget before the length is fixed; used
-    with train.budget_step_seconds."""
-    budget_overrun: float = 0.10
-    """A budget run whose device-hours so far exceed train.budget_device_hours by more than this
-    fraction ends at that step, evaluated and saved, and its summary says so (budget_stopped_at;
-    the log names this key). The run is complete (exit 0), not preempted. A guard against a wrong
-    calibration (a step time measured for another config or machine), not against a slow hour:
-    the step count is fixed once from the calibration, and a machine that wanders by a few percent
-    during the run must not cut it (at 2 %, the CPU reproduction lost 0.3-6.7 % of 4 runs' steps
-    to a VM's drift; EXPERIMENTS.md). The comparison's compute is counted in calibrated
-    device-hours (steps × calibrated step time), which no drift moves."""
-    budget_machine_factor: float = 1.0
-    """This machine's step time divided by the calibrated one (train.budget_step_seconds ...), when
-    those were measured on another machine or another day: megaformer.experiments.compare and sweep
-    re-measure it when they resume from a saved calibration. The run keeps the step count fixed from
-    the calibrated times (the same work as the runs trained before; the budget is in the calibration
-    machine's device-hours) and its spend is enforced at budget_device_hours × budget_machine_factor
-    × (1 + budget_overrun). 1: the machine of the calibration. Needs train.budget_step_seconds > 0."""
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in the backward pass instead of storing them
     (never the embedding); under tensor parallelism without sequence parallelism the saved block
@@ -447,6 +411,51 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class BudgetConfig:
+    """A compute budget: the run fixes its own length, once, to fill it (``megaformer.training.budget``;
+    the paper compares the schemes at equal GPU-hours, Shleifer et al. 2021, Sec. 3). Its own
+    section since issue 38; the old ``train.budget_*`` keys are refused with the new name. The run
+    asks :class:`megaformer.training.run_length.RunLength` when to stop."""
+
+    device_hours: float = 0.0
+    """Compute-matched run length, in device-hours summed over all ranks (0: off, the run takes
+    train.steps steps). The run measures its step time over budget.measure_steps steps
+    (after BUDGET_SKIP_STEPS = 5 warm-up steps) and one evaluation, fixes once the number of steps
+    that fills the budget (at most train.steps, which sizes the data), logs it, and ends the
+    learning-rate decay exactly there; the decision is saved in checkpoints, so a resumed run
+    keeps it. It must be taken during warmup: train.warmup_steps >= 5 + budget.measure_steps."""
+    measure_steps: int = 20
+    """Steps whose mean wall-clock time (the slowest rank's) fixes the budget's step count."""
+    step_seconds: float = 0.0
+    """A calibrated step time (seconds of the job's wall-clock; megaformer.experiments.compare and
+    sweep measure every config of a comparison interleaved, so that the machine's drift hits all
+    alike): the run fixes its length from it before the first step instead of timing itself,
+    and the warmup constraint above does not apply. 0: the run times itself."""
+    eval_seconds: float = 0.0
+    """One evaluation's calibrated wall-clock seconds, used with budget.step_seconds."""
+    fixed_seconds: float = 0.0
+    """The calibrated one-time wall-clock seconds of a run (the first steps' warm-up beyond the
+    step time, the final checkpoint), taken out of the budget before the length is fixed; used
+    with budget.step_seconds."""
+    overrun: float = 0.10
+    """A budget run whose device-hours so far exceed budget.device_hours by more than this
+    fraction ends at that step, evaluated and saved, and its summary says so (budget_stopped_at;
+    the log names this key). The run is complete (exit 0), not preempted. A guard against a wrong
+    calibration (a step time measured for another config or machine), not against a slow hour:
+    the step count is fixed once from the calibration, and a machine that wanders by a few percent
+    during the run must not cut it (at 2 %, the CPU reproduction lost 0.3-6.7 % of 4 runs' steps
+    to a VM's drift; EXPERIMENTS.md). The comparison's compute is counted in calibrated
+    device-hours (steps × calibrated step time), which no drift moves."""
+    machine_factor: float = 1.0
+    """This machine's step time divided by the calibrated one (budget.step_seconds ...), when
+    those were measured on another machine or another day: megaformer.experiments.compare and sweep
+    re-measure it when they resume from a saved calibration. The run keeps the step count fixed from
+    the calibrated times (the same work as the runs trained before; the budget is in the calibration
+    machine's device-hours) and its spend is enforced at budget.device_hours × budget.machine_factor
+    × (1 + budget.overrun). 1: the machine of the calibration. Needs budget.step_seconds > 0."""
+
+
+@dataclass(frozen=True)
 class OutputConfig:
     """Where a run writes TensorBoard events and checkpoints."""
 
@@ -480,6 +489,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
     @property

@@ -38,7 +38,7 @@ reports it: on the 2-core project machine with one more core's worth of load, la
 config spread by about ±2% (``bench/results/budget_fairness*.json``), so two different configs'
 relative cost is known to about ±1.5% after 4 rounds.
 
-The run is then given these times (``train.budget_step_seconds`` / ``budget_eval_seconds`` /
+The run is then given these times (``budget.step_seconds`` / ``budget_eval_seconds`` /
 ``budget_fixed_seconds``) and fixes its length from them before its first step
 (:mod:`megaformer.training.budget`). The calibration costs ``rounds × len(configs)`` short launches
 (on the project machine about 15 s each); it is not charged to any run's budget.
@@ -101,17 +101,15 @@ class Timing:
     def overrides(self) -> list[str]:
         """The trainer overrides that hand these times to a budget run (part of its request)."""
         return [
-            f"train.budget_step_seconds={self.step_seconds:.6g}",
-            f"train.budget_eval_seconds={self.eval_seconds:.6g}",
-            f"train.budget_fixed_seconds={self.fixed_seconds:.6g}",
+            f"budget.step_seconds={self.step_seconds:.6g}",
+            f"budget.eval_seconds={self.eval_seconds:.6g}",
+            f"budget.fixed_seconds={self.fixed_seconds:.6g}",
         ]
 
     def machine_overrides(self) -> list[str]:
         """What the launch adds for this machine (:func:`recheck`): not part of the run's request,
         since it describes where the run trains, not what it trains."""
-        return (
-            [] if self.machine_factor == 1.0 else [f"train.budget_machine_factor={self.machine_factor:.6g}"]
-        )
+        return [] if self.machine_factor == 1.0 else [f"budget.machine_factor={self.machine_factor:.6g}"]
 
 
 COMPUTE_NEUTRAL = frozenset(
@@ -136,13 +134,13 @@ COMPUTE_NEUTRAL = frozenset(
         "train.keep_last_checkpoints",
         "train.exit_signals",
         "train.exit_duration_mins",
-        "train.budget_device_hours",
-        "train.budget_measure_steps",
-        "train.budget_step_seconds",
-        "train.budget_eval_seconds",
-        "train.budget_fixed_seconds",
-        "train.budget_overrun",
-        "train.budget_machine_factor",
+        "budget.device_hours",
+        "budget.measure_steps",
+        "budget.step_seconds",
+        "budget.eval_seconds",
+        "budget.fixed_seconds",
+        "budget.overrun",
+        "budget.machine_factor",
         "model.init",
         "model.init_std",
         "model.embedding_init_std",
@@ -204,8 +202,8 @@ def timing_overrides(warmup: int, measure: int) -> list[str]:
         f"train.eval_interval={steps}",
         f"train.log_interval={steps}",
         "train.save_interval=0",
-        "train.budget_device_hours=0",
-        "train.budget_step_seconds=0",
+        "budget.device_hours=0",
+        "budget.step_seconds=0",
         "train.resume=none",
         "train.init_from=",
         "output.overwrite=true",
@@ -645,7 +643,7 @@ def recheck(saved: dict[str, Timing], now: dict[str, Timing], tag: str = "calibr
     early (observed: 1,327 of 1,500 steps on a VM about 12 % slower than the calibration's). The
     measured factor is the median over the measured configs of ``now / saved`` step time; above
     ``1 +`` :data:`RECHECK_TOLERANCE` the runs get it, widened by that tolerance, as
-    ``train.budget_machine_factor`` (the limit is scaled; the length is not). A faster machine, or
+    ``budget.machine_factor`` (the limit is scaled; the length is not). A faster machine, or
     one within the tolerance, changes nothing: the factor only ever loosens the limit.
 
     Args:
@@ -667,7 +665,7 @@ def recheck(saved: dict[str, Timing], now: dict[str, Timing], tag: str = "calibr
     else:
         said = (
             f"the runs keep the step counts fixed from the saved times and their spend limit is scaled by "
-            f"{factor:.3f} (that, widened by the re-check's noise; train.budget_machine_factor)"
+            f"{factor:.3f} (that, widened by the re-check's noise; budget.machine_factor)"
         )
     print(f"[{tag}] calibration re-check: this machine's step time is {measured:.3f}× the saved one "
           f"({per_run}); {said}", flush=True)  # fmt: skip

@@ -9,7 +9,7 @@
    the machine's drift hits every config alike; saved in ``OUTPUT_DIR/calibration.json`` and
    reused only for the same runs.
 2. **Runs**: every config is trained through ``launch/pretrain.sh`` with the same
-   ``train.budget_device_hours`` and its own calibrated times (``train.budget_step_seconds`` ...),
+   ``budget.device_hours`` and its own calibrated times (``budget.step_seconds`` ...),
    from which it fixes its number of steps before its first step (:mod:`megaformer.training.budget`;
    a run that the machine slows past the budget ends there, and says so); the same overrides (give
    ``data.prefix`` / ``data.blend`` there, and ``data.split_seed`` when the configs differ in
@@ -346,7 +346,7 @@ def train_one(
     args = [
         *overrides,
         *run_args,
-        f"train.budget_device_hours={budget}",
+        f"budget.device_hours={budget}",
         *timing.overrides(),
         "output.overwrite=true",
     ]

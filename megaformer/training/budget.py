@@ -1,11 +1,11 @@
-"""Compute-matched run length: the number of steps that fills ``train.budget_device_hours``.
+"""Compute-matched run length: the number of steps that fills ``budget.device_hours``.
 
 NormFormer is slower per step than its baselines, so at equal compute (equal GPU-hours, the
 paper's comparison, Shleifer et al. 2021, Sec. 3 and Fig. 2) it takes fewer steps and sees fewer
 tokens. A budget run therefore decides its own length, once:
 
 1. it runs ``SKIP_STEPS`` warm-up steps (allocator, kernel selection and loader start-up are paid
-   once and would inflate the estimate), then ``train.budget_measure_steps`` steps, timed between
+   once and would inflate the estimate), then ``budget.measure_steps`` steps, timed between
    two device synchronisations, evaluations and checkpoints excluded; the slowest rank's time
    counts (all ranks wait for it at every step anyway);
 2. it runs one evaluation, timed, since evaluations spend the budget too;
@@ -17,17 +17,17 @@ tokens. A budget run therefore decides its own length, once:
 Checkpoint writes are not forecast (their cost depends on the filesystem); they are counted in the
 device-hours spent, so a run that saves often ends slightly over its budget, and says so.
 
-**Calibrated runs** (``train.budget_step_seconds`` > 0). A run that times itself is at the mercy of
+**Calibrated runs** (``budget.step_seconds`` > 0). A run that times itself is at the mercy of
 its own 20-step window: on a shared machine the window can be 5-10% off the run's real speed, and
 two configs timed in different windows get step counts that the machine's drift, not their cost,
 decides. :mod:`megaformer.experiments.compare` therefore measures the step time of every config of
 a comparison in one interleaved calibration (rounds in alternating order) and passes each run its
 own figure: the run fixes its length before its first step from it (``done`` = the start step,
 nothing spent), with the same rule 3, and does no timing of its own. The run's real spend is
-still measured (device-hours of the loop) and enforced: past ``budget · (1 + train.budget_overrun)``
+still measured (device-hours of the loop) and enforced: past ``budget · (1 + budget.overrun)``
 the run ends at that step (:data:`~megaformer.training.stopping.BUDGET_SPENT`), evaluated and
 saved, and its summary records ``budget_stopped_at``. A comparison resumed on a slower or faster
-machine than its calibration's passes ``train.budget_machine_factor`` (that machine's step time over
+machine than its calibration's passes ``budget.machine_factor`` (that machine's step time over
 the calibrated one, re-measured by the experiment): the decided length stays, and the enforced
 limit is scaled by it, so the budget stays in the calibration machine's device-hours.
 """
@@ -53,15 +53,15 @@ def evaluations_between(done: int, total: int, eval_interval: int) -> int:
 
 
 def overspent(cfg: RunConfig, device_seconds: float, world_size: int, ahead_seconds: float = 0.0) -> bool:
-    """Whether a budget run would end over ``train.budget_device_hours`` by more than
-    ``train.budget_overrun`` if it took one more step and its final evaluation: its device-seconds
+    """Whether a budget run would end over ``budget.device_hours`` by more than
+    ``budget.overrun`` if it took one more step and its final evaluation: its device-seconds
     so far (all ranks, resumed parts included) plus ``world_size × ahead_seconds`` (that step's and
     evaluation's wall-clock). False without a budget. This rank's clock:
     :class:`~megaformer.training.stopping.StopCheck` takes the maximum over ranks."""
-    t = cfg.train
-    # budget_machine_factor: the budget is in the calibration machine's device-hours (see its doc).
-    limit = t.budget_device_hours * 3600.0 * t.budget_machine_factor * (1.0 + t.budget_overrun)
-    return t.budget_device_hours > 0 and device_seconds + world_size * ahead_seconds > limit
+    b = cfg.budget
+    # budget.machine_factor: the budget is in the calibration machine's device-hours (see its doc).
+    limit = b.device_hours * 3600.0 * b.machine_factor * (1.0 + b.overrun)
+    return b.device_hours > 0 and device_seconds + world_size * ahead_seconds > limit
 
 
 def steps_for_budget(
@@ -99,23 +99,23 @@ class BudgetKeeper:
     """Times the measurement steps and fixes the run's length (see the module docstring).
 
     Args:
-        cfg: the run config (``train.budget_device_hours`` > 0).
+        cfg: the run config (``budget.device_hours`` > 0).
         world_size: devices in the job.
         start_step: the step this process starts at (timing starts ``SKIP_STEPS`` later).
     """
 
     def __init__(self, cfg: RunConfig, world_size: int, start_step: int) -> None:
-        t = cfg.train
+        b = cfg.budget
         self.cfg = cfg
-        self.budget_seconds = t.budget_device_hours * 3600.0 / world_size  # wall-clock of the job
-        self.calibrated = t.budget_step_seconds > 0
+        self.budget_seconds = b.device_hours * 3600.0 / world_size  # wall-clock of the job
+        self.calibrated = b.step_seconds > 0
         self.first = start_step + SKIP_STEPS
-        self.last = self.first + t.budget_measure_steps
+        self.last = self.first + b.measure_steps
         self.decided: int | None = None
         self._t0 = 0.0
         self._paused0 = 0.0
         if self.calibrated:  # measured outside the run (see the module docstring)
-            self.step_seconds, self.eval_seconds = t.budget_step_seconds, t.budget_eval_seconds
+            self.step_seconds, self.eval_seconds = b.step_seconds, b.eval_seconds
 
     def after_step(self, done: int, sync: Callable[[], Any], paused_seconds: float) -> bool:
         """Call after every step; True when step ``done`` ends the measurement (decide now).
@@ -161,27 +161,26 @@ class BudgetKeeper:
 
     def describe(self, done: int, world_size: int) -> str:
         """The decision, for the log."""
-        t = self.cfg.train
+        t, b = self.cfg.train, self.cfg.budget
         capped = (
             " (capped by train.steps: the data is built for that many)" if self.decided == t.steps else ""
         )
         if self.calibrated:
             return (
-                f"budget: {t.budget_device_hours:g} device-hours = {self.budget_seconds:,.1f} s on "
+                f"budget: {b.device_hours:g} device-hours = {self.budget_seconds:,.1f} s on "
                 f"{world_size} devices | calibrated step {self.step_seconds:.4f} s, evaluation "
                 f"{self.eval_seconds:.3f} s "
-                f"(train.budget_step_seconds / budget_eval_seconds) | run length fixed at {self.decided} "
+                f"(budget.step_seconds / budget.eval_seconds) | run length fixed at {self.decided} "
                 f"steps{capped}; the learning rate decays to step {self.decided}; the run ends early if its "
-                f"device-hours pass the budget by more than {t.budget_overrun:.0%}"
+                f"device-hours pass the budget by more than {b.overrun:.0%}"
                 + (
                     ""
-                    if t.budget_machine_factor == 1.0
-                    else f" (× train.budget_machine_factor={t.budget_machine_factor:g}: slower than "
-                    "the calibration's)"
+                    if b.machine_factor == 1.0
+                    else f" (× budget.machine_factor={b.machine_factor:g}: slower than the calibration's)"
                 )
             )
         return (
-            f"budget: {t.budget_device_hours:g} device-hours = {self.budget_seconds:,.1f} s on {world_size} "
+            f"budget: {b.device_hours:g} device-hours = {self.budget_seconds:,.1f} s on {world_size} "
             f"devices | step {self.step_seconds:.4f} s (steps {self.first + 1}..{self.last}, slowest rank), "
             f"evaluation {self.eval_seconds:.3f} s | run length fixed at {self.decided} steps{capped}; "
             f"the learning rate decays to step {self.decided}"

@@ -1,7 +1,7 @@
 """Learning-rate schedule: linear warmup, then cosine or linear decay to min_lr (Megatron-LM's shape).
 
 The decay ends at the run's last step. That is ``train.steps``, or, under a compute budget
-(``train.budget_device_hours``), the step count the run fixes once it has measured its step time
+(``budget.device_hours``), the step count the run fixes once it has measured its step time
 (:mod:`megaformer.training.budget`): the schedule's length can be set once, before the decay starts.
 """
 

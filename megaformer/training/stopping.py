@@ -9,7 +9,7 @@ does the same once that many minutes have passed since the process started train
 clocks are reduced with a maximum, so one slow rank is enough.
 
 A compute-budget run adds a third flag: its device-hours so far past the budget (and its
-``train.budget_overrun`` tolerance), on any rank; the run then ends at that step as complete
+``budget.overrun`` tolerance), on any rank; the run then ends at that step as complete
 (:data:`BUDGET_SPENT`).
 
 The check is one all-reduce of three numbers per step (a host round trip), only when a signal, a
@@ -75,4 +75,4 @@ class StopCheck:
 
 BUDGET_SPENT = "budget spent"
 """:class:`StopCheck`'s reason when a budget run's device-hours passed the budget (and
-``train.budget_overrun``): the run ends there complete, not preempted."""
+``budget.overrun``): the run ends there complete, not preempted."""

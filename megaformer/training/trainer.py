@@ -39,7 +39,6 @@ from megaformer.config import RunConfig, to_dict
 from megaformer.data.loader import train_loader, valid_loader
 from megaformer.parallel.layout import Layout, log
 from megaformer.parallel.rng import DropoutRNG
-from megaformer.training.budget import BudgetKeeper, overspent
 from megaformer.training.builders import (
     Data,
     build_data,
@@ -60,8 +59,9 @@ from megaformer.training.metrics import (
     peak_memory_gib,
 )
 from megaformer.training.preflight import run_preflight
+from megaformer.training.run_length import RunLength
 from megaformer.training.schedule import Schedule, extension_rule
-from megaformer.training.stopping import BUDGET_SPENT, StopCheck
+from megaformer.training.stopping import StopCheck
 from megaformer.training.summary_file import null_non_finite
 from megaformer.training.tracking import WandbTracker, provenance
 
@@ -146,9 +146,9 @@ def train_batches(
 
 
 class TrainLoop:
-    """Steps ``start_step .. total - 1``: train, log, evaluate, save; ``total`` is ``train.steps``
-    or, under a compute budget, the length the run fixes after measuring itself
-    (:mod:`.budget`)."""
+    """Steps ``start_step .. total - 1``: train, log, evaluate, save. Where the run ends is the
+    :class:`~.run_length.RunLength` policy's (``train.steps``, a budget's length, a time limit, a
+    signal), which the loop asks after every step."""
 
     def __init__(
         self,
@@ -162,21 +162,18 @@ class TrainLoop:
         schedule: Any,
         client_state: dict,
         batches: Callable[[int], Iterator[tuple[torch.Tensor, torch.Tensor]]] | None = None,
+        stop: StopCheck | Callable[[], str | None] | None = None,
     ) -> None:
         """``batches``: the batch source, ``start_step -> iterator of micro-batches`` on the device
-        (default :func:`train_batches`); the fake-CUDA dry run passes one that marks the data phase."""
+        (default :func:`train_batches`); the fake-CUDA dry run passes one that marks the data phase.
+        ``stop``: the run's signal and time-limit check (made at start-up), given to the policy."""
         self.engine, self.cfg, self.layout, self.data = engine, cfg, layout, data
         self.batch_source = batches or (lambda start: train_batches(cfg, layout, data, start))
         self.checkpoints = checkpoints
         self.start_step = start_step
         self.compute = compute  # a flops.ComputeMeter: tokens, device-hours, TFLOP/s, MFU
-        self.schedule = schedule  # maps a step to its learning rate; the loop decides when to stop
-        self.budget = None
-        if "budget_steps" in client_state:  # decided before a resume: kept
-            schedule.resume_decay_end(int(client_state["budget_steps"]))
-            log(layout, f"budget: run length {schedule.total_steps} steps, as decided before the resume")
-        elif cfg.train.budget_device_hours > 0:
-            self.budget = BudgetKeeper(cfg, layout.world_size, start_step)
+        self.schedule = schedule  # maps a step to its learning rate
+        self.length = RunLength(cfg, layout, schedule, start_step, client_state, stop)  # when to stop
         self.evaluate = Evaluator(engine, cfg, layout, data)
         self.evaluate_test = None if data.test is None else Evaluator(engine, cfg, layout, data, data.test)
         self.test_loss = math.nan
@@ -206,13 +203,8 @@ class TrainLoop:
         self.valid_loss = math.nan
         self.paused = 0.0  # seconds spent in evaluations and checkpoints
         self.stopped: str | None = None  # why the run stopped before its end (signal, time limit)
-        self.budget_stopped_at: int | None = None  # the step a budget run ended at, over budget
-        self.budget_planned: int | None = None  # its decided length, when it ended before it
         self.eval_seconds: list[float] = []  # wall-clock of each validation (for calibrations)
         self.last_step = start_step
-        # The run's last step: train.steps (an extension's new length), a budget's decision, or the
-        # step where it ended early (divergence, an exhausted loss scale, a budget spent).
-        self.total: int = schedule.total_steps
         self._init_diagnostics(int(client_state.get("nonfinite_steps", 0)))
 
     def _init_diagnostics(self, nonfinite_steps: int) -> None:
@@ -258,24 +250,16 @@ class TrainLoop:
             self.writer.histograms(done, self.diagnostics.scale_histograms())
         return values
 
-    def _fix_length(self, total: int, step: int) -> None:
-        """Fix the run's length at ``total`` at step ``step`` (a budget's decision): the loop ends
-        there, and the learning rate decays to its minimum there. ``total <= step``: not one more
-        step fits, the run ends at ``step`` (the schedule is left as it was: no update follows)."""
-        if total > step:
-            self.schedule.set_total_steps(total, step)
-        self.total = max(total, step)
+    @property
+    def total(self) -> int:
+        """The run's last step, as the policy has it now (:attr:`.run_length.RunLength.total`)."""
+        return self.length.total
 
-    def run(self, resumed: bool, stop: Any = None) -> float:
-        """Train from ``start_step`` to :attr:`total`, or to the step boundary where ``stop`` (a
-        :class:`~.stopping.StopCheck`) says to stop; save there; return the wall-clock seconds."""
+    def run(self, resumed: bool) -> float:
+        """Train from ``start_step`` until the run-length policy ends the run (its length reached,
+        a budget spent, a signal, the time limit); save there; return the wall-clock seconds."""
         t, start_step = self.cfg.train, self.start_step
-        if self.budget is not None and self.budget.calibrated:
-            self._decide_budget_calibrated(start_step)
-        if stop is not None and t.budget_device_hours > 0:
-            stop.over_budget = lambda: overspent(
-                self.cfg, self.compute.device_seconds, self.layout.world_size, self._ahead_seconds()
-            )
+        self.length.begin(start_step, lambda: self.compute.device_seconds, self._ahead_seconds)
         # The schedule is final here (an extension's new length, a budget's decision): a resumed
         # optimizer still holds the rate the saved run's schedule gave its next update.
         self.engine.apply_schedule()
@@ -299,17 +283,18 @@ class TrainLoop:
             self.metrics.add(done, self._step_scalars(done, loss, lr, step_time))
             if self.health.diverged(loss):
                 self._stop_diverged(done, lr, loss)
-            if self.budget is not None and self.budget.after_step(done, loss.item, self.paused):
+            if self.length.wants_timing(done, loss.item, self.paused):
                 self._decide_budget(done)
             self._log_and_evaluate(done, start_step)
             if t.save_interval and done % t.save_interval == 0 and done < self.total:
                 self._paused(self.checkpoints.save, done, self._client_extra())
                 last_saved = done
             timer.lap()  # do not charge logging, evaluation and checkpoints to the next step
-            self.stopped = stop() if stop is not None and step < self.total else None
-            if self.stopped == BUDGET_SPENT:
-                self._end_at_budget(done)
-            if self.stopped:
+            verdict = self.length.after_step(done, self.compute.device_hours)
+            if verdict.stop and not verdict.preempted and done % t.eval_interval != 0:
+                self._validate(done, done)  # a spent budget: the run ends complete, evaluated here
+            if verdict.preempted:
+                self.stopped = verdict.reason
                 log(self.layout, f"stopping at step {step}/{self.total}: {self.stopped}; saving a checkpoint")
                 break
         self.last_step = step
@@ -333,14 +318,14 @@ class TrainLoop:
             return self.engine.train_step(batches)
         except LossScaleExhaustedError as e:
             self.diverged = {"diverged_at_step": step + 1, "diverged_at_lr": lr}
-            self.total = step
+            self.length.end_at(step)
             log(self.layout, f"diverged at step {step + 1}, lr {lr:.4g}: {e}; stopping after step {step}")
             return None
 
     def _stop_diverged(self, done: int, lr: float, loss: Any) -> None:
         """End the run at step ``done`` (evaluated, saved, summarised), for the stability test."""
         self.diverged = {"diverged_at_step": done, "diverged_at_lr": lr}
-        self.total = done  # the loop's last step: evaluation and save follow
+        self.length.end_at(done)  # the loop's last step: evaluation and save follow
         log(
             self.layout,
             f"diverged at step {done}, lr {lr:.4g}: training loss {float(loss):.4g} (non-finite, or above "
@@ -362,17 +347,7 @@ class TrainLoop:
         self.valid_loss = float(self._paused(self.evaluate))
         eval_seconds = time.perf_counter() - t0
         self.writer.scalars(done, {"valid/loss": self.valid_loss, "valid/ppl": safe_exp(self.valid_loss)})
-        spent = self.compute.device_seconds / self.layout.world_size
-        total = self.budget.decide(done, spent, eval_seconds)
-        self._fix_length(total, done)
-        log(self.layout, self.budget.describe(done, self.layout.world_size))
-
-    def _decide_budget_calibrated(self, start_step: int) -> None:
-        """Fix the run's length before its first step from the calibrated step and evaluation
-        times (``train.budget_step_seconds``; see :mod:`.budget`): the whole budget is left."""
-        total = self.budget.decide(start_step, self.cfg.train.budget_fixed_seconds, self.budget.eval_seconds)
-        self._fix_length(total, start_step)
-        log(self.layout, self.budget.describe(start_step, self.layout.world_size))
+        self.length.decide(done, self.compute.device_seconds / self.layout.world_size, eval_seconds)
 
     def _ahead_seconds(self) -> float:
         """Wall-clock of one more step and the final evaluation: the recent steps' median and the
@@ -380,27 +355,7 @@ class TrainLoop:
         step = float(np.median(self.step_times[-20:])) if self.step_times else 0.0
         if self.eval_seconds:
             return step + self.eval_seconds[-1]
-        calibrated = self.budget is not None and self.budget.calibrated
-        return step + (self.budget.eval_seconds if calibrated else 0.0)
-
-    def _end_at_budget(self, done: int) -> None:
-        """End the run at step ``done``: its device-hours passed the budget (and the tolerance).
-        Evaluated here if this step was not; the final checkpoint follows; complete, not stopped."""
-        t = self.cfg.train
-        planned, self.budget_stopped_at, self.stopped = self.total, done, None
-        self.budget_planned = planned
-        self.total = done
-        hours = self.compute.device_hours
-        log(
-            self.layout,
-            f"budget spent at step {done} of {planned} planned: {hours:.4g} device-hours, and one more step "
-            f"with the final evaluation would pass {t.budget_device_hours:g} × train.budget_machine_factor="
-            f"{t.budget_machine_factor:g} × (1 + train.budget_overrun={t.budget_overrun:g}); the machine ran "
-            "slower than the step time the length was fixed from. "
-            "Ending the run here (summary: budget_stopped_at)",
-        )
-        if done % t.eval_interval != 0:
-            self._validate(done, done)
+        return step + self.length.calibrated_eval_seconds()
 
     def _client_extra(self) -> dict[str, float]:
         """What a resumed run continues from (saved in the checkpoint's client state): tokens,
@@ -410,11 +365,7 @@ class TrainLoop:
             "device_seconds": self.compute.device_seconds,
             "nonfinite_steps": int(self.health.count.item()),  # at a save: one host read
         }
-        if self.cfg.train.budget_device_hours > 0 and (
-            self.budget is None or self.budget.decided is not None
-        ):
-            extra["budget_steps"] = self.total
-        return extra
+        return extra | self.length.state_dict()
 
     def _log_and_evaluate(self, done: int, start_step: int) -> None:
         t, total = self.cfg.train, self.total
@@ -507,8 +458,10 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     checkpoints.attach(engine, dropout_rng, param_order)
     start_step, client_state = checkpoints.resume(load_dir) if load_dir is not None else (init_step, {})
     compute = compute_meter(cfg, layout, start_step, client_state)
-    loop = TrainLoop(engine, cfg, layout, data, checkpoints, start_step, compute, schedule, client_state)
-    elapsed = loop.run(resumed=load_dir is not None, stop=stop)
+    loop = TrainLoop(
+        engine, cfg, layout, data, checkpoints, start_step, compute, schedule, client_state, stop=stop
+    )
+    elapsed = loop.run(resumed=load_dir is not None)
     return _summary(cfg, layout, loop, data, n_params, start_step, elapsed)
 
 
@@ -678,7 +631,6 @@ def _summary(
     elapsed: float,
 ) -> dict[str, Any]:
     """The run summary; rank 0 writes ``summary.json`` and prints where things are."""
-    t = cfg.train
     # Median step time: robust to the first steps' warm-up and to evaluation pauses.
     median_step = float(np.median(loop.step_times)) if loop.step_times else math.nan
     valid_loss = loop.final_loss if math.isfinite(loop.final_loss) else loop.valid_loss
@@ -703,14 +655,7 @@ def _summary(
         summary["final_valid_tokens"] = loop.evaluate_final.tokens
     if math.isfinite(loop.test_loss):
         summary |= {"final_test_loss": loop.test_loss, "final_test_ppl": safe_exp(loop.test_loss)}
-    if t.budget_device_hours > 0:
-        summary["budget_device_hours"] = t.budget_device_hours
-        summary["budget_steps"] = loop.budget_planned or loop.total  # the decision, reached or not
-        summary["budget_stopped_at"] = loop.budget_stopped_at
-        if loop.budget is not None:
-            summary["budget_step_seconds"] = loop.budget.step_seconds  # the decision's input
-            summary["budget_calibrated"] = loop.budget.calibrated
-        summary["budget_machine_factor"] = t.budget_machine_factor
+    summary |= loop.length.summary()
     summary.update(_health_summary(loop))
     # Strict JSON: a figure not measured (NaN, inf) is null, with why under "missing".
     raw, summary = summary, null_non_finite(summary, _missing_reasons(loop, summary))

@@ -23,14 +23,14 @@ NORMFORMER = ["model.post_attn_ln=true", "model.head_scale=true", "model.ffn_ln=
 
 
 def _budget_run(prefix: str, out, scheme: list[str]):
-    # train.budget_overrun=1: these runs test the decision (its step count, the schedule, the
+    # budget.overrun=1: these runs test the decision (its step count, the schedule, the
     # resume); the end-at-the-budget rule, which a loaded CI machine would trigger a step or two
     # early, is tested on its own below.
     proc = run_ranks(
         CONFIG,
         [*TINY, *SHAPE, *scheme, f"data.prefix={prefix}", "train.steps=5000", "train.warmup_steps=45",
-         "train.budget_measure_steps=40", f"train.budget_device_hours={BUDGET}", "train.eval_interval=25",
-         "train.save_interval=25", "train.budget_overrun=1",
+         "budget.measure_steps=40", f"budget.device_hours={BUDGET}", "train.eval_interval=25",
+         "train.save_interval=25", "budget.overrun=1",
          "train.log_interval=25", f"output.dir={out}"],
     )  # fmt: skip
     _check(proc)
@@ -88,14 +88,14 @@ def test_a_killed_budget_run_resumes_to_the_same_step(budget_runs, gutenberg_pre
 def test_a_run_slower_than_its_calibration_ends_at_the_budget(gutenberg_prefix, tmp_path):
     """Calibrated times far below the real ones (0.01 s a step): the run fixes a length it cannot
     afford, then ends once one more step and the final evaluation would pass the budget by more
-    than train.budget_overrun (default +10 %: a guard against a wrong calibration); evaluated and
+    than budget.overrun (default +10 %: a guard against a wrong calibration); evaluated and
     saved there, complete (exit 0), and said so."""
     out = tmp_path / "slow"
     proc = run_ranks(
         CONFIG,
         [*TINY, f"data.prefix={gutenberg_prefix}", "train.steps=5000", "train.eval_interval=1000",
-         "train.save_interval=0", "train.log_interval=50", "train.budget_device_hours=0.004",
-         "train.budget_step_seconds=0.01", "train.budget_eval_seconds=0.01", f"output.dir={out}"],
+         "train.save_interval=0", "train.log_interval=50", "budget.device_hours=0.004",
+         "budget.step_seconds=0.01", "budget.eval_seconds=0.01", f"output.dir={out}"],
     )  # fmt: skip
     _check(proc)
     summary = json.loads((out / "summary.json").read_text())
@@ -109,8 +109,8 @@ def test_a_run_slower_than_its_calibration_ends_at_the_budget(gutenberg_prefix, 
     at_stop = float(
         re.search(r"budget spent at step \d+ of \d+ planned: ([0-9.e-]+) device-hours", proc.stdout)[1]
     )
-    # the guard's default, +10 % (train.budget_overrun), named in the log
-    assert "train.budget_overrun=0.1)" in proc.stdout
+    # the guard's default, +10 % (budget.overrun), named in the log
+    assert "budget.overrun=0.1)" in proc.stdout
     assert at_stop <= 0.004 * 1.10 * 1.02
     assert summary["device_hours"] > at_stop
     assert (out / "checkpoints" / "latest").read_text() == f"global_step{summary['steps']}"

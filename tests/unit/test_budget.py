@@ -43,8 +43,8 @@ def test_budget_must_be_decided_during_warmup():
     from megaformer.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"raise train.warmup_steps to >= 25"):
-        load_config(None, ["train.budget_device_hours=1", "train.warmup_steps=5"])
-    load_config(None, ["train.budget_device_hours=1", "train.warmup_steps=25"])
+        load_config(None, ["budget.device_hours=1", "train.warmup_steps=5"])
+    load_config(None, ["budget.device_hours=1", "train.warmup_steps=25"])
 
 
 def test_machine_factor_scales_the_spend_limit_not_the_length():
@@ -53,28 +53,26 @@ def test_machine_factor_scales_the_spend_limit_not_the_length():
     from megaformer.config import ConfigError
     from megaformer.training.budget import overspent
 
-    calibrated = ["train.budget_device_hours=1", "train.budget_step_seconds=0.5", "train.budget_overrun=0.02"]
+    calibrated = ["budget.device_hours=1", "budget.step_seconds=0.5", "budget.overrun=0.02"]
     same = load_config(None, calibrated)
-    slower = load_config(None, [*calibrated, "train.budget_machine_factor=1.12"])
+    slower = load_config(None, [*calibrated, "budget.machine_factor=1.12"])
     spent = 3600.0 * 1.10  # device-seconds: 10 % over the budget in this machine's time
     assert overspent(same, spent, world_size=2)
     assert not overspent(slower, spent, world_size=2)
     assert overspent(slower, 3600.0 * 1.12 * 1.02 + 1.0, world_size=2)
-    with pytest.raises(ConfigError, match=r"budget_machine_factor=1.1: .*train.budget_step_seconds > 0"):
-        load_config(
-            None, ["train.budget_device_hours=1", "train.warmup_steps=25", "train.budget_machine_factor=1.1"]
-        )
-    with pytest.raises(ConfigError, match=r"budget_machine_factor=0.0: must be > 0"):
-        load_config(None, [*calibrated, "train.budget_machine_factor=0"])
+    with pytest.raises(ConfigError, match=r"budget\.machine_factor=1.1: .*budget\.step_seconds > 0"):
+        load_config(None, ["budget.device_hours=1", "train.warmup_steps=25", "budget.machine_factor=1.1"])
+    with pytest.raises(ConfigError, match=r"budget\.machine_factor=0.0: must be > 0"):
+        load_config(None, [*calibrated, "budget.machine_factor=0"])
 
 
 def test_the_log_names_the_machine_factor_of_a_slower_machine():
     from megaformer.training.budget import BudgetKeeper
 
-    calibrated = ["train.budget_device_hours=1", "train.budget_step_seconds=0.5"]
-    for extra, said in (([], False), (["train.budget_machine_factor=1.15"], True)):
+    calibrated = ["budget.device_hours=1", "budget.step_seconds=0.5"]
+    for extra, said in (([], False), (["budget.machine_factor=1.15"], True)):
         keeper = BudgetKeeper(load_config(None, [*calibrated, *extra]), world_size=2, start_step=0)
         keeper.decided = 3000
         line = keeper.describe(0, 2)
         assert "run length fixed at 3000 steps" in line
-        assert ("train.budget_machine_factor=1.15" in line) is said
+        assert ("budget.machine_factor=1.15" in line) is said

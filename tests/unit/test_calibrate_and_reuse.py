@@ -75,7 +75,7 @@ def test_calibration_takes_medians_over_interleaved_rounds(monkeypatch, tmp_path
 
 def test_timing_overrides_give_the_launch_its_length_and_no_budget():
     args = cal.timing_overrides(10, 20)
-    assert "train.steps=30" in args and "train.budget_device_hours=0" in args
+    assert "train.steps=30" in args and "budget.device_hours=0" in args
     assert "train.eval_interval=30" in args and "train.resume=none" in args
 
 
@@ -99,7 +99,7 @@ def test_a_finished_run_is_reused_only_for_the_same_request(monkeypatch, tmp_pat
         return cmp.train_one(CONFIG, out, budget, overrides, 2, t, c)
 
     run(base)
-    assert len(calls) == 1 and "train.budget_step_seconds=0.1" in calls[0]
+    assert len(calls) == 1 and "budget.step_seconds=0.1" in calls[0]
     run(base)
     assert len(calls) == 1 and "done before with the same request" in capsys.readouterr().out
     # the A/A rerun of the issue: another seed and learning rate must not reuse the old run
@@ -246,12 +246,9 @@ def test_a_reused_calibration_is_rechecked_on_this_machine(monkeypatch, tmp_path
     monkeypatch.setattr(cmp, "launch_run", _fake_run(calls))
     out, code = tmp_path / "run", code_version()
     cmp.train_one(CONFIG, out, 0.04, base, 2, later["pre"], code)
-    assert (
-        f"train.budget_machine_factor={widened:.6g}" in calls[0]
-        and "train.budget_step_seconds=0.1" in calls[0]
-    )
+    assert f"budget.machine_factor={widened:.6g}" in calls[0] and "budget.step_seconds=0.1" in calls[0]
     request = json.loads((out / "request.json").read_text())
-    assert request["config"]["train"]["budget_machine_factor"] == 1.0  # the default: not what is asked
+    assert request["config"]["budget"]["machine_factor"] == 1.0  # the default: not what is asked
     cmp.train_one(CONFIG, out, 0.04, base, 2, first["pre"], code)  # back on the calibration's machine
     assert len(calls) == 1, "a run trained on a slower machine is the same run: reused"
 

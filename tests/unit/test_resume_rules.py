@@ -147,13 +147,13 @@ def test_a_key_newer_than_the_checkpoint_counts_as_its_default():
 
 
 def test_a_budget_run_resumes_on_a_machine_of_another_speed():
-    """train.budget_machine_factor describes where a run trains (compare's re-check), not what it
+    """budget.machine_factor describes where a run trains (compare's re-check), not what it
     trains: a calibrated budget run preempted on one machine resumes on a slower one."""
-    budget = ["train.budget_device_hours=1", "train.budget_step_seconds=0.5"]
+    budget = ["budget.device_hours=1", "budget.step_seconds=0.5"]
     saved = to_dict(load_config(CONFIG, [*BASE, *budget]))
-    slower = load_config(CONFIG, [*BASE, *budget, "train.budget_machine_factor=1.15"])
+    slower = load_config(CONFIG, [*BASE, *budget, "budget.machine_factor=1.15"])
     assert check_resume_config(saved, slower, 10, "ckpt") == [
-        "resume: changed since the checkpoint (allowed): train.budget_machine_factor"
+        "resume: changed since the checkpoint (allowed): budget.machine_factor"
     ]
 
 

@@ -409,10 +409,6 @@ def _run_rank(cfg: Any, dp_size: int, audit: Any, report: dict, steps: int, out_
     checkpoints = _NoCheckpoints()
     compute = compute_meter(cfg, layout, 0, {})
     batches = _phased_batches(cfg, layout, data, audit)
-    loop = TrainLoop(engine, cfg, layout, data, checkpoints, 0, compute, schedule, {}, batches)
-    for evaluator in (loop.evaluate, loop.evaluate_test):
-        if evaluator is not None:
-            evaluator.loader = _InPhase(evaluator.loader, audit, "data")
     real_stop = StopCheck(t.exit_signals, t.exit_duration_mins)
     done = {"steps": 0}
 
@@ -421,9 +417,14 @@ def _run_rank(cfg: Any, dp_size: int, audit: Any, report: dict, steps: int, out_
         reason = real_stop()
         return f"dry run: {steps} steps" if done["steps"] >= steps else reason
 
+    loop = TrainLoop(engine, cfg, layout, data, checkpoints, 0, compute, schedule, {}, batches, stop=stop)
+    for evaluator in (loop.evaluate, loop.evaluate_test):
+        if evaluator is not None:
+            evaluator.loader = _InPhase(evaluator.loader, audit, "data")
+
     losses = observer.losses
     with audit.in_phase("step"):
-        loop.run(resumed=False, stop=stop)
+        loop.run(resumed=False)
     audit.step += 1
     with audit.in_phase("eval"):
         loss = loop.evaluate()
