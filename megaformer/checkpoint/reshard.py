@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from data_tools.files import atomic_write_text
+from megaformer.checkpoint import integrity
 from megaformer.checkpoint.formats import (
     LAYER_STATES_FILE,
     LAYER_STATES_GLOB,
@@ -50,6 +51,7 @@ from megaformer.checkpoint.formats import (
     MODEL_STATES_GLOB,
     model_states_name,
 )
+from megaformer.checkpoint.integrity import resolve_latest
 from megaformer.checkpoint.safe_load import (
     CheckpointReadError,
     load_weights,
@@ -57,6 +59,8 @@ from megaformer.checkpoint.safe_load import (
     weight_files,
 )
 from megaformer.config.schema import ModelConfig
+from megaformer.model import NormFormerLM, layer_prefixes, model_layers, vocab_param_names
+from megaformer.parallel.utils import divide
 
 # DeepSpeed's checkpoint file layout, named in one place (the adapter pins the DeepSpeed version).
 _MP_FILE, _LAYER_FILE = MODEL_STATES_FILE, LAYER_STATES_FILE
@@ -105,7 +109,6 @@ def resolve_tag_dir(ckpt_dir: str, tag: str | None = None) -> str:
                 f"{ckpt_dir}: neither mp_rank_XX_model_states.pt files nor a 'latest' file; pass a "
                 "run directory, its checkpoints/ directory, a global_stepN directory, or --tag"
             )
-        from megaformer.checkpoint.integrity import resolve_latest
 
         path = resolve_latest(ckpt_dir)  # an empty or dangling tag: named, with the way out
     if not os.path.isdir(path):
@@ -128,7 +131,6 @@ def _model_files(tag_dir: str) -> list[str]:
 
 def _layer_model(config: ModelConfig, tp_group=None):
     """The model (:class:`~megaformer.model.NormFormerLM`), whose parameter names are the checkpoint's."""
-    from megaformer.model import NormFormerLM
 
     return NormFormerLM(config, tp_group=tp_group)
 
@@ -146,7 +148,6 @@ def partition_dims(config: ModelConfig) -> dict[str, int | None]:
 
 def _vocab_rows(name: str, config: ModelConfig) -> bool:
     """Parameters whose dim 0 is the padded vocabulary."""
-    from megaformer.model import vocab_param_names
 
     return name in vocab_param_names(config)
 
@@ -165,7 +166,6 @@ def _pipeline_modules(
     """Per-TP-rank module dicts, in the model's naming, from a pipeline checkpoint's layer files
     (only the layers holding one of ``names``, when given). File ``layer_LL`` holds entry ``LL`` of
     the plan; a repeated tied entry (the tied output projection) holds nothing of its own."""
-    from megaformer.model import layer_prefixes, model_layers
 
     prefixes = layer_prefixes(model_layers(config))
     files: dict[tuple[int, int], str] = {}
@@ -293,7 +293,6 @@ def split(full: dict[str, torch.Tensor], config: ModelConfig, tp: int) -> list[d
     Raises:
         ValueError: heads, FFN width or padded vocabulary not divisible by ``tp`` (names the sizes).
     """
-    from megaformer.parallel.utils import divide
 
     for what, size in (
         ("model.num_attention_heads", config.num_attention_heads),
@@ -331,7 +330,6 @@ def reshard(
             only named in a warning on stderr.
         ReshardError: see :func:`consolidate`; UntrustedCheckpointError: see :func:`consolidate`.
     """
-    from megaformer.checkpoint import integrity
 
     tag_dir = resolve_tag_dir(input_dir, tag)
     # The weights files are verified before torch.load reads them; a damaged optimizer or
@@ -366,7 +364,6 @@ def write_module_checkpoint(
     directory. ``run_config``: the run config dict stored with the weights (the trainer's
     ``to_dict``); ``provenance``: extra client-state entries (where the weights came from);
     ``manifest_config``: the config recorded in the manifest (None: none, as reshard writes)."""
-    from megaformer.checkpoint import integrity
 
     out = os.path.join(output_dir, name)
     os.makedirs(out, exist_ok=True)

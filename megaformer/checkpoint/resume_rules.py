@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from megaformer.checkpoint.integrity import read_manifest, resolve_latest
 from megaformer.config import ConfigError, RunConfig, to_dict
 from megaformer.config.load import migrate_saved
 
@@ -141,14 +142,13 @@ def saved_config(tag_dir: str) -> dict | None:
     import glob
     import os
 
-    from megaformer.checkpoint.integrity import read_manifest
-
     body = read_manifest(tag_dir)
     if body is not None and isinstance(body.get("config"), dict):
         return body["config"]
     files = sorted(glob.glob(os.path.join(tag_dir, "*model_states.pt")))
     if not files:
         return None
+    # lazy: imports torch; check_before_launch (the launcher, before any worker) must not
     from megaformer.checkpoint.safe_load import load_weights
 
     config = load_weights(files[0]).get("config")
@@ -185,7 +185,7 @@ def check_init_from_steps(cfg: RunConfig) -> None:
     Raises:
         ConfigError: naming the checkpoint's step or the differing model keys, and the fix.
     """
-    from megaformer.checkpoint.integrity import read_manifest
+    # lazy: imports torch; check_before_launch (the launcher, before any worker) must not
     from megaformer.checkpoint.reshard import resolve_tag_dir
 
     if not cfg.train.init_from or (cfg.train.resume != "none" and _has_latest(cfg)):
@@ -214,8 +214,6 @@ def _latest_tag_dir(ckpt_dir: str) -> str | None:
     import glob
     import os
 
-    from megaformer.checkpoint.integrity import resolve_latest
-
     if glob.glob(os.path.join(ckpt_dir, "*model_states.pt")):
         return ckpt_dir
     if os.path.isfile(os.path.join(ckpt_dir, "latest")):
@@ -242,8 +240,6 @@ def check_before_launch(cfg: RunConfig) -> list[str]:
         CheckpointError: a ``latest`` file that is empty or names no directory.
     """
     import os
-
-    from megaformer.checkpoint.integrity import read_manifest
 
     t = cfg.train
     resume_dir = None

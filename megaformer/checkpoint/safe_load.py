@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from megaformer.checkpoint.formats import CHECKPOINT_DATA_CLASS_NAMES, checkpoint_data_classes
+
 # the tools' switch and its config key, named where no torch is imported (a tool's --help)
 from megaformer.config.schema import TRUST_FLAG, TRUST_KEY
 
@@ -71,7 +73,6 @@ class UntrustedCheckpointError(CheckpointReadError):
 def allowed_globals() -> list[Any]:
     """The globals a megaformer checkpoint file may name besides torch's defaults (see module doc):
     DeepSpeed's plain data classes (:func:`~megaformer.checkpoint.formats.checkpoint_data_classes`)."""
-    from megaformer.checkpoint.formats import checkpoint_data_classes
 
     return checkpoint_data_classes()
 
@@ -101,7 +102,6 @@ def unsafe_globals(path: str, extra_globals: Sequence[Any] = ()) -> list[str]:
     scanned: ``[]``, and the load itself refuses what it must. ``extra_globals``: types this caller
     allows besides :func:`allowed_globals`.
     """
-    from megaformer.checkpoint.formats import CHECKPOINT_DATA_CLASS_NAMES
 
     names = referenced_globals(path) or []
     allowed = set(CHECKPOINT_DATA_CLASS_NAMES) | {_qualified(g) for g in extra_globals}
@@ -158,7 +158,6 @@ def load_weights(
             :data:`allowed_globals` (named), and ``trust_code`` is off. Nothing of it was unpickled.
         CheckpointReadError: the file is truncated or damaged (names it and the way out).
     """
-    from megaformer.checkpoint.formats import CHECKPOINT_DATA_CLASS_NAMES
 
     if trust_code:
         warn_trusted(path)

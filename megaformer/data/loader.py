@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
+from megaformer.data.mlm import collate_mlm
 
 __all__ = [
     "MicroBatchSampler",
@@ -156,7 +157,6 @@ def collate_for(objective: str) -> Callable[[Sequence[Any]], tuple[torch.Tensor,
     next-token labels) or :func:`megaformer.data.mlm.collate_mlm` (``mlm``: ``(input_ids, labels)``
     samples, no shift)."""
     if objective == "mlm":
-        from megaformer.data.mlm import collate_mlm
 
         return collate_mlm
     if objective != "clm":

@@ -687,7 +687,7 @@ class NormFormerBlock(nn.Module):
                 "model.fused_kernels='on' needs Triton (pip install triton; requirements-dev.txt pins the "
                 "version) and real tensors (not a fake-CUDA dry run); or set model.fused_kernels='auto'"
             )
-        from megaformer.model import kernels  # imports Triton; only where the kernels run
+        from megaformer.model import kernels  # lazy: imports Triton; only where the kernels run
 
         if setting == "auto" and kernels.self_check(x.device.type, x.device.index, x.dtype) is not None:
             # Once per device and dtype (a constant when compiled; it warns the first time): kernels

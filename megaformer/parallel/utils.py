@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from megaformer.parallel.comm import comm_device
+
 
 def divide(numerator: int, denominator: int) -> int:
     """Return ``numerator // denominator``, raising if it does not divide exactly.
@@ -177,7 +179,6 @@ def grad_norm_squared(
     Returns:
         A float32 0-dim tensor on ``device``, the same on every TP rank.
     """
-    from megaformer.parallel.comm import comm_device
 
     with_grad = [p for p in parameters if p.grad is not None]
     if device is None:

@@ -14,10 +14,30 @@ from typing import Any
 
 import torch
 
+from data_tools.stats import mixture_unigram_entropy
 from megaformer.config import RunConfig
+from megaformer.data.gpt_dataset import WHOLE_HELDOUT, build_train_valid
+from megaformer.data.heldout import build_heldout_data, ordered_samples
+from megaformer.data.loader import valid_num_samples
+from megaformer.data.mlm import as_masked_lm
+from megaformer.model import (
+    NormFormerLM,
+    compile_blocks,
+    compile_wanted,
+    count_parameters,
+    param_groups,
+    set_selective_recompute,
+    why_not_compiled,
+)
+from megaformer.parallel.comm import all_reduce_ints
 from megaformer.parallel.layout import Layout, log
 from megaformer.parallel.rng import DropoutRNG
 from megaformer.parallel.state import ParallelState
+from megaformer.pipeline import build_pipeline_module, checkpointed, configure_recompute, pipe_topology
+from megaformer.training.data_checks import index_seq_len
+from megaformer.training.distributed import pick_backend
+from megaformer.training.ds_adapter import init_distributed, is_pipe_replica
+from megaformer.training.schedule import build_scheduler
 
 
 def build_layout(cfg: RunConfig, dp_size: int) -> Layout:
@@ -27,9 +47,6 @@ def build_layout(cfg: RunConfig, dp_size: int) -> Layout:
     preflight. Every group gets ``parallel.timeout_minutes``.
     """
     import datetime
-
-    from megaformer.training.distributed import pick_backend
-    from megaformer.training.ds_adapter import init_distributed
 
     par = cfg.parallel
     timeout = datetime.timedelta(minutes=par.timeout_minutes)  # every group: the world and ours
@@ -49,8 +66,6 @@ def build_model(cfg: RunConfig, layout: Layout, dropout_rng: DropoutRNG) -> torc
     ``selective`` recomputes only each block's attention core. Also applies ``train.tf32`` and
     ``train.compile`` (:func:`compile_model`).
     """
-    from megaformer.model import NormFormerLM, set_selective_recompute
-    from megaformer.pipeline import build_pipeline_module, checkpointed, configure_recompute, pipe_topology
 
     t, par = cfg.train, cfg.parallel
     tp_group = layout.tp_group
@@ -91,7 +106,6 @@ def compile_model(model: torch.nn.Module, cfg: RunConfig, layout: Layout) -> int
     The loss's cross-entropy is fused wherever inductor works, ZeRO-3 included
     (:func:`megaformer.parallel.vocab_parallel_cross_entropy` ``fused``). Returns the number of
     blocks compiled (0: eager)."""
-    from megaformer.model import compile_blocks, compile_wanted, why_not_compiled
 
     t = cfg.train
     if not compile_wanted(t.compile, layout.device):
@@ -119,9 +133,6 @@ def count_parameters_global(model: torch.nn.Module, layout: Layout) -> int:
     ``ds_pipe_replicated`` by DeepSpeed) counted once. The sum is a collective on the group's
     communication device.
     """
-    from megaformer.model import count_parameters
-    from megaformer.parallel.comm import all_reduce_ints
-    from megaformer.training.ds_adapter import is_pipe_replica
 
     state = layout.state
     local = torch.nn.Module()
@@ -164,8 +175,6 @@ def build_optimizer(
     ``"aligned"`` for a new run; a resumed run takes the order its checkpoint was saved in
     (:func:`~megaformer.checkpoint.manager.saved_param_order`), since DeepSpeed's flat optimizer
     state follows it."""
-    from megaformer.model import param_groups
-    from megaformer.training.schedule import build_scheduler
 
     t = cfg.train
     optimizer = torch.optim.AdamW(
@@ -234,9 +243,6 @@ def build_data(cfg: RunConfig, layout: Layout, stats: list, datasets: list[tuple
 
 def _build_data(cfg: RunConfig, stats: list, datasets: list[tuple[float, str]]) -> Data:
     """:func:`build_data` in this process alone."""
-    from data_tools.stats import mixture_unigram_entropy
-    from megaformer.data.loader import valid_num_samples
-    from megaformer.training.data_checks import index_seq_len
 
     t = cfg.train
     test = None
@@ -247,8 +253,6 @@ def _build_data(cfg: RunConfig, stats: list, datasets: list[tuple[float, str]]) 
     # seq_len - 1 (megaformer.data.mlm), wrapped below.
     seq_len = index_seq_len(cfg)
     if cfg.data.split or cfg.data.valid_prefix:
-        from megaformer.data.heldout import build_heldout_data
-
         train, valid, test, info = build_heldout_data(
             pairs=datasets,
             split=cfg.data.split,
@@ -263,14 +267,10 @@ def _build_data(cfg: RunConfig, stats: list, datasets: list[tuple[float, str]]) 
     else:
         train, valid, info = _train_valid(cfg, seq_len, _valid_samples(cfg, eval_samples), cache_dir)
         if cfg.data.test_prefix:
-            from megaformer.data.heldout import ordered_samples
-
             test = ordered_samples(
                 cfg.data.test_prefix, seq_len, eval_samples, key="data.test_prefix", seed=t.seed
             )
     if mlm:
-        from megaformer.data.mlm import as_masked_lm
-
         # held-out masks follow the held-out documents' seed: with data.split_seed set, runs of
         # several train.seed values are scored on the same masked positions too
         train, valid = as_masked_lm(train, seed=t.seed), as_masked_lm(valid, seed=cfg.split_seed)
@@ -286,7 +286,6 @@ def _build_data(cfg: RunConfig, stats: list, datasets: list[tuple[float, str]]) 
 def _valid_samples(cfg: RunConfig, eval_samples: int) -> int:
     """Held-out samples to build: what the regular validations read, or more for the final one
     (``train.final_eval_batches``; 0 = :data:`~megaformer.data.gpt_dataset.WHOLE_HELDOUT`)."""
-    from megaformer.data.gpt_dataset import WHOLE_HELDOUT
 
     t = cfg.train
     if t.final_eval_batches == 0:
@@ -297,7 +296,6 @@ def _valid_samples(cfg: RunConfig, eval_samples: int) -> int:
 def _train_valid(cfg: RunConfig, seq_len: int, eval_samples: int, cache_dir: str) -> tuple[Any, Any, dict]:
     """Training samples of ``seq_len + 1`` tokens and ``data.valid_fraction`` of its documents held
     out for validation."""
-    from megaformer.data.gpt_dataset import build_train_valid
 
     t = cfg.train
     return build_train_valid(

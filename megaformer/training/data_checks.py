@@ -18,8 +18,14 @@ import sys
 
 import numpy as np
 
+from data_tools.blend import apportion
 from data_tools.errors import DataFormatError
+from data_tools.indexed_dataset import IndexedDataset
+from data_tools.sample_index import split_documents
+from data_tools.stats import stats_path
 from megaformer.config import RunConfig
+from megaformer.config.load import parse_split
+from megaformer.data.heldout import split_ranges
 
 __all__ = ["check_heldout", "check_token_ids", "scan_max_token_id"]
 
@@ -29,7 +35,6 @@ _SCAN_TOKENS = 1 << 24  # tokens per chunk of the scan (32 MiB of uint16)
 def scan_max_token_id(prefix: str) -> int:
     """Largest token id in ``prefix.bin`` (-1 when empty), read in chunks through a memory map
     (memory stays at one chunk whatever the dataset size)."""
-    from data_tools.indexed_dataset import IndexedDataset
 
     ds = IndexedDataset(prefix)
     if ds.num_tokens == 0:
@@ -39,7 +44,6 @@ def scan_max_token_id(prefix: str) -> int:
 
 
 def _sidecar_older_than_bin(prefix: str) -> bool:
-    from data_tools.stats import stats_path
 
     return os.stat(prefix + ".bin").st_mtime_ns > os.stat(stats_path(prefix)).st_mtime_ns
 
@@ -55,7 +59,6 @@ def check_token_ids(prefix: str, stats, cfg: RunConfig) -> int:
             in the embedding's padding rows or past them, and the fix), or a sidecar whose
             tokenizer has more entries than ``model.vocab_size``.
     """
-    from data_tools.stats import stats_path
 
     vocab = cfg.model.vocab_size
     tok_size = stats.tokenizer.get("vocab_size")
@@ -112,9 +115,6 @@ def check_heldout(cfg: RunConfig, datasets: list[tuple[float, str]]) -> None:
         DataFormatError: naming the dataset, its held-out documents and tokens, the samples they
             make and the samples one evaluation needs, and the keys that fix it.
     """
-    from data_tools.blend import apportion
-    from data_tools.indexed_dataset import IndexedDataset
-    from data_tools.sample_index import split_documents
 
     t, seq_len = cfg.train, index_seq_len(cfg)
     needed = t.eval_batches * t.global_batch_size
@@ -146,9 +146,6 @@ def _check_separate_heldout(cfg: RunConfig, needed: int) -> None:
     Raises:
         DataFormatError: naming the key, the dataset, its documents and tokens, and the fix.
     """
-    from data_tools.indexed_dataset import IndexedDataset
-    from megaformer.config.load import parse_split
-    from megaformer.data.heldout import split_ranges
 
     seq_len = index_seq_len(cfg)
     checks: list[tuple[str, str, np.ndarray | None]] = []

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megaformer.model.normformer import NormFormerBlock
 from megaformer.parallel.comm import comm_device
 from megaformer.training.ds_adapter import full_grad, is_pipe_replica
 
@@ -81,7 +82,6 @@ def layer_tag(prefix: str, layer: int) -> str:
 
 def _blocks(module: torch.nn.Module) -> list[Any]:
     """The decoder blocks held by this rank (a pipeline stage holds some), by layer index."""
-    from megaformer.model.normformer import NormFormerBlock
 
     return sorted(
         (m for m in module.modules() if isinstance(m, NormFormerBlock)), key=lambda m: m.layer_index

@@ -62,9 +62,11 @@ import torch
 import torch.distributed as dist
 
 from megaformer.config import ConfigError
+from megaformer.data.mlm import IGNORE_INDEX
 from megaformer.parallel.comm import comm_device, mean_over_group
 from megaformer.parallel.grads import defer_sequence_parallel_grads, reduce_sequence_parallel_grads
 from megaformer.parallel.utils import grad_norm_squared
+from megaformer.training.schedule import apply_schedule
 
 TESTED_DEEPSPEED = "0.19"
 """The DeepSpeed minor version this module is written and tested against (requirements.txt pins it)."""
@@ -473,7 +475,6 @@ class Engine:
         """Each micro-batch's masked-token count ``n`` and ``N / dp`` (their sum over the
         data-parallel ranks, averaged; at least 1), float64 on ``device`` (None: where the labels
         are): one all-reduce, no host sync."""
-        from megaformer.data.mlm import IGNORE_INDEX
 
         counts = [(labels.to(device) != IGNORE_INDEX).sum().double() for _, labels in batches]
         mean_count = mean_over_group(torch.stack(counts).sum(), self.state.dp_group, self.state.dp_size)
@@ -548,8 +549,6 @@ class Engine:
                 with self._phase("forward"):
                     loss = self.engine(tokens, labels).detach().double()
                 if self.masked_lm:
-                    from megaformer.data.mlm import IGNORE_INDEX
-
                     n = (labels != IGNORE_INDEX).sum().double()
                     loss = loss * n
                     masked = n if masked is None else masked + n
@@ -584,7 +583,6 @@ class Engine:
         """Set the optimizer's learning rate to the schedule's at the scheduler's position (see
         :func:`megaformer.training.schedule.apply_schedule`); return it. For a resumed run, whose
         optimizer state brought back the rate of the schedule it was saved with."""
-        from megaformer.training.schedule import apply_schedule
 
         return apply_schedule(self.engine.lr_scheduler)
 

@@ -31,10 +31,27 @@ import os
 import zipfile
 from dataclasses import dataclass, field
 
+from data_tools.blend import parse_blend
 from data_tools.errors import DataFormatError
-from megaformer.checkpoint.integrity import NEEDS_ALL, NEEDS_RESUME, NEEDS_WEIGHTS
+from data_tools.indexed_dataset import IndexedDataset
+from data_tools.stats import read_stats
+from megaformer.checkpoint.integrity import (
+    NEEDS_ALL,
+    NEEDS_RESUME,
+    NEEDS_WEIGHTS,
+    CheckpointError,
+    needed,
+    resolve_latest,
+    verify,
+    way_out,
+)
+from megaformer.checkpoint.safe_load import refuse_untrusted, weight_files
+from megaformer.checkpoint.storage import check_writable
 from megaformer.config import ConfigError, RunConfig, validate_layout
 from megaformer.training.data_checks import check_heldout, check_token_ids
+from megaformer.training.deepspeed_config import check_engine_combination, read_engine_json
+from megaformer.training.distributed import pick_backend
+from megaformer.training.ds_adapter import check_deepspeed_version, check_precision
 from megaformer.training.tracking import check_wandb
 
 
@@ -65,9 +82,6 @@ def run_preflight(cfg: RunConfig, world_size: int) -> Preflight:
         DataFormatError: a dataset that is missing, corrupt, without statistics sidecar, with token
             ids beyond the vocabulary or documents not ended by ``data.eod_token``.
     """
-    from megaformer.checkpoint.safe_load import refuse_untrusted, weight_files
-    from megaformer.training.deepspeed_config import check_engine_combination, read_engine_json
-    from megaformer.training.ds_adapter import check_deepspeed_version
 
     dp_size = validate_layout(cfg, world_size)
     check_deepspeed_version()
@@ -107,7 +121,6 @@ def check_output_dirs(cfg: RunConfig) -> None:
     Raises:
         ConfigError: naming the key, the path, why (read-only file system, permissions) and the fix.
     """
-    from megaformer.checkpoint.storage import check_writable
 
     check_writable(cfg.output.dir, "output.dir", "checkpoints, TensorBoard events and summary.json")
     cache = cfg.data.index_cache_dir
@@ -122,9 +135,6 @@ def check_backend_and_precision(cfg: RunConfig) -> str:
         ConfigError: naming ``parallel.backend`` or ``train.precision`` and the fix.
     """
     import torch
-
-    from megaformer.training.distributed import pick_backend
-    from megaformer.training.ds_adapter import check_precision
 
     backend = pick_backend(cfg.parallel.backend)
     if backend == "nccl" and not torch.cuda.is_available():
@@ -142,7 +152,6 @@ def data_prefixes(cfg: RunConfig) -> list[tuple[float, str]]:
     Raises:
         ConfigError: a malformed ``data.blend`` (names the item).
     """
-    from data_tools.blend import parse_blend
 
     if cfg.data.blend:
         try:
@@ -162,8 +171,6 @@ def check_dataset(prefix: str, cfg: RunConfig, key: str | None = None):
         DataFormatError: missing files, a corrupt pair, a missing or stale sidecar, token ids
             ``>= model.vocab_size``, or documents not ended by ``data.eod_token``.
     """
-    from data_tools.indexed_dataset import IndexedDataset
-    from data_tools.stats import read_stats
 
     where = key or ("data.blend" if cfg.data.blend else "data.prefix")
     missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
@@ -204,7 +211,6 @@ def _latest_tag_dir(ckpt: str, key: str) -> str:
             f"{key}='{ckpt}': no DeepSpeed checkpoint there (no 'latest' file and no model-state "
             "files); pass a run's checkpoints/ directory or one global_stepN directory"
         )
-    from megaformer.checkpoint.integrity import resolve_latest
 
     return resolve_latest(ckpt)  # an empty or dangling tag: named, with the newest intact one
 
@@ -225,7 +231,6 @@ def check_checkpoint(ckpt: str, key: str, needs: str = NEEDS_ALL) -> str:
         ConfigError: no checkpoint there, a dangling ``latest``, or a truncated / damaged file it
             reads; the message names the file and an earlier ``global_stepN`` to use instead.
     """
-    from megaformer.checkpoint.integrity import CheckpointError, needed, verify, way_out
 
     tag_dir = _latest_tag_dir(ckpt, key)
     # Presence and sizes against the manifest here, on every process (cheap, no warning: every

@@ -39,6 +39,7 @@ from collections.abc import Iterator
 
 from data_tools.lease import DEFAULT_TIMEOUT_S
 from data_tools.owner_lock import LockFileError, LockHeldError, OwnerLock, check_free
+from megaformer.checkpoint.storage import check_writable
 from megaformer.config import ConfigError, RunConfig
 
 LOCK_NAME = "run.lock"
@@ -88,7 +89,6 @@ def hold_run_dir(cfg: RunConfig) -> Iterator[OwnerLock | None]:
     if int(os.environ.get("RANK", "0")) != 0:
         yield None
         return
-    from megaformer.checkpoint.storage import check_writable
 
     out = cfg.output.dir
     check_writable(out, "output.dir", "checkpoints, TensorBoard events and summary.json")

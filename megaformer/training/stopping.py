@@ -22,6 +22,8 @@ import signal
 import time
 from typing import Any
 
+from megaformer.parallel.comm import all_reduce_max
+
 EXIT_CODE_STOPPED = 75
 """Exit code of a run stopped early with its checkpoint saved (EX_TEMPFAIL: resume to continue)."""
 
@@ -57,7 +59,6 @@ class StopCheck:
         None; a collective: every rank calls it after every step."""
         if not self.enabled:
             return None
-        from megaformer.parallel.comm import all_reduce_max
 
         over = self.limit_s > 0 and time.monotonic() - self.started >= self.limit_s
         values = [1.0 if self.received else 0.0, 1.0 if over else 0.0]

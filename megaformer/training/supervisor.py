@@ -242,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     config, overrides = (run_args[0], run_args[1:]) if run_args else (None, [])
     stop_signal = signal.SIGTERM
     if config is not None:
+        # lazy: the supervisor starts in a fraction of a second; the config only when one is given
         from megaformer.config import ConfigError, load_config
         from megaformer.training.run_lock import check_run_dir_free
 

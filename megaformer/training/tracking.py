@@ -23,6 +23,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from megaformer.config.schema import ConfigError
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -71,8 +73,6 @@ def check_wandb(project: str) -> None:
     try:
         import wandb  # noqa: F401
     except ImportError:
-        from megaformer.config.schema import ConfigError
-
         raise ConfigError(
             f"output.wandb_project={project!r} but the wandb package is not installed: pip install wandb "
             "(or leave output.wandb_project empty)"

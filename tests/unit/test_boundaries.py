@@ -321,6 +321,52 @@ def test_the_check_catches_a_cycle_and_a_private_import(tmp_path, files, needle)
     assert found == [needle], found
 
 
+# Packages whose project imports sit at the top of the module, so that the dependency graph reads
+# off the first lines; an import inside a function says why in a `# lazy:` comment (start-up time of
+# a path that must not import torch, an optional dependency). Not yet: perf/, tools/, experiments/.
+TOP_IMPORTS = ("config", "parallel", "model", "pipeline", "data", "checkpoint", "training")
+
+
+def hidden_imports(root: Path, packages: tuple[str, ...] = TOP_IMPORTS) -> list[str]:
+    """Every import of a project module inside a function of ``megaformer.<package>`` without a
+    ``# lazy:`` comment on its line or in the comment block above, as ``path:line: module``."""
+    out = []
+    for package in packages:
+        for path in sorted((root / "megaformer" / package).glob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            text = path.read_text()
+            lines = text.splitlines()
+            tree = ast.parse(text, filename=rel)
+            top = {id(node) for node in tree.body}
+            for node in ast.walk(tree):
+                if not isinstance(node, (ast.Import, ast.ImportFrom)) or id(node) in top:
+                    continue
+                module = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
+                if not module or not module.startswith(("megaformer", "data_tools")):
+                    continue
+                said = "# lazy:" in lines[node.lineno - 1]
+                above = node.lineno - 2
+                while not said and above >= 0 and lines[above].strip().startswith(("#", "from ", "import ")):
+                    said = "# lazy:" in lines[above]
+                    above -= 1
+                if not said:
+                    out.append(f"{rel}:{node.lineno}: {module}")
+    return out
+
+
+def test_project_imports_sit_at_the_top_unless_a_comment_says_why():
+    assert hidden_imports(REPO) == []
+
+
+def test_the_top_import_check_catches_a_hidden_import(tmp_path):
+    (tmp_path / "megaformer/training").mkdir(parents=True)
+    (tmp_path / "megaformer/training/m.py").write_text(
+        "import os\n\n\ndef f():\n    from megaformer.config import load_config\n\n\n"
+        "def g():\n    # lazy: imports torch\n    from megaformer.model import kernels\n"
+    )
+    assert hidden_imports(tmp_path, ("training",)) == ["megaformer/training/m.py:5: megaformer.config"]
+
+
 REPLACED_METHODS = ("forward", "backward", "step")
 REACH_IN_ALLOWED = ("megaformer/training/ds_adapter.py",)  # DeepSpeed's privates: the adapter's job
 
