@@ -2,7 +2,7 @@
 # Every check, the same locally and in CI: install (idempotent), lint, format check, tests.
 #   bash scripts/check.sh            everything (CI and the README's test command)
 #   bash scripts/check.sh --fast     the inner loop: lint, format, every test not marked `slow`
-#                                    (the launcher runs), a few minutes on a 2-core machine
+#                                    (the launcher runs), about 7 minutes on a 2-core machine
 # Further arguments go to pytest (e.g. `bash scripts/check.sh --fast tests/unit -x`).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
