@@ -2,8 +2,12 @@
 # Every check, the same locally and in CI: install (idempotent), lint, format check, tests.
 #   bash scripts/check.sh            everything (CI and the README's test command)
 #   bash scripts/check.sh --fast     the inner loop: lint, format, every test not marked `slow`
-#                                    (the launcher runs), about 7 minutes on a 2-core machine
-# Further arguments go to pytest (e.g. `bash scripts/check.sh --fast tests/unit -x`).
+#                                    (the launcher runs, the whole-corpus and subprocess cases)
+# Without further arguments pytest runs twice: tests/unit spread over the machine's cores
+# (pytest-xdist; MEGAFORMER_TEST_WORKERS, default `nproc`), then the multi-process tiers
+# (tests/distributed, tests/fakecuda, tests/gpu) one test at a time, because each of their runs
+# already fills two cores with its ranks and the budget and calibration tests time the machine.
+# Further arguments go to one pytest call instead (e.g. `bash scripts/check.sh --fast tests/unit -x`).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -35,7 +39,24 @@ echo "[check] ruff check" >&2
 "$PY" -m ruff check .
 echo "[check] ruff format --check" >&2
 "$PY" -m ruff format --check .
-echo "[check] pytest ${MARK[*]:-}" >&2
+WORKERS="${MEGAFORMER_TEST_WORKERS:-$(nproc)}"
+if [[ ! "$WORKERS" =~ ^[1-9][0-9]*$ ]]; then
+  echo "[check] error: MEGAFORMER_TEST_WORKERS='$WORKERS' is not a positive whole number; use e.g. 2" >&2
+  exit 2
+fi
 start=$SECONDS
-"$PY" -m pytest -q "${MARK[@]}" "$@"
+rc=0
+if (($#)); then
+  echo "[check] pytest ${MARK[*]:-} $*" >&2
+  "$PY" -m pytest -q "${MARK[@]}" "$@" || rc=$?
+else
+  # Both calls run even when the first fails, so one CI run reports every failure.
+  echo "[check] pytest ${MARK[*]:-} tests/unit on $WORKERS workers" >&2
+  "$PY" -m pytest -q -n "$WORKERS" "${MARK[@]}" tests/unit || rc=$?
+  unit=$((SECONDS - start))
+  echo "[check] pytest ${MARK[*]:-} tests/distributed tests/fakecuda tests/gpu, one at a time" >&2
+  "$PY" -m pytest -q "${MARK[@]}" tests/distributed tests/fakecuda tests/gpu || rc=$?
+  echo "[check] tests/unit took $((unit / 60)) min $((unit % 60)) s" >&2
+fi
 echo "[check] pytest took $(((SECONDS - start) / 60)) min $(((SECONDS - start) % 60)) s" >&2
+exit "$rc"

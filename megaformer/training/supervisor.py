@@ -126,6 +126,7 @@ class Supervisor:
         self.child: subprocess.Popen | None = None
         self.stop_deadline: float | None = None
         self.unseen: tuple[signal.Signals, signal.Signals, float] | None = None
+        self.stop_sent = False  # the ranks have the stop signal: a later one is not sent again
 
     def _forward(self, signum: int, frame: object = None) -> None:
         if getattr(self, "_forwarding", False):
@@ -142,6 +143,11 @@ class Supervisor:
         if self.stop_deadline is None and received != signal.SIGUSR1:
             self.stop_deadline = time.monotonic() + self.stop_timeout_s
         if self.child is None or self.child.poll() is not None:
+            return
+        if self.stop_sent and received != signal.SIGUSR1:
+            # timeout's second SIGTERM after the first was handled (a loaded machine spaces them),
+            # or a second Ctrl-C: the ranks are saving; the stop deadline still holds
+            _log(f"{received.name} again: the ranks already have the stop signal")
             return
         ranks = _rank_processes(self.child.pid)
         if not ranks:
@@ -160,6 +166,7 @@ class Supervisor:
         for proc in ranks:
             with contextlib.suppress(Exception):  # a rank that has just exited
                 proc.send_signal(sent)
+        self.stop_sent = self.stop_sent or sent != signal.SIGUSR1
 
     def _settle_unseen(self) -> None:
         """A stop signal found no ranks ``UNSEEN_GRACE_S`` ago and the launcher still runs: send it

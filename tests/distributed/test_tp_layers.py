@@ -12,6 +12,7 @@ import importlib.util
 import os
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -553,5 +554,6 @@ def test_tp2_every_layer_and_the_model_equal_their_unsharded_versions():
     _spawn(2, list(CHECKS))
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: outside `scripts/check.sh --fast`
 def test_tp4_every_layer_and_the_model_equal_their_unsharded_versions():
     _spawn(4, list(CHECKS))

@@ -12,9 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: outside `scripts/check.sh --fast`
 def test_gpu_check_smoke_writes_measurements_beside_predictions_in_the_out_folder(shim, tmp_path):
     out = tmp_path / "OUT"
     out.mkdir()

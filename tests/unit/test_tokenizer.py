@@ -46,6 +46,7 @@ def test_edge_cases_match_reference(gpt2_tokenizer, hf_gpt2):
         assert gpt2_tokenizer.decode(ids) == text
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: outside `scripts/check.sh --fast`
 def test_whole_gutenberg_corpus_matches_reference(shared_data, gpt2_tokenizer, hf_gpt2):
     books = sorted((shared_data / "gutenberg-novels").glob("*.txt.xz"))
     assert len(books) == 21

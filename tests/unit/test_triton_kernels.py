@@ -392,6 +392,7 @@ def _interpreter_here(request):
         pytest.skip("Triton was imported before its interpreter could be chosen: test_in_a_fresh_process")
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: outside `scripts/check.sh --fast`
 def test_in_a_fresh_process():
     """This module's tests, run in a new pytest process under Triton's interpreter, where this one
     could not choose it."""

@@ -22,6 +22,7 @@ from tests.support.triton_interpreter import ROOT
 pytest.importorskip("triton", reason="Triton is not installed (requirements-dev.txt pins triton==3.6.0)")
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: outside `scripts/check.sh --fast`
 def test_every_kernel_compiles_for_sm90_without_spills():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(

@@ -144,6 +144,7 @@ def test_directory_of_task_yamls(gpt2_export, tmp_path):
     assert all(t["n"] == 2 and t["num_fewshot"] == 0 for t in tasks.values())
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: outside `scripts/check.sh --fast`
 def test_group_yaml_runs_its_tasks_and_aggregate(gpt2_export, tmp_path):
     """A group YAML by its path (lm_eval 0.4.13 cannot load one by path: it is run by its name, its
     directory searched for the members), with lm_eval's aggregate row and its standard error."""
@@ -306,6 +307,7 @@ def test_field_missing_after_process_docs_is_traced_to_its_record(gpt2_export, t
     assert "Traceback" not in err
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: outside `scripts/check.sh --fast`
 def test_unknown_task_name_says_the_close_ones(gpt2_export, capsys):
     _, _, export = gpt2_export
     rc, _ = run(["--hf-model", str(export), "--tasks", "pica"])
@@ -325,6 +327,7 @@ def test_lm_eval_model_is_an_entry_point_with_a_command():
     assert script.value == "megaformer.tools.lm_eval_cli:main"
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: outside `scripts/check.sh --fast`
 def test_registering_megaformer_keeps_lm_evals_own_models():
     """Importing zero_shot first (which registers ``megaformer``) used to leave lm_eval's registry
     non-empty without its own models, so ``get_model('hf')`` failed; and registering over the

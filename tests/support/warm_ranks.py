@@ -1,0 +1,116 @@
+"""Ranks of ``python -m megaformer.train`` forked from a warm interpreter, for the tests' run_ranks.
+
+A rank's start-up is mostly imports: torch, DeepSpeed, torch._dynamo (which every torch optimizer
+imports on construction) and the trainer take 3.5-4 s of CPU per rank on the 2-core CI machine, paid
+twice per launch and by most of the ~100 launches of the multi-process tier. Here one server process
+(multiprocessing's fork server) imports them once per test session; each rank is a fresh fork of it
+(a new process: its own pid, file descriptors, signal handlers, process group and generator
+states) that then runs :func:`megaformer.train.main` with the job's argv, environment and working
+directory, as ``python -u -m megaformer.train`` would. What the fork skips is only the imports.
+
+What a fork cannot reproduce, and how the tests are kept out of it:
+
+* Environment read at interpreter start or at import (``PYTHONPATH``'s ``sitecustomize``, e.g. the
+  CPU fp16 shim; OpenMP's thread count): a job whose environment differs from the server's in any
+  of :data:`STARTUP_ENV` runs in fresh processes instead (:func:`can_fork`); the thread count is set
+  with ``torch.set_num_threads`` from the job's ``OMP_NUM_THREADS`` (what OpenMP reads at start).
+* ``MEGAFORMER_TEST_FRESH_RANKS=1`` turns the fork server off for a whole session (every rank a
+  fresh interpreter), to rule it out when a test fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import multiprocessing
+import os
+import sys
+from collections.abc import Iterator
+
+PRELOAD = [
+    "megaformer.train",
+    "megaformer.training.trainer",
+    "torch._dynamo",  # imported by every torch.optim optimizer's constructor (1 s per process)
+    "torch.utils.tensorboard",
+    "deepspeed.runtime.engine",
+    "deepspeed.runtime.zero.stage_1_and_2",
+    "deepspeed.runtime.pipe.engine",
+]
+"""Imported once by the fork server: what a rank imports before its first step."""
+
+STARTUP_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH", "LD_PRELOAD", "DS_ACCELERATOR", "PYTHONHASHSEED")
+"""Variables read when an interpreter starts or DeepSpeed is imported: a job that sets them
+differently from the server's environment runs in fresh processes."""
+
+_server_env: dict[str, str] | None = None
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]) -> Iterator[None]:
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def fresh_ranks_only() -> bool:
+    """True under ``MEGAFORMER_TEST_FRESH_RANKS=1``: every rank a new interpreter."""
+    return os.environ.get("MEGAFORMER_TEST_FRESH_RANKS", "") not in ("", "0")
+
+
+def can_fork(env: dict[str, str]) -> bool:
+    """Whether a rank with environment ``env`` can be forked from the server: the server is not
+    switched off and ``env`` agrees with the server's on every :data:`STARTUP_ENV` variable (the
+    first job's environment starts the server, so the first job always can)."""
+    if fresh_ranks_only():
+        return False
+    if _server_env is None:
+        return True
+    return all(env.get(k) == _server_env.get(k) for k in STARTUP_ENV)
+
+
+def _rank_main(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
+    """The forked rank: the job's directory, environment and output files, then the trainer's
+    ``main`` (which leaves through ``os._exit``; an exception exits 1 with its traceback)."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, out), (2, err)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    # unbuffered, as `python -u`: the text reaches the file even if the rank is killed
+    sys.stdout = io.TextIOWrapper(open(1, "wb", closefd=False), write_through=True)  # noqa: SIM115
+    sys.stderr = io.TextIOWrapper(open(2, "wb", closefd=False), write_through=True)  # noqa: SIM115
+    import torch
+
+    # OpenMP read OMP_NUM_THREADS when the server imported torch; the job's value, as a fresh
+    # interpreter would have read it
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    sys.argv = ["megaformer/train.py", *argv]
+    from megaformer.train import main
+
+    main(argv)
+
+
+def start_rank(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str):
+    """Fork one rank from the warm server (started on first use, with ``env`` as its environment).
+
+    Returns the started ``multiprocessing.Process`` (``exitcode``: the rank's exit status, negative
+    for a signal, as ``Popen.returncode``)."""
+    global _server_env
+    ctx = multiprocessing.get_context("forkserver")
+    proc = ctx.Process(target=_rank_main, args=(argv, env, cwd, out, err), daemon=False)
+    if _server_env is None:
+        ctx.set_forkserver_preload(PRELOAD)
+        server_env = {k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK")}
+        with _environ(server_env):  # the server keeps the environment it starts with
+            proc.start()
+        _server_env = server_env
+    else:
+        proc.start()
+    return proc
