@@ -140,6 +140,7 @@ def _spawn(names: list[str]) -> None:
     mp.spawn(_worker, args=(free_port(), names), nprocs=2, join=True)
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: outside `scripts/check.sh --fast`
 def test_normformer_block_at_tp2_with_sequence_parallelism_and_dropout_is_one_graph():
     _spawn(["one_graph", "regions"])
 

@@ -550,6 +550,7 @@ def _spawn(world_size: int, names: list[str]) -> None:
 # runs several checks; a failure's traceback names the check.
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: outside `scripts/check.sh --fast`
 def test_tp2_every_layer_and_the_model_equal_their_unsharded_versions():
     _spawn(2, list(CHECKS))
 

@@ -12,6 +12,7 @@ SMALL = "configs/normformer-quickstart.yaml"
 BF16 = ["train.precision=bf16", "train.deepspeed_config=configs/deepspeed/paper-bf16-a100.json"]
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: outside `scripts/check.sh --fast`
 def test_planted_cpu_collective_and_host_sync_in_forward_are_reported_with_file_and_line(shim):
     report = run_session(
         SMALL, BF16, world_size=2, rank=0, gpu="a100-80gb", strict_nccl=False,
@@ -31,6 +32,7 @@ def test_planted_cpu_collective_and_host_sync_in_forward_are_reported_with_file_
     )
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: outside `scripts/check.sh --fast`
 def test_strict_nccl_stops_at_the_planted_cpu_collective(shim):
     report = run_session(
         SMALL, BF16, world_size=2, rank=0, gpu="a100-80gb", setup_modules=["tests.fakecuda.planted"]

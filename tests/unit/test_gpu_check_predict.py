@@ -312,6 +312,7 @@ def test_script_estimate_prints_the_default_case_list():
     assert proc.stdout.count("ZeRO 1 none") == 6 and "total on one H200 (estimate)" in proc.stdout
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: outside `scripts/check.sh --fast`
 def test_script_writes_inside_the_out_folder_and_says_when_there_is_no_gpu(tmp_path):
     """The device's $OUT is a folder: the log goes inside it and nothing beside it (the script
     before 2026-11-28 wrote ${OUT}_bench.json next to the folder). Without CUDA: exit 1, the fix named."""

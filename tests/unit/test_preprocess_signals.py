@@ -114,6 +114,7 @@ def _stop_and_check(proc: subprocess.Popen, out_dir: Path, signum: int, *, group
 MOMENTS = ["0.2s", "0.5s", "workers starting", "1.0s", "mid-run"]
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: outside `scripts/check.sh --fast`
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_stop_signal_to_the_process_group_at_any_moment(tmp_path, novels_corpus, gpt2_flags, signum):
     inputs = novels_corpus(tmp_path / "inputs", 10)

@@ -61,6 +61,7 @@ def test_mfu_is_compute_meters_definition():
     assert 0.2 < st.mfu < 0.7
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: outside `scripts/check.sh --fast`
 def test_terms_follow_the_layout():
     cfg = _cfg("configs/normformer-2.7b-3d-a100.yaml")
     st = predict(cfg, DEVICE_SPECS["a100-80gb"], 64)
