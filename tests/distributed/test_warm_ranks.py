@@ -1,0 +1,36 @@
+"""The tests' ranks forked from a warm interpreter (:mod:`tests.support.warm_ranks`, used by
+``run_ranks``) train exactly as new interpreters do: the same run both ways gives the same untimed
+TensorBoard scalars, bit for bit (dropout on, so every generator state counts; two evaluations), as
+``scripts/fingerprint_runs.py`` compares them. This is what lets the multi-process tier trust the
+forks."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+from tests.distributed.conftest import LIFECYCLE_TINY, REPO, run_ranks
+from tests.support import warm_ranks
+
+pytestmark = pytest.mark.slow  # two multi-process training runs: outside `scripts/check.sh --fast`
+
+CONFIG = "configs/normformer-quickstart.yaml"
+_spec = importlib.util.spec_from_file_location("fingerprint_runs", REPO / "scripts" / "fingerprint_runs.py")
+fingerprint_runs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fingerprint_runs)
+
+
+def test_forked_ranks_train_bitwise_as_new_interpreters(gutenberg_prefix, tmp_path, monkeypatch):
+    overrides = [*LIFECYCLE_TINY, f"data.prefix={gutenberg_prefix}", "train.steps=8", "train.eval_interval=4"]
+    warm = run_ranks(CONFIG, [*overrides, f"output.dir={tmp_path / 'warm'}"])
+    monkeypatch.setenv("MEGAFORMER_TEST_FRESH_RANKS", "1")
+    assert not warm_ranks.can_fork(dict(os.environ))
+    fresh = run_ranks(CONFIG, [*overrides, f"output.dir={tmp_path / 'fresh'}"])
+    assert warm.returncode == 0 and fresh.returncode == 0, warm.stderr[-3000:] + fresh.stderr[-3000:]
+    assert warm.forked and not fresh.forked
+    got = fingerprint_runs.scalars(tmp_path / "warm" / "tensorboard")
+    want = fingerprint_runs.scalars(tmp_path / "fresh" / "tensorboard")
+    assert {"train/loss", "train/grad_norm", "valid/loss"} <= set(want), sorted(want)
+    assert len(want["train/loss"]) == 8 and got == want
