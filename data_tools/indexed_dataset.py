@@ -26,7 +26,7 @@ import array
 import contextlib
 import os
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +42,8 @@ __all__ = [
     "DataFormatError",
     "IndexedDataset",
     "IndexedDatasetWriter",
+    "open_dataset",
+    "opened_once",
     "optimal_dtype",
 ]
 
@@ -522,3 +524,39 @@ class IndexedDataset:
         ends = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(lengths, dtype=np.int64, out=ends[1:])
         return (ends[docs[1:]] - ends[docs[:-1]]).astype(dtype, copy=False)
+
+
+_opened: dict[str, IndexedDataset] | None = None  # the datasets of the innermost opened_once block
+
+
+@contextlib.contextmanager
+def opened_once() -> Iterator[None]:
+    """A block (a training run: :func:`megaformer.training.trainer.train`) in which
+    :func:`open_dataset` opens and checks each dataset once: the preflight, the data checks, the
+    held-out split and the sample indices then share one memory-mapped :class:`IndexedDataset`
+    instead of re-reading and re-validating the index each time. Outside any block every call opens
+    the files afresh (a file rewritten between two calls is always seen). Nested blocks share the
+    outer one's datasets."""
+    global _opened
+    outer = _opened
+    _opened = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _opened = outer
+
+
+def open_dataset(prefix: str | os.PathLike[str]) -> IndexedDataset:
+    """``IndexedDataset(prefix)``, opened once per :func:`opened_once` block (keyed by the prefix's
+    real path); the same checks and errors as the constructor on the first open.
+
+    Raises:
+        FileNotFoundError, DataFormatError: as :class:`IndexedDataset`.
+    """
+    if _opened is None:
+        return IndexedDataset(prefix)
+    key = os.path.realpath(os.fspath(prefix))
+    dataset = _opened.get(key)
+    if dataset is None:
+        dataset = _opened[key] = IndexedDataset(prefix)
+    return dataset

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from data_tools.blend import apportion, blend_indices, check_prefixes, parse_blend
-from data_tools.indexed_dataset import DataFormatError, IndexedDataset
+from data_tools.indexed_dataset import DataFormatError, IndexedDataset, open_dataset
 from data_tools.sample_index import build_sample_index, load_or_build, split_documents
 from data_tools.stats import mixture_unigram_entropy, read_stats
 
@@ -174,7 +174,7 @@ def _split_one(
     Raises:
         DataFormatError: its held-out documents hold fewer than ``n_valid`` samples.
     """
-    dataset = IndexedDataset(path)
+    dataset = open_dataset(path)
     lengths = dataset.document_lengths(np.int64)
     train_ids, valid_ids = split_documents(len(lengths), valid_fraction, split_seed)
     valid_tokens = int(lengths[valid_ids].sum())

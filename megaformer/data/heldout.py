@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from data_tools.blend import apportion, blend_indices
-from data_tools.indexed_dataset import DataFormatError, IndexedDataset
+from data_tools.indexed_dataset import DataFormatError, IndexedDataset, open_dataset
 from data_tools.sample_index import load_or_build
 from megaformer.config.load import parse_split
 from megaformer.data.gpt_dataset import BlendedSamples, GPTSamples
@@ -62,7 +62,7 @@ def ordered_samples(
     Raises:
         DataFormatError: fewer tokens than ``num_samples`` samples need (names ``key`` and the fix).
     """
-    dataset = IndexedDataset(prefix)
+    dataset = open_dataset(prefix)
     lengths = dataset.document_lengths(np.int64)
     ids = np.arange(len(lengths), dtype=np.int64) if doc_ids is None else doc_ids
     tokens = int(lengths[ids].sum())
@@ -120,7 +120,7 @@ def _train_samples(
         "index_cache_builds": 0,
     }
     for (weight, prefix), n in zip(pairs, counts.tolist()):
-        dataset = IndexedDataset(prefix)
+        dataset = open_dataset(prefix)
         lengths = dataset.document_lengths(np.int64)
         ids = np.arange(len(lengths), dtype=np.int64) if doc_ids is None else doc_ids
         index = load_or_build(
@@ -170,7 +170,7 @@ def build_heldout_data(
                 "data.split cuts one dataset; with data.blend give data.valid_prefix instead"
             )
         prefix = pairs[0][1]
-        n = len(IndexedDataset(prefix).document_lengths(np.int64))
+        n = len(open_dataset(prefix).document_lengths(np.int64))
         train_ids, valid_ids, test_ids = split_ranges(n, parse_split(split))
         if len(train_ids) == 0 or len(valid_ids) == 0:
             raise DataFormatError(
@@ -196,7 +196,7 @@ def build_heldout_data(
         if not prefix or (ids is not None and len(ids) == 0):
             info[f"{name}_documents"], info[f"{name}_tokens"] = 0, 0
             continue
-        lengths = IndexedDataset(prefix).document_lengths(np.int64)
+        lengths = open_dataset(prefix).document_lengths(np.int64)
         ids = np.arange(len(lengths)) if ids is None else ids
         info[f"{name}_documents"], info[f"{name}_tokens"] = len(ids), int(lengths[ids].sum())
     return train, valid, test, info

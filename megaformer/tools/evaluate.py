@@ -38,9 +38,9 @@ import torch.nn.functional as F
 
 def available_samples(prefix: str, seq_len: int) -> int:
     """Samples of ``seq_len + 1`` tokens the dataset's tokens make (consecutive samples share one)."""
-    from data_tools.indexed_dataset import IndexedDataset
+    from data_tools.indexed_dataset import open_dataset
 
-    tokens = int(IndexedDataset(prefix).document_lengths(np.int64).sum())
+    tokens = int(open_dataset(prefix).document_lengths(np.int64).sum())
     return max(tokens - 1, 0) // seq_len
 
 

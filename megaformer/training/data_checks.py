@@ -20,7 +20,7 @@ import numpy as np
 
 from data_tools.blend import apportion
 from data_tools.errors import DataFormatError
-from data_tools.indexed_dataset import IndexedDataset
+from data_tools.indexed_dataset import open_dataset
 from data_tools.sample_index import split_documents
 from data_tools.stats import stats_path
 from megaformer.config import RunConfig
@@ -36,7 +36,7 @@ def scan_max_token_id(prefix: str) -> int:
     """Largest token id in ``prefix.bin`` (-1 when empty), read in chunks through a memory map
     (memory stays at one chunk whatever the dataset size)."""
 
-    ds = IndexedDataset(prefix)
+    ds = open_dataset(prefix)
     if ds.num_tokens == 0:
         return -1
     tokens = np.memmap(ds.bin_path, dtype=ds.dtype, mode="r")
@@ -123,7 +123,7 @@ def check_heldout(cfg: RunConfig, datasets: list[tuple[float, str]]) -> None:
         return
     shares = apportion([w for w, _ in datasets], needed).tolist()
     for (_, prefix), n_valid in zip(datasets, shares):
-        lengths = IndexedDataset(prefix).document_lengths(np.int64)
+        lengths = open_dataset(prefix).document_lengths(np.int64)
         _, valid_ids = split_documents(len(lengths), cfg.data.valid_fraction, cfg.split_seed)
         tokens = int(lengths[valid_ids].sum())
         have = max(tokens - 1, 0) // seq_len
@@ -153,13 +153,13 @@ def _check_separate_heldout(cfg: RunConfig, needed: int) -> None:
         if getattr(cfg.data, key):
             checks.append((f"data.{key}", getattr(cfg.data, key), None))
     if cfg.data.split:
-        n_docs = len(IndexedDataset(cfg.data.prefix).document_lengths(np.int64))
+        n_docs = len(open_dataset(cfg.data.prefix).document_lengths(np.int64))
         _, valid_ids, test_ids = split_ranges(n_docs, parse_split(cfg.data.split))
         for name, ids in (("validation", valid_ids), ("test", test_ids)):
             if len(ids):
                 checks.append((f"data.split={cfg.data.split!r} ({name} range)", cfg.data.prefix, ids))
     for key, prefix, ids in checks:
-        lengths = IndexedDataset(prefix).document_lengths(np.int64)
+        lengths = open_dataset(prefix).document_lengths(np.int64)
         chosen = lengths if ids is None else lengths[ids]
         tokens = int(chosen.sum())
         have = max(tokens - 1, 0) // seq_len

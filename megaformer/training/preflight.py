@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from data_tools.blend import parse_blend
 from data_tools.errors import DataFormatError
-from data_tools.indexed_dataset import IndexedDataset
+from data_tools.indexed_dataset import open_dataset
 from data_tools.stats import read_stats
 from megaformer.checkpoint.integrity import (
     NEEDS_ALL,
@@ -180,7 +180,7 @@ def check_dataset(prefix: str, cfg: RunConfig, key: str | None = None):
             "python -m data_tools.preprocess --output-prefix ... (the prefix ends in _text_document) "
             "or fix the path"
         )
-    IndexedDataset(prefix)  # header, index and .bin size checks (DataFormatError naming the file)
+    open_dataset(prefix)  # header, index and .bin size checks (DataFormatError naming the file)
     stats = read_stats(prefix)
     check_token_ids(prefix, stats, cfg)  # the sidecar's largest id, or a scan if it is older
     eod = cfg.data.eod_token

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from data_tools.files import atomic_write_json
+from data_tools.indexed_dataset import opened_once
 from megaformer.checkpoint import integrity as ckpt_integrity
 from megaformer.checkpoint.manager import CheckpointManager, init_weights_from, saved_param_order
 from megaformer.config import RunConfig, to_dict
@@ -434,6 +435,13 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         DataFormatError: a missing or corrupt dataset, or one that does not fit the model
             (before any process group starts).
     """
+    # each dataset opened and checked once in the run: the preflight, the data checks, the held-out
+    # split and the sample indices share it (they reopened it 11 times)
+    with opened_once():
+        return _train(cfg)
+
+
+def _train(cfg: RunConfig) -> dict[str, Any]:
     t = cfg.train
     stop = StopCheck(t.exit_signals, t.exit_duration_mins)  # first: a signal during start-up counts
     preflight = run_preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # no process group yet

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import pickle
+import re
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +16,8 @@ from data_tools.indexed_dataset import (
     DataFormatError,
     IndexedDataset,
     IndexedDatasetWriter,
+    open_dataset,
+    opened_once,
     optimal_dtype,
 )
 
@@ -208,3 +213,42 @@ def test_document_indices_not_monotone(good):
     _expect_error(good, "ds.idx", "expected non-decreasing document indices", "found 1 then 0")
     _patch(good.with_suffix(".idx"), 34 + 12 * 4 + 8 * 4, struct.pack("<q", 3))  # last 3 != N
     _expect_error(good, "ds.idx", "expected document indices from 0 to 4", "last 3")
+
+
+def test_open_dataset_opens_once_per_block_and_afresh_outside(tmp_path, monkeypatch):
+    """A run (trainer.train) opens each dataset once: inside ``opened_once`` every open_dataset of a
+    prefix (however spelled) is the same checked dataset; outside, each call opens the files again,
+    so a file rewritten between two calls is seen."""
+    prefix = tmp_path / "d"
+    _write(prefix)
+    opened = []
+    real_init = IndexedDataset.__init__
+
+    def counted(self, p):
+        opened.append(os.fspath(p))
+        real_init(self, p)
+
+    monkeypatch.setattr(IndexedDataset, "__init__", counted)
+    assert open_dataset(prefix) is not open_dataset(prefix) and len(opened) == 2
+    with opened_once():
+        first = open_dataset(prefix)
+        with opened_once():  # nested: the run's block
+            assert open_dataset(str(prefix)) is first
+        assert open_dataset(tmp_path / "." / "d") is first
+    assert len(opened) == 3
+    _patch(prefix.with_suffix(".idx"), 0, b"XXXX")  # damaged after the block: seen at once
+    with pytest.raises(DataFormatError, match="magic"):
+        open_dataset(prefix)
+
+
+def test_the_training_code_opens_datasets_through_open_dataset():
+    """Every open on a run's path goes through open_dataset, so ``opened_once`` covers all of them
+    (the preflight, data checks, held-out split and sample indices reopened the index 11 times)."""
+    root = Path(__file__).resolve().parents[2] / "megaformer"
+    direct = [
+        f"{path.relative_to(root.parent)}:{n}"
+        for path in sorted(root.rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"(?<![\w.])IndexedDataset\(", line)
+    ]
+    assert direct == []
