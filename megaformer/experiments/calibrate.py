@@ -58,7 +58,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from data_tools.files import atomic_write_json
+from megaformer.experiments import launcher
 from megaformer.experiments.launcher import launch_run
+from megaformer.experiments.provenance import code_version, differences, run_request
+from megaformer.experiments.scalars import read_tb_dir
 
 
 @dataclass
@@ -184,8 +188,6 @@ def round_order(names: list[str], r: int) -> list[str]:
 
 def _scalars(tb_dir: str, tag: str) -> dict[int, float]:
     """``{step: value}`` of one tag of a run's TensorBoard events, or of its ``scalars.json.gz``."""
-    from megaformer.experiments.scalars import read_tb_dir
-
     scalars = read_tb_dir(tb_dir)
     if tag not in scalars:
         raise ValueError(f"{tb_dir}: no '{tag}' scalars; was it written by megaformer.train?")
@@ -243,8 +245,6 @@ def interleaved_step_times(
     Raises:
         RuntimeError: the job failed; names its log.
     """
-    from data_tools.files import atomic_write_json
-    from megaformer.experiments.launcher import launch_module
 
     out_dir.mkdir(parents=True, exist_ok=True)
     fixed = timing_overrides(warmup, rounds * steps_per_turn)
@@ -261,7 +261,7 @@ def interleaved_step_times(
     atomic_write_json(out_dir / "spec.json", spec)
     print(f"[{tag}] calibration: {len(runs)} configs in one job, {rounds} rounds of {steps_per_turn} step(s) "
           f"each, interleaved (log: {out_dir / 'step_timing.log'})", flush=True)  # fmt: skip
-    launch_module(
+    launcher.launch_module(
         "megaformer.experiments.step_timing", out_dir / "spec.json", out_dir / "step_timing.log", nproc
     )
     return summarize_turns(json.loads((out_dir / "turns.json").read_text())["turns"], list(runs), tag)
@@ -572,8 +572,6 @@ def load_or_calibrate(
     (to measure the calibration's own noise). A reused calibration is re-checked on this machine
     first (:func:`recheck`, ``recheck_rounds`` rounds of launches; 0: not re-checked).
     ``interleaved``: ``(rounds, steps_per_turn)`` of the step-interleaved job (0 rounds: none)."""
-    from data_tools.files import atomic_write_json
-    from megaformer.experiments.provenance import differences
 
     path = out_dir / "calibration.json"
     asked = {
@@ -709,8 +707,6 @@ def calibrate_runs(
     Raises:
         ValueError: ``recheck_rounds`` is 1 or negative (before anything is launched).
     """
-    from megaformer.experiments.provenance import code_version, run_request
-
     root.mkdir(parents=True, exist_ok=True)
     cal = {
         "rounds": 4,

@@ -46,10 +46,13 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+from data_tools.files import atomic_write_json
 from megaformer.config import ConfigError, load_config, to_dict
+from megaformer.experiments import calibrate
 from megaformer.experiments.calibrate import Timing, noise_warnings
 from megaformer.experiments.launcher import launch_run
 from megaformer.experiments.provenance import differences, run_request
+from megaformer.experiments.scalars import read_tb_dir
 from megaformer.experiments.seeds import PAPER_EFFECT, seed_groups, seed_summary, seed_table
 
 
@@ -65,8 +68,6 @@ def valid_curve(tb_dir: str) -> list[tuple[int, float, float]]:
             ``ValueError`` too.
         ValueError: the run holds no ``valid/loss`` or no ``train/device_hours`` scalars.
     """
-    from megaformer.experiments.scalars import read_tb_dir
-
     scalars = read_tb_dir(tb_dir)
     for tag in ("valid/loss", "train/device_hours"):
         if tag not in scalars:
@@ -341,8 +342,6 @@ def train_one(
         RuntimeError: the launch failed (names the config and the log file).
         ConfigError: a bad override (names it).
     """
-    from data_tools.files import atomic_write_json
-
     args = [
         *overrides,
         *run_args,
@@ -433,11 +432,9 @@ def compare(
     Returns:
         The table's rows (baseline first).
     """
-    from megaformer.experiments.calibrate import calibrate_runs
-
     root = Path(output_dir)
     by_name = dict(zip(names, configs))
-    timings, cal, code = calibrate_runs(
+    timings, cal, code = calibrate.calibrate_runs(
         by_name, overrides, root, nproc, calibration, "compare", share_calibration
     )
     sequence = run_order(names, order, order_seed)

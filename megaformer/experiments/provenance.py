@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from data_tools.blend import parse_blend
 from megaformer.config.load import load_config, to_dict
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,8 +39,6 @@ def data_fingerprint(resolved: dict[str, Any]) -> dict[str, dict[str, Any]]:
     (``data.prefix`` or the blend's, and the held-out prefixes); ``idx_sha256`` digests the first
     and last 4 MiB of the ``.idx`` (header, sizes, document index), so a re-tokenised corpus
     differs without the whole ``.bin`` being read. A missing file is recorded as missing."""
-    from data_tools.blend import parse_blend
-
     data = resolved["data"]
     prefixes = [p for _, p in parse_blend(data["blend"])] if data.get("blend") else [data["prefix"]]
     prefixes += [data[k] for k in ("valid_prefix", "test_prefix") if data.get(k)]

@@ -38,6 +38,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from data_tools.errors import DataFormatError
+from data_tools.files import atomic_write_json
+from megaformer.config import ConfigError, load_config
+from megaformer.experiments.calibrate import round_order
+from megaformer.parallel.layout import log
+from megaformer.training.builders import build_data, build_layout
+from megaformer.training.distributed import finish
+from megaformer.training.preflight import run_preflight
+from megaformer.training.trainer import build_engine, train_batches
+
 SPEC_KEYS = {"runs", "warmup_steps", "rounds", "steps_per_turn", "output"}
 
 
@@ -68,9 +81,6 @@ class _Stepper:
     """One config's engine and micro-batch stream in the shared processes."""
 
     def __init__(self, cfg: Any, layout: Any, preflight: Any) -> None:
-        from megaformer.training.builders import build_data
-        from megaformer.training.trainer import build_engine, train_batches
-
         data = build_data(cfg, layout, preflight.stats, preflight.datasets)
         self.engine = build_engine(cfg, layout, preflight.dp_size, None)[0]
         self.engine.apply_schedule()
@@ -87,18 +97,12 @@ class _Stepper:
     def sync(self, loss: Any) -> None:
         """Wait for the device (on CPU the step's all-reduce has already waited)."""
         if self.device.type == "cuda":
-            import torch
-
             torch.cuda.synchronize(self.device)
         del loss
 
 
 def _build(spec: dict[str, Any], world_size: int) -> tuple[Any, dict[str, _Stepper]]:
     """Load and preflight every config (before any process group), then build the engines."""
-    from megaformer.config import ConfigError, load_config
-    from megaformer.training.builders import build_layout
-    from megaformer.training.preflight import run_preflight
-
     cfgs = {n: load_config(r["config"], r["overrides"]) for n, r in spec["runs"].items()}
     preflights = {n: run_preflight(c, world_size) for n, c in cfgs.items()}
     first = next(iter(cfgs))
@@ -115,11 +119,6 @@ def _build(spec: dict[str, Any], world_size: int) -> tuple[Any, dict[str, _Stepp
 
 def run(spec: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
     """Build every config and time their interleaved turns; returns the turns (every rank)."""
-    import torch.distributed as dist
-
-    from megaformer.experiments.calibrate import round_order
-    from megaformer.parallel.layout import log
-
     layout, steppers = _build(spec, world_size)
     names = list(steppers)
     for name in names:
@@ -144,11 +143,6 @@ def run(spec: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> None:
     """``python -m megaformer.experiments.step_timing SPEC.json`` on every rank (see the module
     docstring); the launcher's ``--local_rank`` is ignored."""
-    from data_tools.errors import DataFormatError
-    from data_tools.files import atomic_write_json
-    from megaformer.config import ConfigError
-    from megaformer.training.distributed import finish
-
     args = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("--local")]
     try:
         spec = read_spec(args[0] if args else "")

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from megaformer.config import ConfigError
+from megaformer.config.load import load_config, to_dict
 from megaformer.experiments.calibrate import calibrate_runs
 from megaformer.experiments.compare import add_calibration_args, calibration_settings, train_one
 
@@ -177,8 +178,6 @@ def write_best_config(config: str, overrides: Sequence[str], row: dict, path: Pa
     """The scheme's config at its best cell, every override resolved, as YAML that ``compare`` and
     ``launch/pretrain.sh`` take (checked by loading it back)."""
     import yaml
-
-    from megaformer.config.load import load_config, to_dict
 
     best = [f"train.lr={row['lr']:g}"] + (
         [] if row["warmup"] is None else [f"train.warmup_steps={row['warmup']}"]

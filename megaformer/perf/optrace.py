@@ -63,6 +63,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from megaformer.config.schema import ModelConfig
 from megaformer.perf.costs import (
     collective_time,
     formula_block_costs,
@@ -72,6 +73,8 @@ from megaformer.perf.costs import (
     ring_gather_bytes,
 )
 from megaformer.perf.devices import DeviceSpec
+from megaformer.perf.fakecuda.build import ShimUnavailableError, build_shim
+from megaformer.perf.fakecuda.launch import ROOT, fake_cuda_env
 
 GEMM_OPS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.")
 """Name prefixes (``str(OpOverload)``) of the matmul ops ``F.linear`` / ``matmul`` lower to."""
@@ -241,7 +244,6 @@ def available() -> bool:
     """Whether a trace can be taken here: the shim builds (a C++ compiler and torch's headers; cached
     after the first build, about 2 s). Where it cannot, use the formula
     (:func:`megaformer.perf.costs.formula_block_costs`)."""
-    from megaformer.perf.fakecuda.build import ShimUnavailableError, build_shim
 
     try:
         build_shim()
@@ -282,7 +284,6 @@ def _trace_cached(key: TraceKey) -> BlockTrace:
 
 def _run_child(keys: list[TraceKey]) -> list[BlockTrace]:
     """Trace ``keys`` (one TP size) in a fake-CUDA child process (:func:`main`)."""
-    from megaformer.perf.fakecuda.launch import ROOT, fake_cuda_env
 
     with tempfile.TemporaryDirectory(prefix="megaformer-optrace-") as tmp:
         request, out = os.path.join(tmp, "request.json"), os.path.join(tmp, "traces.json")
@@ -418,6 +419,7 @@ def _recorder() -> Any:
     """The run's :class:`~megaformer.perf.fakecuda.runtime.Audit` (host reads answered, the small integer
     tensors DeepSpeed's partitioned checkpoints read back kept, NCCL's device rule) that also
     appends an :class:`OpRecord` per op to ``.ops`` in phase ``.phase``."""
+    # lazy: only the trace's fake-CUDA child uses it; the planner's process loads no fake runtime
     from megaformer.perf.fakecuda.runtime import Audit
 
     class Recorder(Audit):
@@ -497,7 +499,6 @@ class _TensorIds:
 
 
 def _model_config(key: TraceKey) -> Any:
-    from megaformer.config.schema import ModelConfig
 
     return ModelConfig(**dict(key.model))
 
@@ -507,6 +508,7 @@ def _build_block(key: TraceKey, tp_group: Any, mpu: Any) -> tuple[Any, Any]:
     it as the trainer does: ``run(x) -> y`` (checkpointed under full recompute)."""
     import torch
 
+    # lazy: only the trace's fake-CUDA child builds the block; the planner's process builds no model
     from megaformer.model.normformer import NormFormerBlock
     from megaformer.parallel.rng import DropoutRNG
 
@@ -527,6 +529,7 @@ def _build_block(key: TraceKey, tp_group: Any, mpu: Any) -> tuple[Any, Any]:
         block.recompute_core_attention = True
     if key.recompute != "full":
         return block, block
+    # lazy: only the trace's fake-CUDA child uses it; the planner's process loads no fake runtime
     from megaformer.pipeline import checkpointed, configure_recompute
 
     configure_recompute(mpu, partition_activations=tp_group is not None and not key.sequence_parallel)
@@ -574,6 +577,7 @@ def _process_group(tp: int, deepspeed_comm: bool) -> tuple[Any, Any]:
     ``deepspeed_comm`` (its activation checkpointing asks ``deepspeed.comm`` for the rank)."""
     import torch.distributed as dist
 
+    # lazy: only the trace's fake-CUDA child uses it; the planner's process loads no fake runtime
     from megaformer.parallel.state import ParallelState
     from megaformer.perf.fakecuda.runtime import init_fake_process_group
 
@@ -593,6 +597,7 @@ def _process_group(tp: int, deepspeed_comm: bool) -> tuple[Any, Any]:
 
 def _child(keys: list[TraceKey]) -> list[BlockTrace]:
     """Trace ``keys`` (all one TP size) in this fake-CUDA process."""
+    # lazy: only the trace's fake-CUDA child uses it; the planner's process loads no fake runtime
     from megaformer.perf.fakecuda.runtime import GPUS, check_shim_loaded, fake_mode, install_cuda_stubs
 
     check_shim_loaded()

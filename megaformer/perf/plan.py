@@ -71,7 +71,8 @@ from dataclasses import dataclass, replace
 
 from megaformer.config import ConfigError, load_config
 from megaformer.config.schema import ModelConfig, RunConfig
-from megaformer.training.flops import PEAK_TFLOPS, model_flops_per_token
+from megaformer.training.deepspeed_config import read_engine_json
+from megaformer.training.flops import PEAK_TFLOPS, measure_cpu_peak_flops, model_flops_per_token
 
 GIB = 1024**3
 HEADROOM = 0.8
@@ -105,8 +106,6 @@ RECIPE_DEVICES = ("v100-32gb", "a100-40gb", "a100-80gb")
 
 def cpu_device(processes_per_node: int) -> Device:
     """This machine's RAM shared by ``processes_per_node`` processes; peak = a measured fp32 matmul rate."""
-    from megaformer.training.flops import measure_cpu_peak_flops
-
     with open("/proc/meminfo") as f:
         total_kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
     return Device(
@@ -324,8 +323,6 @@ def engine_json(cfg: RunConfig) -> dict:
 
     Raises:
         ConfigError: unreadable JSON or a key the YAML owns (named)."""
-    from megaformer.training.deepspeed_config import read_engine_json
-
     return read_engine_json(cfg.train.deepspeed_config) if cfg.train.deepspeed_config else {}
 
 

@@ -115,6 +115,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from megaformer.config.schema import RunConfig
+from megaformer.perf import optrace
 from megaformer.perf.costs import (
     bubble_fraction,
     collective_time,
@@ -126,7 +127,7 @@ from megaformer.perf.costs import (
     thin_fraction,
 )
 from megaformer.perf.devices import DEVICE_SPECS, DeviceSpec, cpu_device
-from megaformer.perf.plan import engine_json
+from megaformer.perf.plan import DEVICES, Device, engine_json, immediate_grad_update, make_plan
 from megaformer.training.flops import model_flops_per_token
 
 
@@ -233,14 +234,11 @@ def block_costs(
     """
     if counts not in COUNTS:
         raise ValueError(f"counts={counts!r}: use one of {', '.join(COUNTS)}")
-    if not dev.cpu and counts != "formula":
-        from megaformer.perf import optrace
-
-        if counts == "trace" or optrace.available():
-            compiled = optrace.compiles(cfg)
-            costs = optrace.block_costs(cfg, dev, q, gpus_per_node, compiled=compiled)
-            how = "compiled block, fusion estimate" if compiled else "eager block"
-            return costs, f"fake-CUDA trace ({how})"
+    if not dev.cpu and counts != "formula" and (counts == "trace" or optrace.available()):
+        compiled = optrace.compiles(cfg)
+        costs = optrace.block_costs(cfg, dev, q, gpus_per_node, compiled=compiled)
+        how = "compiled block, fusion estimate" if compiled else "eager block"
+        return costs, f"fake-CUDA trace ({how})"
     return formula_block_costs(cfg, dev, q, gpus_per_node), "formula (eager kernels)"
 
 
@@ -398,6 +396,7 @@ def _tensors_per_layer(model: Any) -> tuple[int, int]:
     switches: a 1-layer and a 2-layer :class:`~megaformer.model.NormFormerLM`."""
     import torch
 
+    # lazy: the model, built only for this count (tiny models; the rest of the step-time model needs none)
     from megaformer.model.lm import NormFormerLM
 
     tiny = replace(
@@ -430,8 +429,6 @@ def predict(
         ConfigError: as :func:`megaformer.perf.plan.make_plan` (layout or batch does not divide).
         ValueError, ShimUnavailableError: as :func:`block_costs`.
     """
-    from megaformer.perf.plan import DEVICES, Device, immediate_grad_update, make_plan
-
     m, par, t = cfg.model, cfg.parallel, cfg.train
     mem_device = Device("cpu", 1e9, dev.peak_tflops, cpu=True) if dev.cpu else DEVICES["a100-80gb"]
     plan = make_plan(cfg, mem_device, world)

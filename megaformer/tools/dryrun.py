@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> dict:
         ConfigError: a config, layout, rank or engine JSON that cannot run (before anything starts).
         ShimUnavailableError: no compiler or torch headers to build the fake-CUDA shim.
     """
-    from megaformer.parallel.state import coords_of
+    from megaformer.parallel.state import coords_of  # lazy: torch loads after the flags are checked
     from megaformer.perf.fakecuda.expectations import verdict
     from megaformer.perf.fakecuda.gpus import GPUS
     from megaformer.perf.fakecuda.launch import run_rank_of_job
@@ -258,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     said = default_layout(args)
     if said:
         print(said, flush=True)
+    # lazy: the dry run's machinery (torch, DeepSpeed's checks) loads after the flags are checked
     from megaformer.perf.fakecuda.build import ShimUnavailableError
 
     try:

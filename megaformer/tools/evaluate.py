@@ -35,10 +35,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from data_tools.errors import DataToolsError
+from data_tools.indexed_dataset import dataset_prefix, open_dataset
+from megaformer.checkpoint.safe_load import TRUST_FLAG, CheckpointReadError
+from megaformer.config import load_config
+from megaformer.data.gpt_dataset import WHOLE_HELDOUT, build_train_valid
+from megaformer.data.heldout import ordered_samples
+from megaformer.tools.generate import load_for_generation
+
 
 def available_samples(prefix: str, seq_len: int) -> int:
     """Samples of ``seq_len + 1`` tokens the dataset's tokens make (consecutive samples share one)."""
-    from data_tools.indexed_dataset import open_dataset
 
     tokens = int(open_dataset(prefix).document_lengths(np.int64).sum())
     return max(tokens - 1, 0) // seq_len
@@ -90,8 +97,6 @@ def heldout_loss(
         DataFormatError: its dataset is missing or corrupt (the path is relative to where the run
             was launched: run from there).
     """
-    from megaformer.config import load_config
-    from megaformer.data.gpt_dataset import WHOLE_HELDOUT, build_train_valid
 
     path = os.path.join(run_dir, "config.json")
     if not os.path.isfile(path):
@@ -144,7 +149,6 @@ def dataset_loss(
     Raises:
         DataFormatError: a missing or corrupt dataset, or fewer tokens than one sample.
     """
-    from megaformer.data.heldout import ordered_samples
 
     n = available_samples(prefix, seq_len)
     if max_samples:
@@ -206,10 +210,6 @@ def _bad_args(args: argparse.Namespace) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns 0, or 2 for a bad checkpoint, dataset or flag."""
-    from data_tools.errors import DataToolsError
-    from data_tools.indexed_dataset import dataset_prefix
-    from megaformer.checkpoint.safe_load import TRUST_FLAG, CheckpointReadError
-    from megaformer.tools.generate import load_for_generation
 
     args = _parser(TRUST_FLAG).parse_args(argv)
     said = _bad_args(args)

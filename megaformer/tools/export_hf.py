@@ -50,7 +50,12 @@ from pathlib import Path
 
 import torch
 
+from megaformer.checkpoint.integrity import NEEDS_WEIGHTS, CheckpointError, verify
+from megaformer.checkpoint.reshard import consolidate, resolve_tag_dir
+from megaformer.checkpoint.safe_load import TRUST_FLAG, CheckpointReadError
 from megaformer.config.schema import ModelConfig
+from megaformer.data.mlm import BOS_ID, EOD_ID, MASK_ID, PAD_ID
+from megaformer.model.normformer import deepnorm_alpha, sinusoidal_positions
 
 REPO = Path(__file__).resolve().parents[2]
 REMOTE_CODE = Path(__file__).resolve().parent / "hf_remote"
@@ -73,7 +78,6 @@ def hf_config(config: ModelConfig) -> dict:
     """``config.json`` of the remote-code model (:mod:`megaformer.tools.hf_remote`):
     ``MegaformerForCausalLM``, or ``MegaformerForMaskedLM`` under ``model.objective`` mlm (then also
     ``objective``, no KV cache, and the special ids of :mod:`megaformer.data.mlm`)."""
-    from megaformer.model.normformer import deepnorm_alpha
 
     mlm = config.objective == "mlm"
     arch, auto = (
@@ -115,8 +119,6 @@ def hf_config(config: ModelConfig) -> dict:
         "torch_dtype": "float32",
     }
     if mlm:
-        from megaformer.data.mlm import BOS_ID, PAD_ID
-
         # Only the masked LM's config.json names its objective: the causal one stays as it was.
         cfg |= {"objective": "mlm", "use_cache": False, "bos_token_id": BOS_ID, "pad_token_id": PAD_ID}
     return cfg
@@ -218,8 +220,6 @@ def to_gpt2_state(full: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
     if config.position_embedding == "learned":
         wpe = full["tied_modules.embed.position"].float()
     else:
-        from megaformer.model.normformer import sinusoidal_positions
-
         wpe = sinusoidal_positions(config.seq_len, d)
     out = {"transformer.wte.weight": emb * scale, "transformer.wpe.weight": wpe}
     for i, p in enumerate(blocks):
@@ -257,7 +257,6 @@ def mlm_tokenizer_config(vocab_size: int, model_max_length: int | None) -> dict:
     ``<s>`` 50258 (every training block's first token), ``<pad>`` 50259, and the rows no input or
     target uses, 50260 .. ``vocab_size - 1``, as special ``madeupwordNNNN`` tokens (fairseq's name for
     the rows that pad its dictionary), so that ``len(tokenizer) == vocab_size``, the logits' width."""
-    from megaformer.data.mlm import BOS_ID, EOD_ID, MASK_ID, PAD_ID
 
     names = {EOD_ID: "<|endoftext|>", MASK_ID: "<mask>", BOS_ID: "<s>", PAD_ID: "<pad>"}
     names |= {i: f"madeupword{i - PAD_ID - 1:04d}" for i in range(PAD_ID + 1, vocab_size)}
@@ -360,8 +359,6 @@ def export(
         CheckpointError: a weights file differs from the checkpoint's manifest (names it and the newest
             intact ``global_stepN``).
     """
-    from megaformer.checkpoint.integrity import NEEDS_WEIGHTS, verify
-    from megaformer.checkpoint.reshard import consolidate, resolve_tag_dir
 
     if os.path.isdir(output) and os.listdir(output) and not overwrite:
         raise ExportError(f"{output}: exists and is not empty; pass --overwrite or another --output")
@@ -410,6 +407,7 @@ def register_auto_classes() -> None:
     edited) never run. Idempotent."""
     import transformers
 
+    # lazy: transformers loads only when the Auto classes are registered (a plain export does not need it)
     from megaformer.tools.hf_remote.configuration_megaformer import MegaformerConfig
     from megaformer.tools.hf_remote.modeling_megaformer import MegaformerForCausalLM, MegaformerForMaskedLM
 
@@ -472,8 +470,6 @@ def write_hf_dir(
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns 0, or 2 for a bad checkpoint, option or tokenizer."""
-    from megaformer.checkpoint.integrity import CheckpointError
-    from megaformer.checkpoint.safe_load import TRUST_FLAG, CheckpointReadError
 
     p = argparse.ArgumentParser(
         prog="python -m megaformer.tools.export_hf",

@@ -84,11 +84,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from data_tools.errors import DataToolsError
+from data_tools.tokenizer import build_tokenizer
+from megaformer.checkpoint.formats import model_states_name
+from megaformer.checkpoint.integrity import NEEDS_WEIGHTS, verify
+from megaformer.checkpoint.reshard import (
+    consolidate,
+    load_full,
+    resolve_tag_dir,
+    split,
+    write_module_checkpoint,
+)
+from megaformer.checkpoint.safe_load import CheckpointReadError, load_weights
 from megaformer.config.schema import ConfigError, ModelConfig
-from megaformer.data.glue import GLUE_TASKS, GlueDataError, GlueTask, score
+from megaformer.data.glue import (
+    GLUE_TASKS,
+    GlueDataError,
+    GlueTask,
+    encode_example,
+    glue_task,
+    read_glue_file,
+    score,
+    task_files,
+)
 from megaformer.data.mlm import PAD_ID
-from megaformer.model import NormFormerLM
+from megaformer.model import NormFormerLM, vocab_param_names
 from megaformer.model.normformer import padded_keys
+from megaformer.tools.generate import REPO
 
 PAPER_LR_GRID = (1e-5, 1e-4, 3e-4, 1e-3, 3e-3, 6e-3)  # NormFormer paper, Sec. 3 "Fine-Tuning"
 TABLE3_TASKS = ("CoLA", "MNLI", "MRPC", "QNLI", "QQP", "RTE", "SST-2")  # the paper's Table 3 columns
@@ -203,7 +225,6 @@ def build_classifier(
 ) -> SentenceClassifier:
     """The pretrained weights ``full`` (consolidated, :func:`megaformer.checkpoint.reshard.consolidate`)
     in a fresh model with fine-tuning dropout, plus a head seeded from ``hp.seed``."""
-    from megaformer.checkpoint.reshard import load_full
 
     ft_config = dataclasses.replace(
         config,
@@ -349,7 +370,6 @@ class BestModel:
         (for a classification task the argmax is kept as ``predictions``, a string of one digit
         per validation example, for paired comparisons of models); ``where``: ``lr``,
         ``epoch``, ``update``. Returns whether it was kept."""
-        from megaformer.model import vocab_param_names
 
         value = _rank_value(metrics[self.task.selection_metric])
         if self.value is not None and value <= self.value:
@@ -399,8 +419,6 @@ def save_best(out: str, keeper: BestModel, run_config: dict[str, Any], doc: dict
     """
     import copy
 
-    from megaformer.checkpoint.reshard import split, write_module_checkpoint
-
     assert keeper.lm_state is not None and keeper.head_state is not None, "nothing was offered"
     config = ModelConfig(**run_config["model"])
     run = copy.deepcopy(run_config)
@@ -445,11 +463,6 @@ def load_classifier(
             to ``--checkpoint`` to fine-tune it instead).
         ReshardError / CheckpointReadError / CheckpointError: see :func:`load_masked_lm`.
     """
-    from megaformer.checkpoint.formats import model_states_name
-    from megaformer.checkpoint.integrity import NEEDS_WEIGHTS, verify
-    from megaformer.checkpoint.reshard import consolidate, resolve_tag_dir
-    from megaformer.checkpoint.safe_load import load_weights
-    from megaformer.data.glue import glue_task
 
     tag_dir = resolve_tag_dir(ckpt_dir, tag)
     verify(tag_dir, needs=NEEDS_WEIGHTS)
@@ -479,7 +492,6 @@ def initial_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     from ``seed`` and the parameter's name, the same at any TP degree), in
     :func:`~megaformer.checkpoint.reshard.consolidate`'s naming (vocabulary rows cut to
     ``vocab_size``). The random-initialisation control of ``--random-init``."""
-    from megaformer.model import vocab_param_names
 
     lm = NormFormerLM(config, tp_group=None, seed=seed)
     vocab = set(vocab_param_names(config))
@@ -514,8 +526,6 @@ def load_masked_lm(
         ReshardError / CheckpointReadError / CheckpointError: see
             :func:`megaformer.tools.generate.load_for_generation`.
     """
-    from megaformer.checkpoint.integrity import NEEDS_WEIGHTS, verify
-    from megaformer.checkpoint.reshard import consolidate, resolve_tag_dir
 
     tag_dir = resolve_tag_dir(ckpt_dir, tag)
     verify(tag_dir, needs=NEEDS_WEIGHTS)
@@ -534,7 +544,6 @@ def load_masked_lm(
 
 def encode_split(examples, encode, seq_len: int) -> tuple[list[list[int]], list, int]:
     """``(token rows, labels, truncated count)`` of :class:`~megaformer.data.glue.GlueExample` s."""
-    from megaformer.data.glue import encode_example
 
     rows = [encode_example(e.texts, encode, seq_len) for e in examples]
     # A row at the limit may have been cut (or fit exactly): counted as truncated.
@@ -975,8 +984,6 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def _tokenizer(args: argparse.Namespace):
-    from data_tools.tokenizer import build_tokenizer
-    from megaformer.tools.generate import REPO
 
     return build_tokenizer(
         "GPT2BPETokenizer",
@@ -993,7 +1000,6 @@ def finetune_task(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], 
         ``(doc, keeper, run_config)``: the ``<task>.json`` document, the best model
         (:class:`BestModel`) and the checkpoint's run config (for :func:`save_best`).
     """
-    from megaformer.data.glue import glue_task, read_glue_file, task_files
 
     task = glue_task(args.task)
     train_path, valid_path = task_files(args.data, task)
@@ -1069,8 +1075,6 @@ def finetune_task(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns 0, or 2 for a bad task, data file, checkpoint or flag."""
-    from data_tools.errors import DataToolsError
-    from megaformer.checkpoint.safe_load import CheckpointReadError
 
     p = build_parser()
     args = p.parse_args(argv)

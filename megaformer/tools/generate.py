@@ -31,6 +31,7 @@ from megaformer.config.schema import TRUST_FLAG, ModelConfig
 if TYPE_CHECKING:
     import torch
 
+    # lazy: torch and the model load in the functions that use them (the module's note: --help without them)
     from megaformer.model import NormFormerLM
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,9 +51,12 @@ def load_for_generation(
         CheckpointError: a weights file differs from the manifest (a damaged optimizer or
             generator-state file is only named in a warning: it is not read).
     """
+    # lazy: torch and the model load in the functions that use them (the module's note: --help without them)
     from megaformer.checkpoint.integrity import NEEDS_WEIGHTS, verify
     from megaformer.checkpoint.reshard import consolidate, load_full, resolve_tag_dir
     from megaformer.config.load import require_causal_lm
+
+    # lazy: torch and the model load in the functions that use them (the module's note: --help without them)
     from megaformer.model import NormFormerLM
 
     tag_dir = resolve_tag_dir(ckpt_dir, tag)
@@ -179,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns 0, or 2 for a bad checkpoint, tokenizer or flag."""
     args = build_parser().parse_args(argv)  # before the heavy imports: --help, a bad flag
+    # lazy: torch and the model load in the functions that use them (the module's note: --help without them)
     from data_tools.errors import DataToolsError
     from data_tools.tokenizer import build_tokenizer
     from megaformer.checkpoint.safe_load import CheckpointReadError

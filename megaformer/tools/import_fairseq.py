@@ -65,7 +65,9 @@ from typing import Any
 
 import torch
 
+from megaformer.checkpoint.reshard import partition_dims, split, write_module_checkpoint
 from megaformer.checkpoint.safe_load import TRUST_FLAG, CheckpointReadError, load_weights
+from megaformer.config.load import to_dict
 from megaformer.config.schema import ModelConfig, RunConfig
 
 ALLOWED_TYPES = (argparse.Namespace,)
@@ -358,8 +360,6 @@ def import_fairseq(
     """
     if vocab not in ("fairseq", "gpt2"):
         raise FairseqImportError(f"--vocab {vocab!r}: use fairseq or gpt2")
-    from megaformer.checkpoint.reshard import partition_dims, split, write_module_checkpoint
-    from megaformer.config.load import to_dict
 
     flat, state, step = read_checkpoint(checkpoint, trust_code)
     config = fairseq_model_config(flat, state, checkpoint)

@@ -30,6 +30,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from megaformer.experiments.scalars import event_files, read_scalars
+
 LAYER_TAG = re.compile(r"^(.*)/layer_(\d+)$")
 
 
@@ -45,8 +47,6 @@ class RunEvents:
 
     def __init__(self, run_dir: str) -> None:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-        from megaformer.experiments.scalars import event_files, read_scalars
 
         tb = os.path.join(run_dir, "tensorboard")
         self.name = os.path.basename(os.path.normpath(run_dir))

@@ -60,6 +60,20 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from data_tools.tokenizer import build_tokenizer
+from megaformer.checkpoint.safe_load import TRUST_FLAG, CheckpointReadError, warn_trusted
+from megaformer.model import vocab_param_names
+from megaformer.model.normformer import sinusoidal_positions
+from megaformer.tools.evaluate import dataset_loss
+from megaformer.tools.generate import REPO, load_for_generation
+from megaformer.tools.lm_eval_tasks import (
+    PAPER_COLUMNS,
+    check_names,
+    check_records,
+    explain_missing_field,
+    resolve_task_specs,
+)
+
 # Our task name -> (lm_eval's task YAML under lm_eval/tasks, the paper's column, the metric reported).
 TASKS: dict[str, tuple[str, str, str]] = {
     "hellaswag": ("hellaswag/hellaswag.yaml", "HS", "acc_norm"),
@@ -101,8 +115,6 @@ def write_task_configs(task_files: dict[str, str], out_dir: str) -> list[str]:
     """
     import lm_eval.tasks
     import yaml
-
-    from megaformer.tools.lm_eval_tasks import PAPER_COLUMNS, check_records
 
     stock_dir = Path(lm_eval.tasks.__file__).parent
     os.makedirs(out_dir, exist_ok=True)
@@ -171,8 +183,6 @@ class MegaformerLM(_template_lm()):
         **kwargs,
     ) -> None:
         super().__init__()
-        from data_tools.tokenizer import build_tokenizer
-        from megaformer.tools.generate import REPO, load_for_generation
 
         # lm_eval's --model_args pass strings: only "true" (any case) trusts the file's code.
         trust = trust_checkpoint_code is True or str(trust_checkpoint_code).lower() == "true"
@@ -258,8 +268,6 @@ def _task_selection(
     """
     from lm_eval.tasks import TaskManager
 
-    from megaformer.tools.lm_eval_tasks import check_names, resolve_task_specs
-
     selection = resolve_task_specs(tasks, include_paths)
     local = write_task_configs(task_files, task_dir) if task_files else []
     if local:
@@ -315,8 +323,6 @@ def evaluate_tasks(
     import datasets.exceptions
     import jinja2
     from lm_eval import simple_evaluate
-
-    from megaformer.tools.lm_eval_tasks import explain_missing_field
 
     specs, manager, selection = _task_selection(task_files, task_dir, tasks, include_paths)
     try:
@@ -459,7 +465,6 @@ def _check_task_files(task_files: dict[str, str], specs: Sequence[str], include_
         TaskFileError: as :func:`evaluate_tasks`.
         ValueError: an unknown paper task, a missing file.
     """
-    from megaformer.tools.lm_eval_tasks import resolve_task_specs
 
     resolve_task_specs(specs, include_paths)
     with tempfile.TemporaryDirectory() as tmp:
@@ -468,7 +473,6 @@ def _check_task_files(task_files: dict[str, str], specs: Sequence[str], include_
 
 def _parser() -> argparse.ArgumentParser:
     """The command line of :func:`main`."""
-    from megaformer.checkpoint.safe_load import TRUST_FLAG
 
     p = argparse.ArgumentParser(
         prog="python -m megaformer.tools.zero_shot",
@@ -542,7 +546,6 @@ def row_name(checkpoint: str | None, hf_model: str | None) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; prints the table; 0, or 2 for a bad checkpoint, task or file."""
-    from megaformer.checkpoint.safe_load import CheckpointReadError
 
     p = _parser()
     args = p.parse_args(argv)
@@ -589,7 +592,6 @@ def megaformer_parameter_count(model: torch.nn.Module, config) -> int:
     """Parameters of a :class:`~megaformer.model.NormFormerLM` (TP = 1): each tensor once (the tied
     output projection is the embedding), the vocabulary padding rows (above ``config.vocab_size``) not
     counted, the sinusoidal table (a buffer) neither."""
-    from megaformer.model import vocab_param_names
 
     padded = set(vocab_param_names(config))
     return sum(
@@ -625,7 +627,6 @@ def unique_parameter_count(model: torch.nn.Module) -> int:
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) != "gpt2" or not hasattr(model, "transformer"):
         return total
-    from megaformer.model.normformer import sinusoidal_positions
 
     with torch.no_grad():
         wte, wpe = model.transformer.wte.weight, model.transformer.wpe.weight
@@ -645,11 +646,10 @@ def _model(args) -> tuple[object, int, float | None]:
     if args.hf_model:
         from lm_eval.models.huggingface import HFLM
 
+        # lazy: the Hugging Face path only (--hf-model): the export's transformers classes
         from megaformer.tools.export_hf import register_auto_classes
 
         if args.trust_checkpoint_code:
-            from megaformer.checkpoint.safe_load import warn_trusted
-
             warn_trusted(f"{args.hf_model} (its modeling code, trust_remote_code=True)")
         else:
             register_auto_classes()  # a megaformer export runs this installation's code, not the directory's
@@ -671,8 +671,6 @@ def _model(args) -> tuple[object, int, float | None]:
     params = megaformer_parameter_count(lm.model, lm.config)
     ppl = None
     if args.ppl_data_prefix:
-        from megaformer.tools.evaluate import dataset_loss
-
         seq_len = lm.config.seq_len
         cap = max(args.ppl_max_tokens // seq_len, 1) if args.ppl_max_tokens else 0  # samples; 0: all
         result = dataset_loss(

@@ -117,6 +117,7 @@ def run_rank_of_job(
         ShimUnavailableError: as :func:`run_session`.
         ConfigError: the config or overrides do not load, or the layout does not fit the world.
     """
+    # lazy: torch loads only when a session runs (the dry-run command checks its flags first)
     from megaformer.config import load_config
     from megaformer.parallel.state import coords_of, rank_of
     from megaformer.training.preflight import validate_layout

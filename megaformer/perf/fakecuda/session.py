@@ -65,6 +65,7 @@ class SyntheticMaskedSamples:
         return self.count
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        # lazy: after run() installs the CUDA stubs: torch-side modules import onto the fake device
         from megaformer.data.mlm import BOS_ID, EOD_ID, mask_block
 
         tokens = np.random.default_rng(i).integers(0, EOD_ID + 1, self.seq_len, dtype=np.int64)
@@ -74,6 +75,7 @@ class SyntheticMaskedSamples:
 
 def _synthetic_data(cfg: Any) -> Any:
     """Training and validation samples of the run's objective, without a dataset."""
+    # lazy: after run() installs the CUDA stubs: torch-side modules import onto the fake device
     from megaformer.training.builders import Data
 
     t, m = cfg.train, cfg.model
@@ -138,6 +140,7 @@ def _install_phase_marks(engine: Any, audit: Any) -> _AuditPhases:
     observer = _AuditPhases(audit)
     engine.observe_phases(observer)
     if engine.pipelined:  # its own schedule: the instructions are marked instead
+        # lazy: after run() installs the CUDA stubs: torch-side modules import onto the fake device
         from megaformer.training.ds_adapter import wrap_pipeline_instructions
 
         def marked(fn: Any, phase: str) -> Any:
@@ -199,6 +202,7 @@ def classify_peak(audit: Any, engine: Any) -> dict[str, int]:
     optimizer buffer whose path names a gradient: DeepSpeed's fp32 accumulation, ZeRO's partitions
     and buckets), ``optimizer_state`` (fp32 master weights, Adam moments), ``activations`` (made in
     forward and alive then), ``other`` (backward temporaries, communication buffers, the rest)."""
+    # lazy: after run() installs the CUDA stubs: torch-side modules import onto the fake device
     from megaformer.perf.fakecuda.runtime import storage_key
 
     sizes, phases, labels = audit.peak_snapshot()
@@ -243,7 +247,8 @@ def classify_peak(audit: Any, engine: Any) -> dict[str, int]:
 
 def run(request: dict) -> dict:
     """Run the request (see the module docstring); return the report."""
-
+    # lazy: the session's order: the fake runtime (torch), then its CUDA stubs, then DeepSpeed and
+    # the trainer (below and in the helpers), which must import onto the fake device
     from megaformer.config import load_config
     from megaformer.perf.fakecuda.runtime import (
         GPUS,
@@ -259,6 +264,7 @@ def run(request: dict) -> dict:
     for module in request.get("setup_modules", []):  # instrumentation a test plants (tests/fakecuda)
         importlib.import_module(module)
     if request.get("unchecked_engine_json"):  # to show the DeepSpeed crash the check prevents is real
+        # lazy: after run() installs the CUDA stubs: torch-side modules import onto the fake device
         import megaformer.training.deepspeed_config as dsc
 
         dsc.check_engine_combination = lambda *args, **kwargs: None
@@ -273,6 +279,7 @@ def run(request: dict) -> dict:
         "output.wandb_project=",
     ]
     cfg = load_config(request["config"], overrides)
+    # lazy: after run() installs the CUDA stubs: torch-side modules import onto the fake device
     from megaformer.training.preflight import validate_layout
 
     dp_size = validate_layout(cfg, world)
@@ -305,6 +312,7 @@ def run(request: dict) -> dict:
         ]
         for step, rec in sorted(audit.collectives.items())
     }
+    # lazy: after run() installs the CUDA stubs: torch-side modules import onto the fake device
     from megaformer.perf.fakecuda.runtime import ATTENTION_KERNELS
 
     report["attention_kernels"] = dict(ATTENTION_KERNELS)
@@ -323,6 +331,7 @@ def _audited_engine(cfg: Any, layout: Any, dp_size: int, audit: Any, report: dic
     as the trainer does; the engine's phases marked. Returns ``(engine, schedule, observer)``."""
     import torch
 
+    # lazy: after run() installs the CUDA stubs: torch-side modules import onto the fake device
     from megaformer.parallel.rng import DropoutRNG
     from megaformer.training.builders import build_model, build_optimizer, count_parameters_global
     from megaformer.training.deepspeed_config import build_deepspeed_config
@@ -382,6 +391,7 @@ def _label_gradients(engine: Any, audit: Any, report: dict) -> set[str]:
 
 def _phased_batches(cfg: Any, layout: Any, data: Any, audit: Any) -> Any:
     """The loop's batch source with the loader and the host-to-device copy in phase "data"."""
+    # lazy: after run() installs the CUDA stubs: torch-side modules import onto the fake device
     from megaformer.training.trainer import train_batches
 
     return lambda start_step: iter(_InPhase(train_batches(cfg, layout, data, start_step), audit, "data"))
@@ -390,6 +400,7 @@ def _phased_batches(cfg: Any, layout: Any, data: Any, audit: Any) -> Any:
 def _run_rank(cfg: Any, dp_size: int, audit: Any, report: dict, steps: int, out_dir: str) -> None:
     import torch
 
+    # lazy: after run() installs the CUDA stubs: torch-side modules import onto the fake device
     from megaformer.training.builders import build_layout
     from megaformer.training.stopping import StopCheck
     from megaformer.training.trainer import TrainLoop, compute_meter
