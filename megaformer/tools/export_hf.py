@@ -51,11 +51,9 @@ from pathlib import Path
 import torch
 
 from megaformer.checkpoint.integrity import NEEDS_WEIGHTS, CheckpointError, verify
-from megaformer.checkpoint.reshard import consolidate, resolve_tag_dir
 from megaformer.checkpoint.safe_load import TRUST_FLAG, CheckpointReadError
 from megaformer.config.schema import ModelConfig
 from megaformer.data.mlm import BOS_ID, EOD_ID, MASK_ID, PAD_ID
-from megaformer.model.normformer import deepnorm_alpha, sinusoidal_positions
 
 REPO = Path(__file__).resolve().parents[2]
 REMOTE_CODE = Path(__file__).resolve().parent / "hf_remote"
@@ -78,6 +76,8 @@ def hf_config(config: ModelConfig) -> dict:
     """``config.json`` of the remote-code model (:mod:`megaformer.tools.hf_remote`):
     ``MegaformerForCausalLM``, or ``MegaformerForMaskedLM`` under ``model.objective`` mlm (then also
     ``objective``, no KV cache, and the special ids of :mod:`megaformer.data.mlm`)."""
+    # lazy: the model's module imports torch._dynamo (1 s): --help and bad flags answer without it
+    from megaformer.model.normformer import deepnorm_alpha
 
     mlm = config.objective == "mlm"
     arch, auto = (
@@ -210,6 +210,9 @@ def to_gpt2_state(full: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
     Raises:
         ExportError: the model is not a Pre-LN baseline (:func:`gpt2_refusal` says why).
     """
+    # lazy: the model's module imports torch._dynamo (1 s): --help and bad flags answer without it
+    from megaformer.model.normformer import sinusoidal_positions
+
     reason = gpt2_refusal(config)
     if reason:
         raise ExportError(f"--format gpt2: {reason}; export with --format megaformer (remote code)")
@@ -359,6 +362,8 @@ def export(
         CheckpointError: a weights file differs from the checkpoint's manifest (names it and the newest
             intact ``global_stepN``).
     """
+    # lazy: the model's module imports torch._dynamo (1 s): --help and bad flags answer without it
+    from megaformer.checkpoint.reshard import consolidate, resolve_tag_dir
 
     if os.path.isdir(output) and os.listdir(output) and not overwrite:
         raise ExportError(f"{output}: exists and is not empty; pass --overwrite or another --output")

@@ -62,8 +62,6 @@ import torch.nn.functional as F
 
 from data_tools.tokenizer import build_tokenizer
 from megaformer.checkpoint.safe_load import TRUST_FLAG, CheckpointReadError, warn_trusted
-from megaformer.model import vocab_param_names
-from megaformer.model.normformer import sinusoidal_positions
 from megaformer.tools.evaluate import dataset_loss
 from megaformer.tools.generate import REPO, load_for_generation
 from megaformer.tools.lm_eval_tasks import (
@@ -592,6 +590,8 @@ def megaformer_parameter_count(model: torch.nn.Module, config) -> int:
     """Parameters of a :class:`~megaformer.model.NormFormerLM` (TP = 1): each tensor once (the tied
     output projection is the embedding), the vocabulary padding rows (above ``config.vocab_size``) not
     counted, the sinusoidal table (a buffer) neither."""
+    # lazy: the model's module imports torch._dynamo (1 s): --help and bad flags answer without it
+    from megaformer.model import vocab_param_names
 
     padded = set(vocab_param_names(config))
     return sum(
@@ -617,6 +617,9 @@ def unique_parameter_count(model: torch.nn.Module) -> int:
     Returns:
         The number of parameter elements.
     """
+    # lazy: the model's module imports torch._dynamo (1 s): --help and bad flags answer without it
+    from megaformer.model.normformer import sinusoidal_positions
+
     seen: set[tuple[int, int, tuple[int, ...]]] = set()
     total = 0
     for p in model.parameters():  # already one entry per Parameter object
