@@ -108,21 +108,15 @@ def run_ranks(
         # files, not pipes: a rank blocked on a full pipe would hang the others in a collective
         paths = [os.path.join(logs, f"{r}.{k}") for r in range(nproc) for k in ("out", "err")]
         outs = [files.enter_context(open(path, "w+")) for path in paths]
+        envs = [base | {"RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nproc)]
         if fork:  # the same main(argv), in a fork of an interpreter that has done the imports
-            envs = [base | {"RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nproc)]
             procs = [
-                _Forked(warm_ranks.start_rank(argv, envs[r], str(REPO), paths[2 * r], paths[2 * r + 1]))
+                warm_ranks.start_rank(argv, envs[r], str(REPO), paths[2 * r], paths[2 * r + 1])
                 for r in range(nproc)
             ]
         else:
             procs = [
-                subprocess.Popen(
-                    cmd,
-                    cwd=REPO,
-                    env=base | {"RANK": str(r), "LOCAL_RANK": str(r)},
-                    stdout=outs[2 * r],
-                    stderr=outs[2 * r + 1],
-                )
+                subprocess.Popen(cmd, cwd=REPO, env=envs[r], stdout=outs[2 * r], stderr=outs[2 * r + 1])
                 for r in range(nproc)
             ]
         deadline, failed_at = time.monotonic() + timeout, None
@@ -146,29 +140,6 @@ def run_ranks(
     done = subprocess.CompletedProcess(cmd, rc, "".join(texts[0::2]), "".join(texts[1::2]))
     done.forked = fork  # the ranks were forks of the warm interpreter (test_warm_ranks.py)
     return done
-
-
-class _Forked:
-    """A forked rank (``multiprocessing.Process``) behind the part of ``Popen``'s interface that
-    :func:`run_ranks` uses: ``poll``, ``returncode``, ``kill``, ``wait``."""
-
-    def __init__(self, proc) -> None:
-        self._proc = proc
-
-    @property
-    def returncode(self) -> int | None:
-        return self._proc.exitcode
-
-    def poll(self) -> int | None:
-        return self._proc.exitcode
-
-    def kill(self) -> None:
-        if self._proc.exitcode is None:
-            self._proc.kill()
-
-    def wait(self) -> int | None:
-        self._proc.join()
-        return self._proc.exitcode
 
 
 def read_scalars(tb_dir: str) -> dict[str, dict[int, float]]:

@@ -97,11 +97,11 @@ def _rank_main(argv: list[str], env: dict[str, str], cwd: str, out: str, err: st
     main(argv)
 
 
-def start_rank(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str):
+def start_rank(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> Forked:
     """Fork one rank from the warm server (started on first use, with ``env`` as its environment).
 
-    Returns the started ``multiprocessing.Process`` (``exitcode``: the rank's exit status, negative
-    for a signal, as ``Popen.returncode``)."""
+    Returns the started rank behind ``Popen``'s ``poll``/``returncode``/``kill``/``wait``
+    (:class:`Forked`)."""
     global _server_env
     ctx = multiprocessing.get_context("forkserver")
     proc = ctx.Process(target=_rank_main, args=(argv, env, cwd, out, err), daemon=False)
@@ -113,4 +113,27 @@ def start_rank(argv: list[str], env: dict[str, str], cwd: str, out: str, err: st
         _server_env = server_env
     else:
         proc.start()
-    return proc
+    return Forked(proc)
+
+
+class Forked:
+    """A forked rank (``multiprocessing.Process``) behind the part of ``Popen``'s interface that
+    :func:`run_ranks` uses: ``poll``, ``returncode``, ``kill``, ``wait``."""
+
+    def __init__(self, proc) -> None:
+        self._proc = proc
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def kill(self) -> None:
+        if self._proc.exitcode is None:
+            self._proc.kill()
+
+    def wait(self) -> int | None:
+        self._proc.join()
+        return self._proc.exitcode
