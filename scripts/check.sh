@@ -16,6 +16,11 @@ if [[ "${1:-}" == "--fast" ]]; then
   MARK=(-m "not slow")
   shift
 fi
+WORKERS="${MEGAFORMER_TEST_WORKERS:-$(nproc)}"
+if [[ ! "$WORKERS" =~ ^[1-9][0-9]*$ ]]; then
+  echo "[check] error: MEGAFORMER_TEST_WORKERS='$WORKERS' is not a positive whole number; use e.g. 2" >&2
+  exit 2
+fi
 bash scripts/install.sh --dev
 PY="${VENV:-$ROOT/.venv}/bin/python"
 # A full disk turns the launcher tests into hundreds of setup errors and hung collectives (a CI run
@@ -39,11 +44,6 @@ echo "[check] ruff check" >&2
 "$PY" -m ruff check .
 echo "[check] ruff format --check" >&2
 "$PY" -m ruff format --check .
-WORKERS="${MEGAFORMER_TEST_WORKERS:-$(nproc)}"
-if [[ ! "$WORKERS" =~ ^[1-9][0-9]*$ ]]; then
-  echo "[check] error: MEGAFORMER_TEST_WORKERS='$WORKERS' is not a positive whole number; use e.g. 2" >&2
-  exit 2
-fi
 start=$SECONDS
 rc=0
 if (($#)); then
