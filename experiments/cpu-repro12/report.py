@@ -12,8 +12,11 @@
    (``final_valid_loss`` of the 3 pairs of ``experiments/cpu-final``, ``final_valid_loss_sampled``
    of the new runs), the paired differences NormFormer + ResScale − Pre-LN and NormFormer − Pre-LN
    with :func:`megaformer.experiments.seeds.paired_test` (95 % t interval, paired t, Wilcoxon and
-   sign-test p, power for the paper's effect), and the secondary endpoint (the whole held-out
-   novel, new pairs only). Until the 12th pair it is marked **interim, no verdict**.
+   sign-test p, power for the paper's effect), and the secondary endpoints (the whole held-out
+   novel, new pairs only; the validation loss at equal steps, step 1,000, every pair). Until the
+   12th pair it is marked **interim, no verdict**.
+3. **Plot** (``paired_differences.png``): every seed's paired difference of the primary endpoint,
+   their mean with its 95 % interval, zero and the paper's effect.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megaformer.experiments.scalars import write_compact  # noqa: E402
+from megaformer.experiments.scalars import read_scalars, write_compact  # noqa: E402
 from megaformer.experiments.seeds import PAPER_EFFECT, paired_test  # noqa: E402
 
 OLD = ROOT / "experiments" / "cpu-final" / "finished"
@@ -36,6 +39,7 @@ OLD_SEEDS = (1234, 5678, 4321)
 NEW_SEEDS = (1001, 1002, 1003, 1004, 1005, 1006, 1007, 1008, 1009)
 SCHEMES = ("pre_ln", "normformer_resscale", "normformer")
 KEEP = ("summary.json", "request.json", "config.json", "train.log")
+EQUAL_STEP = 1000  # the plan's secondary endpoint (3): every run of both schemes validates there
 
 
 def collect(runs: Path, finished: Path) -> list[str]:
@@ -74,6 +78,14 @@ def primary(scheme: str, seed: int, finished: Path) -> tuple[float, float | None
     return s["final_valid_loss_sampled"], s["final_valid_loss"]
 
 
+def at_equal_steps(scheme: str, seed: int, finished: Path) -> float | None:
+    """The validation loss at step ``EQUAL_STEP`` of one run (its 32,768-token sample), or None."""
+    run = (OLD if seed in OLD_SEEDS else finished) / f"{scheme}_s{seed}"
+    if not (run / "summary.json").is_file():
+        return None
+    return next((v for step, v in read_scalars(run)["valid/loss"] if step == EQUAL_STEP), None)
+
+
 def report(finished: Path) -> dict:
     """The report's figures (see the module docstring)."""
     seeds = [*OLD_SEEDS, *NEW_SEEDS]
@@ -85,10 +97,16 @@ def report(finished: Path) -> dict:
             got = losses[(sc, sd)]
             row[sc] = None if got is None else got[0]
             row[f"{sc}_whole"] = None if got is None else got[1]
+            row[f"{sc}_step{EQUAL_STEP}"] = at_equal_steps(sc, sd, finished)
         out["per_seed"].append(row)
+    endpoints = (
+        ("primary", ""),
+        ("whole held-out novel", "_whole"),
+        (f"equal steps ({EQUAL_STEP})", f"_step{EQUAL_STEP}"),
+    )
     for sc in ("normformer_resscale", "normformer"):
-        for endpoint, key in (("primary", sc), ("whole held-out novel", f"{sc}_whole")):
-            base = "pre_ln" if endpoint == "primary" else "pre_ln_whole"
+        for endpoint, suffix in endpoints:
+            key, base = sc + suffix, "pre_ln" + suffix
             pairs = [r for r in out["per_seed"] if r[key] is not None and r[base] is not None]
             diffs = [r[key] - r[base] for r in pairs]
             test = paired_test(diffs, PAPER_EFFECT)
@@ -109,9 +127,10 @@ def markdown(r: dict) -> str:
     lines = [
         head,
         "",
-        "| seed | Pre-LN | NormFormer + ResScale | NormFormer | Pre-LN (whole) | + ResScale (whole) |",
+        "| seed | Pre-LN | NormFormer + ResScale | NormFormer | Pre-LN (whole) | + ResScale (whole) "
+        f"| Pre-LN (step {EQUAL_STEP}) | + ResScale (step {EQUAL_STEP}) |",
     ]
-    lines.append("|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|")
 
     def f(v: float | None) -> str:
         return "—" if v is None else f"{v:.4f}"
@@ -119,7 +138,8 @@ def markdown(r: dict) -> str:
     for row in r["per_seed"]:
         lines.append(
             f"| {row['seed']} | {f(row['pre_ln'])} | {f(row['normformer_resscale'])} | "
-            f"{f(row['normformer'])} | {f(row['pre_ln_whole'])} | {f(row['normformer_resscale_whole'])} |"
+            f"{f(row['normformer'])} | {f(row['pre_ln_whole'])} | {f(row['normformer_resscale_whole'])} | "
+            f"{f(row[f'pre_ln_step{EQUAL_STEP}'])} | {f(row[f'normformer_resscale_step{EQUAL_STEP}'])} |"
         )
     lines += [
         "",
@@ -137,6 +157,43 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(r: dict, path: Path) -> None:
+    """``paired_differences.png``: each seed's d of the primary endpoint (NormFormer + ResScale −
+    Pre-LN, and NormFormer − Pre-LN where it ran), the mean with its 95 % t interval, 0 and the
+    paper's effect (−0.036 nats)."""
+    import matplotlib  # lazy: plotting only when the report is written
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # lazy: as above
+
+    fig, ax = plt.subplots(figsize=(7, 4.8))
+    for i, (sc, label) in enumerate(
+        (("normformer_resscale", "NormFormer + ResScale"), ("normformer", "NormFormer"))
+    ):
+        t = r["tests"][f"{sc} - pre_ln, primary"]
+        rows = [row for row in r["per_seed"] if row[sc] is not None and row["pre_ln"] is not None]
+        d = [row[sc] - row["pre_ln"] for row in rows]
+        y = [i + 0.25 * (j / max(1, len(d) - 1) - 0.5) for j in range(len(d))]
+        ax.scatter(d, y, s=18, color=f"C{i}", label=f"{label} − Pre-LN: {len(d)} seed pairs")
+        if t["decidable"]:
+            ax.errorbar(
+                [t["mean"]], [i + 0.32], xerr=[[t["mean"] - t["ci_low"]], [t["ci_high"] - t["mean"]]],
+                fmt="D", color=f"C{i}", capsize=4, label=f"mean, 95 % CI (p = {t['p_t']:.3g})",
+            )  # fmt: skip
+    ax.axvline(0, color="black", lw=0.8)
+    ax.axvline(
+        -r["effect"], color="grey", ls="--", lw=0.8, label=f"the paper's gain at 125M (−{r['effect']})"
+    )
+    ax.set_yticks([0, 1], ["+ ResScale", "NormFormer"])
+    ax.set_ylim(-0.5, 2.6)  # room above the rows for the legend
+    ax.set_xlabel("final validation loss − Pre-LN's, same seed, equal compute (nats)")
+    ax.set_title("CPU reproduction (d 128, 4 layers, 0.67 device-hours per run)")
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs-dir", default="/work/exp-repro12/runs/cpu-repro12")
@@ -147,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     r = report(finished)
     (HERE / "report.json").write_text(json.dumps(r, indent=1))
     (HERE / "report.md").write_text(markdown(r), encoding="utf-8")
+    plot(r, HERE / "paired_differences.png")
     print(markdown(r))
     return 0
 
