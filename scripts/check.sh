@@ -3,17 +3,24 @@
 #   bash scripts/check.sh            everything (CI and the README's test command)
 #   bash scripts/check.sh --fast     the inner loop: lint, format, every test not marked `slow`
 #                                    (the launcher runs, the whole-corpus and subprocess cases)
-# Without further arguments pytest runs twice: tests/unit spread over the machine's cores
-# (pytest-xdist; MEGAFORMER_TEST_WORKERS, default `nproc`), then the multi-process tiers
-# (tests/distributed, tests/fakecuda, tests/gpu) one test at a time, because each of their runs
-# already fills two cores with its ranks and the budget and calibration tests time the machine.
+# Without further arguments pytest runs twice:
+#   1. every tier (tests/fakecuda, tests/distributed, tests/unit, tests/gpu) on the machine's cores
+#      (pytest-xdist, MEGAFORMER_TEST_WORKERS workers, default `nproc`), whole files per worker so
+#      that their session and module fixtures stay with their tests. A launch spends seconds in
+#      one-core start-up (the launcher's and the ranks' imports, preflight) and in waits (signals,
+#      saves), so a second file beside it fills the core that it leaves idle. The longest files
+#      come first, the unit files fill the gaps at the end;
+#   2. the tests marked `serial`, one at a time: they time the machine (budgets, calibrations)
+#      and would measure the other worker's load.
 # Further arguments go to one pytest call instead (e.g. `bash scripts/check.sh --fast tests/unit -x`).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 MARK=()
+FAST=""
 if [[ "${1:-}" == "--fast" ]]; then
   MARK=(-m "not slow")
+  FAST="not slow and "
   shift
 fi
 WORKERS="${MEGAFORMER_TEST_WORKERS:-$(nproc)}"
@@ -51,12 +58,14 @@ if (($#)); then
   "$PY" -m pytest -q "${MARK[@]}" "$@" || rc=$?
 else
   # Both calls run even when the first fails, so one CI run reports every failure.
-  echo "[check] pytest ${MARK[*]:-} tests/unit on $WORKERS workers" >&2
-  "$PY" -m pytest -q -n "$WORKERS" "${MARK[@]}" tests/unit || rc=$?
-  unit=$((SECONDS - start))
-  echo "[check] pytest ${MARK[*]:-} tests/distributed tests/fakecuda tests/gpu, one at a time" >&2
-  "$PY" -m pytest -q "${MARK[@]}" tests/distributed tests/fakecuda tests/gpu || rc=$?
-  echo "[check] tests/unit took $((unit / 60)) min $((unit % 60)) s" >&2
+  # pytest's exit 5 (nothing selected: --fast leaves no serial test) is not a failure.
+  tier() { "$PY" -m pytest -q "$@" || { local code=$?; ((code == 5)) || rc=$code; }; }
+  echo "[check] pytest -m '${FAST}not serial' tests/fakecuda tests/distributed tests/unit tests/gpu on $WORKERS workers" >&2
+  tier -n "$WORKERS" --dist loadfile -m "${FAST}not serial" tests/fakecuda tests/distributed tests/unit tests/gpu
+  parallel=$((SECONDS - start))
+  echo "[check] pytest -m '${FAST}serial' tests/distributed tests/fakecuda tests/unit tests/gpu, one at a time" >&2
+  tier -m "${FAST}serial" tests/distributed tests/fakecuda tests/unit tests/gpu
+  echo "[check] the parallel pass took $((parallel / 60)) min $((parallel % 60)) s" >&2
 fi
 echo "[check] pytest took $(((SECONDS - start) / 60)) min $(((SECONDS - start) % 60)) s" >&2
 exit "$rc"

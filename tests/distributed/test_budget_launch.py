@@ -12,7 +12,9 @@ import pytest
 from tests.distributed.conftest import read_scalars, run_ranks
 from tests.distributed.test_train_launch import CONFIG, TINY, _check
 
-pytestmark = pytest.mark.slow  # multi-process training runs (run_ranks): outside `scripts/check.sh --fast`
+# multi-process training runs (run_ranks): outside `scripts/check.sh --fast`; they compare
+# device-hours spent with the budget, so they run alone (a second test beside them is load)
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 BUDGET = 0.012  # device-hours: 21.6 s of wall-clock on 2 processes (more than 50 steps: the resume test)
 # A body deep and wide enough for NormFormer's extra LayerNorms to cost measurable time next to the

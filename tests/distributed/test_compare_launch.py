@@ -65,6 +65,7 @@ def test_compare_writes_its_table_and_plot(gutenberg_prefix, tmp_path):
     assert recheck["factor"] >= 1.0  # the re-check only ever loosens the spend limit
 
 
+@pytest.mark.serial  # every round is kept only if no round is 1.5x off its median: alone, not beside load
 def test_the_step_interleaved_job_times_every_config_in_one_launch(gutenberg_prefix, tmp_path):
     """The calibration's step-interleaved job through launch/pretrain.sh (MEGAFORMER_MODULE): both
     configs built side by side in the same two processes, stepped turn by turn in alternating

@@ -18,3 +18,19 @@ def test_every_test_file_lies_in_a_tier_that_check_sh_runs():
     assert files and all(f.startswith(tuple(f"{t}/" for t in TIERS)) for f in files), [
         f for f in files if not f.startswith(tuple(f"{t}/" for t in TIERS))
     ]
+
+
+def test_the_tests_that_time_the_machine_run_alone():
+    """check.sh runs the multi-process tiers two files at a time, except the tests marked ``serial``:
+    a test that compares spent device-hours with a budget or keeps calibration rounds by their
+    spread must carry the mark, or it would time the other worker's load."""
+    script = (REPO / "scripts" / "check.sh").read_text()
+    assert '--dist loadfile -m "${FAST}not serial"' in script and '-m "${FAST}serial"' in script
+    timing = re.compile(r"^BUDGET = |interleaved_step_times\(", re.M)
+    unmarked = []
+    for path in sorted((REPO / "tests").glob("distributed/test_*.py")):
+        text = path.read_text()
+        if timing.search(text) and "pytest.mark.serial" not in text:
+            unmarked.append(path.name)
+    assert not unmarked, f"time the machine but are not marked serial: {unmarked}"
+    assert "serial:" in (REPO / "pyproject.toml").read_text()  # registered: an unknown mark only warns
