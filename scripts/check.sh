@@ -8,8 +8,10 @@
 #      (pytest-xdist, MEGAFORMER_TEST_WORKERS workers, default `nproc`), whole files per worker so
 #      that their session and module fixtures stay with their tests. A launch spends seconds in
 #      one-core start-up (the launcher's and the ranks' imports, preflight) and in waits (signals,
-#      saves), so a second file beside it fills the core that it leaves idle. The longest files
-#      come first, the unit files fill the gaps at the end;
+#      saves), so a second file beside it fills the core that it leaves idle. Files go out in the
+#      order given (--no-loadscope-reorder; xdist would otherwise send the files with the most
+#      tests first, which left the two longest single-test files, compare and sweep, to the end):
+#      the multi-process tiers first, the unit files fill the gaps at the end;
 #   2. the tests marked `serial`, one at a time: they time the machine (budgets, calibrations)
 #      and would measure the other worker's load.
 # Further arguments go to one pytest call instead (e.g. `bash scripts/check.sh --fast tests/unit -x`).
@@ -61,7 +63,8 @@ else
   # pytest's exit 5 (nothing selected: --fast leaves no serial test) is not a failure.
   tier() { "$PY" -m pytest -q "$@" || { local code=$?; ((code == 5)) || rc=$code; }; }
   echo "[check] pytest -m '${FAST}not serial' tests/fakecuda tests/distributed tests/unit tests/gpu on $WORKERS workers" >&2
-  tier -n "$WORKERS" --dist loadfile -m "${FAST}not serial" tests/fakecuda tests/distributed tests/unit tests/gpu
+  tier -n "$WORKERS" --dist loadfile --no-loadscope-reorder -m "${FAST}not serial" \
+    tests/fakecuda tests/distributed tests/unit tests/gpu
   parallel=$((SECONDS - start))
   echo "[check] pytest -m '${FAST}serial' tests/distributed tests/fakecuda tests/unit tests/gpu, one at a time" >&2
   tier -m "${FAST}serial" tests/distributed tests/fakecuda tests/unit tests/gpu

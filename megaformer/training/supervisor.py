@@ -21,7 +21,13 @@ execs this supervisor, which keeps the PID and:
    Ctrl-C reaches them with the terminal's group): the supervisor's forwarded signal stops them;
 4. **bounds the wait**: if the ranks have not ended ``MEGAFORMER_STOP_TIMEOUT_S`` seconds (default
    600) after the first signal, it ends the launcher's group (DeepSpeed's launcher then ends the
-   ranks), kills what is left 40 s later, and exits 1.
+   ranks), kills what is left 40 s later, and exits 1;
+5. **outlives the runner**: it is the child subreaper of its descendants (Linux), so when the
+   runner above them dies first (Slurm's ``scancel`` signals every process of the job step at once,
+   and the runner installs no handler on one node), DeepSpeed's ``launch.py`` and the ranks are
+   re-parented to the supervisor, not to init: it gives the ranks the stop signal if they do not
+   have it yet and waits for them to save and exit (within the stop timeout) before it exits,
+   because a batch script that ends takes the job's remaining processes with it.
 
 Exit status: the launcher command's (0 complete, 75 stopped early with its checkpoint saved, 2 a
 configuration, data or checkpoint error, other values a failure); 2 when the run directory is held
@@ -71,6 +77,44 @@ just exited (the launcher then ends on its own with their code) or may be about 
 
 LAUNCH_MODULE = "deepspeed.launcher.launch"
 """DeepSpeed's per-node launcher; its children are the ranks."""
+
+PR_SET_CHILD_SUBREAPER = 36
+"""prctl(2) option (linux/prctl.h): orphaned descendants are re-parented to this process."""
+
+
+def become_subreaper() -> bool:
+    """Make this process the child subreaper of its descendants (Linux ``prctl``); returns whether
+    it is. Elsewhere (or if the call fails) orphans go to init as before, and a supervisor whose
+    runner died cannot wait for the ranks (item 5 of the module docstring)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes  # lazy: only the supervisor, only on Linux
+
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _live_descendants() -> list:
+    """This process's descendants that have not exited (zombies excluded)."""
+    out = []
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(proc)
+    return out
+
+
+def _reap() -> None:
+    """Collect the exit status of every child that has ended (re-parented ranks included)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
 
 
 def join_launcher_group() -> bool:
@@ -199,6 +243,7 @@ class Supervisor:
         """Start the command, wait for it (forwarding signals); returns the exit status."""
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             signal.signal(signum, self._forward)
+        become_subreaper()
         env = {**os.environ, PGID_ENV: str(os.getpgrp())}
         self.child = subprocess.Popen(self.command, env=env, preexec_fn=os.setpgrp)
         if self.stop_deadline is not None:  # a stop signal came while it was being started
@@ -226,7 +271,38 @@ class Supervisor:
                 return EXIT_CODE_STOP_TIMEOUT
         if escalated is not None:
             return EXIT_CODE_STOP_TIMEOUT
+        self._wait_for_orphans(rc)
         return 128 - rc if rc < 0 else rc
+
+    def _wait_for_orphans(self, rc: int) -> None:
+        """The launcher command ended while processes it started still run: its runner was killed
+        (``scancel`` signals every process of the step; the runner has no handler). Give the ranks
+        the stop signal unless they have it, wait for them to save and exit until the stop
+        deadline, then kill what is left. A no-op when nothing is left, as after any normal end."""
+        left = _live_descendants()
+        if not left:
+            return
+        how = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit {rc}"
+        _log(f"the launcher ended ({how}) while {len(left)} of its processes still run: waiting for them")
+        ranks = []
+        for proc in left:
+            with contextlib.suppress(psutil.Error):
+                if "--local_rank=" in " ".join(proc.cmdline()):  # how DeepSpeed's launch.py starts a rank
+                    ranks.append(proc)
+        if ranks and not self.stop_sent:
+            self._send_to_ranks(signal.SIGTERM, self.stop_signal, ranks)
+        if self.stop_deadline is None:
+            self.stop_deadline = time.monotonic() + self.stop_timeout_s
+        while left and time.monotonic() < self.stop_deadline:
+            _reap()
+            time.sleep(0.2)
+            left = _live_descendants()
+        for proc in left:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        if left:
+            _log(f"{len(left)} process(es) did not end within the stop timeout: killed")
+        _reap()
 
 
 def _stop_signal(exit_signals: str) -> signal.Signals:

@@ -7,6 +7,8 @@
 * ``timeout`` (a SIGTERM to its process group) and ``kill PID`` of the launcher (a SIGTERM to the
   PID ``launch/pretrain.sh`` returns) reach every rank: they save a checkpoint and exit, the
   launcher exits 75 (``timeout`` itself 124), and no process of the run is left after 60 s.
+* SIGTERM to every process of the launch at once (how ``scancel`` delivers it) and to the
+  launcher's process group: every rank saves and exits, the next launch resumes there.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from tests.distributed.conftest import LIFECYCLE_TINY, REPO, run_pretrain
 pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
 
 CONFIG = "configs/normformer-quickstart.yaml"
+SCANCEL_EXIT = 128 + signal.SIGTERM  # the runner's death (it has no handler on one node), passed on
+# by the supervisor once the ranks, re-parented to it, have saved and exited
 
 
 def _overrides(prefix: str, out: Path, steps: int, *extra: str) -> list[str]:
@@ -181,4 +185,47 @@ def test_kill9_frees_the_directory_and_stop_signals_reach_every_rank(gutenberg_p
     assert "SIGTERM received: sending SIGTERM to 2 rank(s)" in log.read_text()
     assert _stopped_and_saved(log, out) > step + 1
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks)
+    _assert_none_left(out)
+
+
+def test_sigterm_to_every_process_at_once_and_to_the_group_stop_every_rank_with_a_save(
+    gutenberg_prefix, tmp_path, reap
+):
+    """How Slurm's ``scancel`` delivers its SIGTERM (to every process of the job's step at the same
+    moment; Slurm itself is not here) and ``kill -- -PGID``: the supervisor, DeepSpeed's
+    ``launch.py`` (whose own handler then terminates the ranks again and waits 30 s for them) and
+    the ranks all get it. Every rank still saves at one step and exits, nothing of the run is left
+    after 60 s, and the next launch resumes from that checkpoint."""
+    out = tmp_path / "run"
+    overrides = _overrides(gutenberg_prefix, out, 1000)
+    log = tmp_path / "every.log"
+    launcher = _start(overrides, log)
+    try:
+        _wait_for(launcher, log, "step 2/1000")
+        job = [psutil.Process(launcher.pid), *psutil.Process(launcher.pid).children(recursive=True)]
+        assert len(_ranks(launcher)) == 2 and any(
+            "deepspeed.launcher.launch" in " ".join(p.cmdline()) for p in job
+        )
+        for proc in job:
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(signal.SIGTERM)
+        code = launcher.wait(timeout=180)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert code == SCANCEL_EXIT, log.read_text()[-3000:]
+    step = _stopped_and_saved(log, out)
+    _assert_none_left(out)
+
+    log = tmp_path / "group.log"
+    launcher = _start(overrides, log)
+    try:
+        _wait_for(launcher, log, f"step {step + 2}/1000")
+        os.killpg(launcher.pid, signal.SIGTERM)
+        assert launcher.wait(timeout=180) == EXIT_CODE_STOPPED, log.read_text()[-3000:]
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert f"at step {step}" in log.read_text().split("resumed from", 1)[1].splitlines()[0]
+    assert _stopped_and_saved(log, out) > step + 1
     _assert_none_left(out)
