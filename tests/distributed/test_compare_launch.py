@@ -12,7 +12,10 @@ import pytest
 
 from tests.distributed.conftest import REPO
 
-pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
+# runs through the launcher: outside `scripts/check.sh --fast`. Serial: the step counts come from a
+# calibration of this machine, and beside another test's load it decided 20 steps where alone ~60
+# (a clean-clone CI with compare in the parallel pass failed its `steps > 25`).
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 TINY = [
     "model.hidden_size=64", "model.num_layers=2", "model.num_attention_heads=2", "model.seq_len=64",
@@ -65,7 +68,6 @@ def test_compare_writes_its_table_and_plot(gutenberg_prefix, tmp_path):
     assert recheck["factor"] >= 1.0  # the re-check only ever loosens the spend limit
 
 
-@pytest.mark.serial  # every round is kept only if no round is 1.5x off its median: alone, not beside load
 def test_the_step_interleaved_job_times_every_config_in_one_launch(gutenberg_prefix, tmp_path):
     """The calibration's step-interleaved job through launch/pretrain.sh (MEGAFORMER_MODULE): both
     configs built side by side in the same two processes, stepped turn by turn in alternating

@@ -27,11 +27,14 @@ def test_the_tests_that_time_the_machine_run_alone():
     script = (REPO / "scripts" / "check.sh").read_text()
     assert '--dist loadfile --no-loadscope-reorder -m "${FAST}not serial"' in script
     assert '-m "${FAST}serial"' in script
-    timing = re.compile(r"^BUDGET = |interleaved_step_times\(", re.M)
+    timing = re.compile(r"^BUDGET = |interleaved_step_times\(|--budget-device-hours", re.M)
+    # Calibrated, but asserting nothing a calibration's step counts change (the rows, the best rate
+    # per scheme, one decided count per scheme, the reuse): passed twice in the parallel pass.
+    load_proof = {"test_sweep_launch.py"}
     unmarked = []
     for path in sorted((REPO / "tests").glob("distributed/test_*.py")):
         text = path.read_text()
-        if timing.search(text) and "pytest.mark.serial" not in text:
+        if timing.search(text) and "pytest.mark.serial" not in text and path.name not in load_proof:
             unmarked.append(path.name)
     assert not unmarked, f"time the machine but are not marked serial: {unmarked}"
     assert "serial:" in (REPO / "pyproject.toml").read_text()  # registered: an unknown mark only warns
