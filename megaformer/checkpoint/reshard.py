@@ -346,7 +346,11 @@ def reshard(
         "resharded_from_layout": {"tp": extra["tp_size"], "pp": extra["pp_size"]},
         "resharded_from": os.path.abspath(tag_dir),
     }
-    return write_module_checkpoint(output_dir, name, shards, new_config, extra["step"], provenance)
+    # The config in the manifest too: launch/pretrain.sh checks a train.init_from of these weights
+    # (another model shape, a spent step count) from the manifest before any worker starts.
+    return write_module_checkpoint(
+        output_dir, name, shards, new_config, extra["step"], provenance, new_config
+    )
 
 
 def write_module_checkpoint(
@@ -363,7 +367,8 @@ def write_module_checkpoint(
     and ``export_hf`` read), then its ``manifest.json`` and ``output_dir/latest``; return the tag
     directory. ``run_config``: the run config dict stored with the weights (the trainer's
     ``to_dict``); ``provenance``: extra client-state entries (where the weights came from);
-    ``manifest_config``: the config recorded in the manifest (None: none, as reshard writes)."""
+    ``manifest_config``: the config recorded in the manifest (None: none), which the launcher's
+    checks of a resume or ``train.init_from`` read before any worker starts."""
 
     out = os.path.join(output_dir, name)
     os.makedirs(out, exist_ok=True)

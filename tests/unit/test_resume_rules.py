@@ -193,3 +193,28 @@ def test_every_rule_is_checked_before_the_launch_from_the_manifests(tmp_path):
     with pytest.raises(ConfigError, match=r"no such file or directory"):
         check_before_launch(load_config(CONFIG, [*BASE, f"train.init_from={tmp_path / 'nope'}"]))
     assert check_before_launch(load_config(CONFIG, fresh)) == []
+
+
+def test_init_from_a_resharded_checkpoint_is_checked_before_the_launch(tmp_path):
+    """reshard's output names its config in the manifest, so ``train.init_from`` of it with another
+    model shape is refused before any worker (rerunning issue 39's commands found the manifest
+    without it: the refusal came from every rank after start-up)."""
+    from megaformer.checkpoint.integrity import read_manifest
+    from megaformer.checkpoint.reshard import reshard, split, write_module_checkpoint
+    from megaformer.checkpoint.resume_rules import check_before_launch
+    from megaformer.model import NormFormerLM, vocab_param_names
+
+    cfg = load_config(CONFIG, BASE)
+    vocab_rows = set(vocab_param_names(cfg.model))  # consolidated weights: vocabulary padding cut
+    full = {
+        n: (p.detach()[: cfg.model.vocab_size] if n in vocab_rows else p.detach())
+        for n, p in NormFormerLM(cfg.model, seed=0).named_parameters()
+    }
+    src = tmp_path / "run" / "checkpoints"
+    write_module_checkpoint(str(src), "global_step10", split(full, cfg.model, 1), to_dict(cfg), 10)
+    tag = reshard(str(src), str(tmp_path / "re"), tp=1)
+    assert read_manifest(tag)["config"]["model"] == to_dict(cfg)["model"]
+    fresh = [*BASE, f"output.dir={tmp_path / 'new'}", f"train.init_from={tmp_path / 're'}"]
+    with pytest.raises(ConfigError, match=r"model\.hidden_size: saved 128, now 256"):
+        check_before_launch(load_config(CONFIG, [*fresh, "model.hidden_size=256"]))
+    assert check_before_launch(load_config(CONFIG, fresh)) == []
