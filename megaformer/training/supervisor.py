@@ -96,12 +96,15 @@ def become_subreaper() -> bool:
         return False
 
 
-def _live_descendants() -> list:
-    """This process's descendants that have not exited (zombies excluded)."""
+def _live_job_processes() -> list:
+    """This process's descendants that are the job's own and have not exited: the ranks (started
+    with ``--local_rank=``) and DeepSpeed's ``launch.py``. Not a daemon a rank may leave behind
+    (e.g. a tracker's service process), which the supervisor neither waits for nor kills."""
     out = []
     for proc in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
-            if proc.status() != psutil.STATUS_ZOMBIE:
+            cmd = " ".join(proc.cmdline())
+            if proc.status() != psutil.STATUS_ZOMBIE and ("--local_rank=" in cmd or LAUNCH_MODULE in cmd):
                 out.append(proc)
     return out
 
@@ -279,7 +282,7 @@ class Supervisor:
         (``scancel`` signals every process of the step; the runner has no handler). Give the ranks
         the stop signal unless they have it, wait for them to save and exit until the stop
         deadline, then kill what is left. A no-op when nothing is left, as after any normal end."""
-        left = _live_descendants()
+        left = _live_job_processes()
         if not left:
             return
         how = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit {rc}"
@@ -296,7 +299,7 @@ class Supervisor:
         while left and time.monotonic() < self.stop_deadline:
             _reap()
             time.sleep(0.2)
-            left = _live_descendants()
+            left = _live_job_processes()
         for proc in left:
             with contextlib.suppress(psutil.Error):
                 proc.kill()
