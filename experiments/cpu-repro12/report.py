@@ -43,11 +43,21 @@ RESSCALE_EFFECT = 0.048  # nats: Shleifer et al. 2021, Table 2, ln(21.09 / 20.11
 EQUAL_STEP = 1000  # the plan's secondary endpoint (3): every run of both schemes validates there
 
 
+def _summary(path: Path) -> dict:
+    """A run's ``summary.json``; a truncated or hand-edited one stops the report naming it."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SystemExit(
+            f"error: {path}: not a readable summary ({e}); train the run again or restore it"
+        ) from None
+
+
 def collect(runs: Path, finished: Path) -> list[str]:
     """Copy every finished, uncut run of ``runs`` into ``finished`` (compactly); return their names."""
     done = []
     for run in sorted(p for p in runs.glob("*_s*") if (p / "summary.json").is_file()):
-        summary = json.loads((run / "summary.json").read_text())
+        summary = _summary(run / "summary.json")
         if summary.get("budget_stopped_at") or summary.get("stopped"):
             print(f"[report] {run.name}: ended early ({summary.get('budget_stopped_at')}): not collected")
             continue
@@ -71,11 +81,11 @@ def primary(scheme: str, seed: int, finished: Path) -> tuple[float, float | None
         path = OLD / f"{scheme}_s{seed}" / "summary.json"
         if not path.is_file():
             return None
-        return json.loads(path.read_text())["final_valid_loss"], None
+        return _summary(path)["final_valid_loss"], None
     path = finished / f"{scheme}_s{seed}" / "summary.json"
     if not path.is_file():
         return None
-    s = json.loads(path.read_text())
+    s = _summary(path)
     return s["final_valid_loss_sampled"], s["final_valid_loss"]
 
 
