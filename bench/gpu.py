@@ -164,8 +164,9 @@ def attention_calls(train_step, sync, expected_forwards: int) -> dict:
     """One training step under ``torch.profiler``: which attention backend ran and how often.
 
     Returns ``backend`` (the SDPA forward backends seen, e.g. ``"cudnn"``; ``"+"``-joined if several),
-    ``forward_calls`` (attention forwards in the step; the compiled attention-dropout operator reruns
-    the forward in backward, so 2 × ``expected_forwards`` there), ``expected_forwards`` (layers ×
+    ``forward_calls`` (attention forwards in the step; under ``model.attention_backend=sdpa`` the
+    compiled attention-dropout operator reruns the forward in backward, so 2 × ``expected_forwards``
+    there; the fused operator runs it once), ``expected_forwards`` (layers ×
     micro-batches), ``ops`` (every SDPA ATen op and its calls) and ``kernels`` (the device kernels
     whose names mark attention, with calls; empty on a CPU)."""
     import torch

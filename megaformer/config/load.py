@@ -29,6 +29,7 @@ import yaml
 
 from megaformer.config.schema import (
     ACTIVATIONS,
+    ATTENTION_BACKENDS,
     BUDGET_SKIP_STEPS,
     COMPILE_AUTO,
     FUSED_KERNELS,
@@ -362,6 +363,7 @@ def check_model_config(m: ModelConfig) -> None:
     _one_of("model.norm_scheme", m.norm_scheme, NORM_SCHEMES)
     _one_of("model.objective", m.objective, OBJECTIVES, " ('clm', the causal LM, is the default)")
     _one_of("model.fused_kernels", m.fused_kernels, FUSED_KERNELS, " ('auto', on for CUDA, is the default)")
+    _one_of("model.attention_backend", m.attention_backend, ATTENTION_BACKENDS, " ('auto' is the default)")
     if m.objective == "mlm":
         _require(
             m.vocab_size >= MLM_VOCAB_SIZE,

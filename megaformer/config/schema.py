@@ -37,6 +37,8 @@ HEAD_SCALE_POSITIONS = ("before_out_proj", "after_out_proj")
 OBJECTIVES = ("clm", "mlm")
 # model.fused_kernels: Triton kernels for NormFormer's extra LayerNorms (megaformer.model.kernels).
 FUSED_KERNELS = ("auto", "on", "off")
+# model.attention_backend: the fused kernel of attention with dropout on GPUs (megaformer.parallel.rng_ops).
+ATTENTION_BACKENDS = ("auto", "flash", "efficient", "cudnn", "sdpa")
 # Switches defined on a Pre-LN layer only: NormFormer's operations and the '+ 3 More LN' ablation
 # (paper Sec. 2, Table 4).
 PRE_LN_ONLY = ("post_attn_ln", "head_scale", "ffn_ln", "resid_scale", "qkv_ln")
@@ -117,6 +119,16 @@ class ModelConfig:
     sequence parallelism), as the hidden dropout."""
     attention_dropout: float = 0.0
     """Dropout on the attention probabilities (probability)."""
+    attention_backend: str = "auto"
+    """The fused kernel attention with dropout runs on a GPU (megaformer.parallel.rng_ops), eager and
+    compiled alike, so both draw the same masks: 'auto' (default): FlashAttention-2 ('flash') for
+    fp16 / bf16 on compute capability 8.0+ with head_dim <= 256 and a multiple of 8, else the
+    memory-efficient kernel ('efficient': V100, fp32); 'flash', 'efficient' or 'cudnn' to name one
+    (a kernel that cannot run the shape fails at the first step with torch's reason). Compiled, the
+    kernel's own backward runs on its saved output, log-sum-exp and Philox seed and offset: one
+    attention forward per micro-batch. 'sdpa': torch's own choice (cuDNN on Hopper in torch 2.11),
+    and compiled, an operator whose backward reruns the forward (the code before this key; 20-22 %
+    of the 125M step on an H200). Without dropout, and on CPUs, SDPA chooses as always."""
     layernorm_eps: float = 1e-5
     """Epsilon of every LayerNorm."""
     fused_kernels: str = "auto"

@@ -615,7 +615,9 @@ class NormFormerBlock(nn.Module):
             return self._padded_core_attention(q, k, v, dropout_p)
         if dropout_p > 0.0:
             # The local heads differ on every TP rank: independent masks.
-            return self.dropout_rng.attention(q, k, v, dropout_p, "sharded", is_causal=self.is_causal)
+            return self.dropout_rng.attention(
+                q, k, v, dropout_p, "sharded", is_causal=self.is_causal, backend=self.config.attention_backend
+            )
         return F.scaled_dot_product_attention(q, k, v, is_causal=self.is_causal)
 
     def _padded_core_attention(
@@ -647,6 +649,7 @@ class NormFormerBlock(nn.Module):
                     "sharded",
                     is_causal=self.is_causal,
                     recompute=True,
+                    backend=self.config.attention_backend,
                 )
             return torch.utils.checkpoint.checkpoint(
                 self._core_attention, q, k, v, use_reentrant=False, preserve_rng_state=False

@@ -32,6 +32,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.nn.attention
 import torch.nn.functional as F
 
 from megaformer.parallel import rng_ops
@@ -167,25 +168,43 @@ class DropoutRNG:
         *,
         is_causal: bool,
         recompute: bool = False,
+        backend: str = "auto",
     ) -> torch.Tensor:
         """``F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=is_causal)`` with the
         attention-dropout mask drawn from ``region``'s state: 3 × ``[B, nh, T, hs]`` -> ``[B, nh, T, hs]``.
 
-        Eager: :meth:`fork` around the call. Under ``torch.compile``, the same masks from the same
-        state: on a CPU, ATen's math kernel (the one eager runs) in the graph with the mask of
-        :func:`~megaformer.parallel.rng_ops.dropout_keep`; on a GPU,
-        :func:`~megaformer.parallel.rng_ops.attention_dropout`, the eager call inside an opaque
-        operator (its flash kernel draws the mask) whose backward reruns it instead of keeping the
-        attention probabilities.
+        On a GPU, ``backend`` (``model.attention_backend``) names the fused kernel
+        (:func:`~megaformer.parallel.rng_ops.fused_attention_backend`; ``auto`` picks flash or
+        memory-efficient). Eager: :meth:`fork` around the call, the kernel pinned with
+        ``sdpa_kernel``; compiled: :func:`~megaformer.parallel.rng_ops.fused_attention_dropout`, the
+        same kernel's ATen forward in an opaque operator whose backward is the kernel's own, on the
+        saved output, log-sum-exp and Philox seed and offset: one forward, the same masks as eager.
+        ``backend='sdpa'``: SDPA's own choice eager, and compiled
+        :func:`~megaformer.parallel.rng_ops.attention_dropout`, the eager call in an operator whose
+        backward reruns it (the reference, and the code before this switch).
+
+        On a CPU: eager, :meth:`fork` around the call (ATen's math kernel); compiled, that kernel's
+        arithmetic in the graph with the mask of :func:`~megaformer.parallel.rng_ops.dropout_keep`.
 
         ``recompute`` (compiled only; eager callers checkpoint around this call and replay the
         states themselves): keep only q, k, v and the state for backward, which reruns the core
-        and draws the same mask from the same state (``train.recompute=selective``). The GPU
-        operator always does."""
+        and draws the same mask from the same state (``train.recompute=selective``). The GPU's
+        ``sdpa`` operator always does; a fused kernel keeps its output and log-sum-exp instead
+        (``O(T)`` per head, the tensors selective recomputation exists to avoid are never formed)."""
+        fused = None
+        if q.device.type == "cuda":
+            fused = rng_ops.fused_attention_backend(
+                backend, q.dtype, q.shape[-1], rng_ops.device_capability(q.device)
+            )
         if not torch.compiler.is_compiling():
-            with self.fork(region, q.device):
+            with self.fork(region, q.device), _pinned_kernel(fused):
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=is_causal)
         state = self._state_for(region, q.device)
+        if fused is not None:
+            out, _lse, _seed, _offset, self._states[region] = rng_ops.fused_attention_dropout(
+                q, k, v, p, is_causal, fused, state
+            )
+            return out
         if q.device.type == "cuda":
             out, self._states[region] = rng_ops.attention_dropout(q, k, v, p, is_causal, state)
             return out
@@ -248,6 +267,14 @@ class DropoutRNG:
             yield
         finally:
             self.load_state_dict(after)
+
+
+def _pinned_kernel(fused: str | None) -> contextlib.AbstractContextManager:
+    """Eager SDPA restricted to the fused kernel ``fused`` (the one the compiled operator calls), or
+    left to its own choice (None)."""
+    if fused is None:
+        return contextlib.nullcontext()
+    return torch.nn.attention.sdpa_kernel([rng_ops.SDP_BACKENDS[fused]])
 
 
 class GeneratorDeviceError(RuntimeError):

@@ -22,11 +22,22 @@ regions are unchanged:
 * attention with dropout on CPUs, where eager runs ATen's math kernel: :func:`math_attention`, that
   kernel's arithmetic written out in the graph with the mask of ``dropout_keep`` (the one it draws
   for its probabilities), so inductor fuses the softmax, the mask and the scale;
-* ``megaformer::attention_dropout(q, k, v, p, is_causal, state) -> (out, state')`` on GPUs: causal
-  ``F.scaled_dot_product_attention`` with ``dropout_p=p``, whatever kernel eager picks there (flash,
-  memory-efficient), which draws its mask inside. Its backward, ``megaformer::attention_dropout_backward``,
-  reruns the same call from the same state (the same masks) and differentiates it: the core is
-  recomputed, as under ``train.recompute=selective``, and only q, k, v and the state are kept.
+* ``megaformer::fused_attention_dropout(q, k, v, p, is_causal, backend, state) -> (out, lse, seed,
+  offset, state')`` on GPUs (``model.attention_backend`` a fused kernel: ``flash``, ``efficient``,
+  ``cudnn``; ``auto`` picks one by :func:`fused_attention_backend`): the kernel's own ATen forward,
+  which draws its mask inside from the Philox seed and offset it takes from the generator, and
+  returns them with its output and per-row log-sum-exp; its backward,
+  ``megaformer::fused_attention_dropout_backward``, hands those to the kernel's ATen backward, which
+  regenerates the same mask. One forward per call, as eager autograd runs it: eager mode calls the
+  same kernel (``sdpa_kernel`` around ``F.scaled_dot_product_attention``), so eager and compiled
+  draw the same masks from the same states;
+* ``megaformer::attention_dropout(q, k, v, p, is_causal, state) -> (out, state')`` on GPUs under
+  ``model.attention_backend=sdpa``: causal ``F.scaled_dot_product_attention`` with ``dropout_p=p``,
+  whatever kernel eager picks there, which draws its mask inside. Its backward,
+  ``megaformer::attention_dropout_backward``, reruns the same call from the same state (the same
+  masks) and differentiates it: the core is recomputed, as under ``train.recompute=selective``, and
+  only q, k, v and the state are kept. Measured on an H200 (BENCHMARKS.md, second loan): the rerun
+  and cuDNN's dropout kernels cost 20-22 % of the 125M step; kept as the reference and fallback.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 
 def generator_state(device: torch.device) -> torch.Tensor:
@@ -223,3 +235,161 @@ def _attention_backward(ctx, grad_out, _grad_state):
 
 
 attention_dropout.register_autograd(_attention_backward, setup_context=_attention_setup)
+
+
+# --- attention with dropout on a fused kernel: one forward, the kernel's own backward -------------------
+
+FUSED_BACKENDS = ("flash", "efficient", "cudnn")
+"""``model.attention_backend`` values that name a fused SDPA kernel (besides ``auto`` and ``sdpa``)."""
+
+SDP_BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+}
+"""The ``torch.nn.attention.sdpa_kernel`` backend that makes eager SDPA run each fused kernel."""
+
+
+@torch._dynamo.assume_constant_result
+def fused_attention_backend(
+    setting: str, dtype: torch.dtype, head_dim: int, capability: tuple[int, int]
+) -> str | None:
+    """The fused kernel attention with dropout runs on a CUDA device of compute ``capability``, or
+    None for ``model.attention_backend=sdpa`` (SDPA's own choice; compiled, its forward reruns in
+    backward: :func:`attention_dropout`).
+
+    ``auto``: FlashAttention-2 (``flash``) for fp16 / bf16 on compute capability 8.0 and newer with a
+    head dimension of at most 256 and a multiple of 8 (the limits of torch's ``sdp_utils`` flash
+    check; the recipes' 64 and 80 pass), else the memory-efficient kernel (``efficient``: V100, fp32).
+    cuDNN's kernel only when named: on the second H200 loan its dropout forward / backward ran at
+    143 / 220 TFLOP/s where the same shapes without dropout ran at 368 / 310 (BENCHMARKS.md), and
+    which of flash and cuDNN is faster with dropout is for the next GPU measurement to say
+    (``bench/gpu_check.py --set model.attention_backend=...``). A constant to dynamo (Python values
+    in, a string out), so a compiled graph fixes the kernel at trace time.
+    """
+    if setting == "sdpa":
+        return None
+    if setting != "auto":
+        return setting
+    flash = (
+        capability >= (8, 0)
+        and dtype in (torch.float16, torch.bfloat16)
+        and head_dim <= 256
+        and head_dim % 8 == 0
+    )
+    return "flash" if flash else "efficient"
+
+
+@torch._dynamo.assume_constant_result
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability(device)``, a constant to dynamo."""
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def _fused_forward(q, k, v, p: float, is_causal: bool, backend: str):
+    """``(out, logsumexp, philox seed, philox offset)`` of ``backend``'s ATen forward (the outputs the
+    kernel's autograd formula keeps for its backward; for flash in torch 2.13 the last two are named
+    ``rng_state`` and ``unused``, and are passed on by position as torch's own formula does)."""
+    aten = torch.ops.aten
+    if backend == "flash":
+        r = aten._scaled_dot_product_flash_attention(q, k, v, p, is_causal, False)
+        return r[0], r[1], r[6], r[7]
+    if backend == "efficient":
+        r = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, p, is_causal)
+        return r[0], r[1], r[2], r[3]
+    if backend == "cudnn":
+        r = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, p, is_causal, False)
+        return r[0], r[1], r[6], r[7]
+    raise ValueError(f"attention backend {backend!r}: use one of {', '.join(FUSED_BACKENDS)}")
+
+
+def _fused_backward(grad, q, k, v, out, lse, seed, offset, p: float, is_causal: bool, backend: str):
+    """``(dq, dk, dv)`` of ``backend``'s ATen backward from what :func:`_fused_forward` returned."""
+    aten = torch.ops.aten
+    if grad.stride(-1) != 1:  # the kernels read the gradient's rows as contiguous head vectors
+        grad = grad.contiguous()
+    t, s = q.shape[-2], k.shape[-2]
+    if backend == "flash":
+        return aten._scaled_dot_product_flash_attention_backward(
+            grad, q, k, v, out, lse, None, None, t, s, p, is_causal, seed, offset
+        )
+    if backend == "efficient":
+        return aten._scaled_dot_product_efficient_attention_backward(
+            grad, q, k, v, None, out, lse, seed, offset, p, [True, True, True, False], is_causal
+        )[:3]
+    if backend == "cudnn":
+        return aten._scaled_dot_product_cudnn_attention_backward(
+            grad, q, k, v, out, lse, seed, offset, None, None, None, t, s, p, is_causal
+        )
+    raise ValueError(f"attention backend {backend!r}: use one of {', '.join(FUSED_BACKENDS)}")
+
+
+@torch.library.custom_op("megaformer::fused_attention_dropout", mutates_args=())
+def fused_attention_dropout(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    p: float,
+    is_causal: bool,
+    backend: str,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention with dropout on the fused kernel ``backend`` (:data:`FUSED_BACKENDS`), its mask drawn
+    from the generator state ``state``: ``(out, logsumexp, seed, offset, advanced state)``. Shapes:
+    3 × ``[B, nh, T, hs]`` (fp16 / bf16 for flash) -> ``out`` ``[B, nh, T, hs]`` laid out as the
+    kernel writes it, ``logsumexp`` fp32 per query row; ``seed`` / ``offset`` the Philox inputs the
+    kernel drew with (its backward regenerates the mask from them, so nothing is rerun)."""
+    with generator_state_as(q.device, state) as advanced:
+        out, lse, seed, offset = _fused_forward(q, k, v, p, is_causal, backend)
+    return out, lse, seed, offset, advanced[0]
+
+
+@fused_attention_dropout.register_fake
+def _(q, k, v, p, is_causal, backend, state):
+    # the ATen ops' own fake kernels: the layouts, dtypes and devices the real kernels return
+    out, lse, seed, offset = _fused_forward(q, k, v, p, is_causal, backend)
+    return out, lse, seed, offset, torch.empty_like(state)
+
+
+@torch.library.custom_op("megaformer::fused_attention_dropout_backward", mutates_args=())
+def fused_attention_dropout_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    seed: torch.Tensor,
+    offset: torch.Tensor,
+    p: float,
+    is_causal: bool,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`fused_attention_dropout` with respect to q, k, v: the kernel's ATen
+    backward on its saved output, log-sum-exp and Philox seed and offset (the same masks)."""
+    dq, dk, dv = _fused_backward(grad, q, k, v, out, lse, seed, offset, p, is_causal, backend)
+    return dq, dk, dv
+
+
+@fused_attention_dropout_backward.register_fake
+def _(grad, q, k, v, out, lse, seed, offset, p, is_causal, backend):
+    dq, dk, dv = _fused_backward(grad, q, k, v, out, lse, seed, offset, p, is_causal, backend)
+    return dq, dk, dv
+
+
+def _fused_setup(ctx, inputs, output) -> None:
+    q, k, v, p, is_causal, backend, _state = inputs
+    out, lse, seed, offset, _advanced = output
+    ctx.save_for_backward(q, k, v, out, lse, seed, offset)
+    ctx.p, ctx.is_causal, ctx.backend = p, is_causal, backend
+
+
+def _fused_backward_formula(ctx, grad_out, *_unused):
+    q, k, v, out, lse, seed, offset = ctx.saved_tensors
+    dq, dk, dv = fused_attention_dropout_backward(
+        grad_out, q, k, v, out, lse, seed, offset, ctx.p, ctx.is_causal, ctx.backend
+    )
+    return dq, dk, dv, None, None, None, None
+
+
+fused_attention_dropout.register_autograd(_fused_backward_formula, setup_context=_fused_setup)

@@ -876,9 +876,19 @@ def _leaves(nodes: list[_Node], entry: tuple, producer: dict, group_of: dict, g:
     return out
 
 
+def reruns_attention(model: dict) -> bool:
+    """Whether compiled GPU attention with dropout is the rerun operator
+    (:func:`megaformer.parallel.rng_ops.attention_dropout`, ``model.attention_backend=sdpa``) rather
+    than a fused kernel's own forward and backward
+    (:func:`megaformer.parallel.rng_ops.fused_attention_dropout`, which adds nothing to the eager
+    kernels: the same ATen forward and backward, the output in the kernel's layout)."""
+    return model.get("attention_dropout", 0.0) > 0.0 and model.get("attention_backend", "auto") == "sdpa"
+
+
 def _attention_dropout_terms(trace: BlockTrace) -> tuple[list[Region], int, float]:
     """What :func:`megaformer.parallel.rng_ops.attention_dropout` (compiled GPU attention with
-    dropout) adds to the eager kernels: per forward run (forward, full recompute's rerun) the
+    dropout under ``model.attention_backend=sdpa``) adds to the eager kernels: per forward run
+    (forward, full recompute's rerun) the
     ``.contiguous()`` of its output (flash writes ``[B, T, nh, hs]`` and returns it transposed: one
     read + one write, an eager kernel in the operator) and, as the operator's fake output is
     contiguous ``[B, nh, T, hs]``, the graph's copy of ``y.transpose(1, 2).reshape(...)`` before
@@ -941,8 +951,9 @@ def fuse(trace: BlockTrace, *, column_reductions_fuse: bool = True) -> FusedBloc
       inlining of pointwise nodes); reductions' outputs are not recomputed.
     * **Layout copies**: a view that an extern kernel needs contiguous is copied in eager mode too
       (the trace's ``clone`` / ``copy_``), so it is in a region (its producer's, fused; a region of
-      its own between two extern kernels). The compiled GPU attention dropout adds its own copies
-      (:func:`_attention_dropout_terms`).
+      its own between two extern kernels). The compiled GPU attention dropout under
+      ``model.attention_backend=sdpa`` adds its own copies and its rerun
+      (:func:`_attention_dropout_terms`); a fused kernel's operator adds nothing.
     * **Dropout**: compiled, the hidden-dropout mask is the opaque ``megaformer::dropout_keep``
       (its own eager kernels: ``DROPOUT_KEEP_PASSES`` passes + the mask, ``extern_bytes``) and
       ``x * keep * scale`` is pointwise in the region.
@@ -951,7 +962,7 @@ def fuse(trace: BlockTrace, *, column_reductions_fuse: bool = True) -> FusedBloc
     nodes, extern = _nodes(trace, m.get("hidden_dropout", 0.0) > 0.0, column_reductions_fuse)
     regions = _regions(nodes)
     flops = 0.0
-    if m.get("attention_dropout", 0.0) > 0.0:
+    if reruns_attention(m):
         more, attn_bytes, flops = _attention_dropout_terms(trace)
         regions, extern = regions + more, extern + attn_bytes
         return FusedBlock(regions, extern, flops, attn_bytes)
@@ -1004,7 +1015,8 @@ def block_costs(
     LayerNorm (:func:`is_norm_region`) at ``fused_norm``, the other regions at ``fused``, the
     attention operator's layout copies at ``copy`` (ATen's non-vectorised kernel), the dropout
     masks at ``stream``; and the attention term adds the forward the compiled attention dropout
-    reruns in backward, at the forward rate (``column_reductions_fuse``: :func:`fuse`'s). A CPU
+    reruns in backward under ``model.attention_backend=sdpa`` (:func:`reruns_attention`), at the
+    forward rate (``column_reductions_fuse``: :func:`fuse`'s). A CPU
     device (``dev.cpu``) runs CPU kernels the fake-CUDA trace does not show (the math attention
     with dropout, ``bernoulli_`` dropout, compute-bound GeLU): the formula's ``formula_block_costs`` then,
     compiled or not.

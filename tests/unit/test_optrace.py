@@ -32,6 +32,8 @@ NORMFORMER = [
 ]
 VARIANTS = {
     "pre_ln": PRE_LN,
+    # the compiled attention dropout of before (model.attention_backend=sdpa): its forward reruns
+    "pre_ln_sdpa": [*PRE_LN, "model.attention_backend=sdpa"],
     "normformer": NORMFORMER,
     "pre_ln_full": [*PRE_LN, "train.recompute=full"],
     "pre_ln_tp2": [*PRE_LN, "parallel.tp_size=2"],
@@ -258,7 +260,7 @@ def test_pre_ln_ffn_activation_is_one_region_between_the_gemms(traces):
 
 
 def test_compiled_dropout_and_attention_dropout_operators_cost(traces):
-    _, t = traces["pre_ln"]
+    _, t = traces["pre_ln_sdpa"]
     fused = optrace.fuse(t)
     act = N * D * 2
     masks = 2 * (optrace.DROPOUT_KEEP_PASSES * act + N * D)  # two hidden dropouts: fill, dropout, mask
@@ -266,6 +268,10 @@ def test_compiled_dropout_and_attention_dropout_operators_cost(traces):
     assert fused.extern_bytes == masks + copies
     assert fused.extra_attention_flops == 4.0 * B * S * S * D  # the forward rerun in backward
     assert any(r.ops == ("clone (attention output layout)",) for r in fused.regions)
+    # the default fused kernel's operator (issue 36 item 1): no rerun, no copies of its own
+    default = optrace.fuse(traces["pre_ln"][1])
+    assert default.extern_bytes == masks and default.extra_attention_flops == 0.0
+    assert not any(r.ops == ("clone (attention output layout)",) for r in default.regions)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -301,7 +307,7 @@ def test_normformer_adds_almost_no_fused_traffic(traces, tp):
 def test_block_costs_compiled_uses_the_fused_bytes(traces):
     from megaformer.perf.steptime import DEVICE_SPECS
 
-    cfg, t = traces["pre_ln"]
+    cfg, t = traces["pre_ln_sdpa"]
     dev = DEVICE_SPECS["h100-80gb"]
     eager = optrace.block_costs(cfg, dev, 2, 8)
     compiled = optrace.block_costs(cfg, dev, 2, 8, compiled=True)
