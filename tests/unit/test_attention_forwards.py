@@ -136,3 +136,22 @@ def test_an_unknown_setting_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match=r"model.attention_backend='triton': use 'auto', 'flash'"):
         check_model_config(ModelConfig(attention_backend="triton"))
     assert ModelConfig().attention_backend == "auto"
+
+
+def test_the_backend_bench_runs_its_smoke_case_and_writes_its_rows(tmp_path):
+    """``bench/attention_backends.py`` (the GPU's choice of kernel) checked on this CPU: ``--smoke``
+    times the sdpa rows only (the fused kernels exist on CUDA) and writes them with the share of
+    the no-dropout speed."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "attention_backends.py"
+    spec = importlib.util.spec_from_file_location("attention_backends", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--smoke", "--json", str(tmp_path / "ab.json")]) == 0
+    rows = json.loads((tmp_path / "ab.json").read_text())["rows"]
+    assert [r["row"] for r in rows] == ["sdpa p=0.1 (rerun)", "sdpa p=0"]
+    assert all(r["forward_s"] > 0 and r["backward_s"] > 0 for r in rows)
+    assert rows[0]["forward_share"] > 0 and "forward_share" not in rows[1]
