@@ -168,8 +168,8 @@ def run(args: argparse.Namespace) -> dict:
     stage, dp_rank, tp_rank = coords_of(rank, tp=tp, dp=plan.dp)
     layout = f"tp {tp} × pp {cfg.parallel.pp_size} × dp {plan.dp}; stage {stage}, dp {dp_rank}, tp {tp_rank}"
     print(
-        f"[dryrun] {args.config}: rank {rank} of {world} ({layout}) on fake {args.gpu}: two steps at full "
-        f"size (the recipes at their headers' layouts: 16 s to 3 min on a quiet 2-core machine)...",
+        f"[dryrun] {args.config}: rank {rank} of {world} ({layout}) on fake {args.gpu}: {args.steps} "
+        f"step(s) at full size (the recipes at their headers' layouts: 16 s to 3 min, quiet 2 cores)...",
         flush=True,
     )
     started = time.perf_counter()

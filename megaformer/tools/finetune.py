@@ -647,7 +647,7 @@ def recipe_differences(doc: dict[str, Any]) -> list[str]:
     if grid is not None and sorted(grid) != sorted(PAPER_LR_GRID):
         out.append(f"learning rates {_lrs(grid)} (recipe: {_lrs(PAPER_LR_GRID)})")
     if hp["epochs"] != recipe.epochs:
-        out.append(f"{hp['epochs']} epochs (recipe: {recipe.epochs})")
+        out.append(f"{hp['epochs']} epoch{'' if hp['epochs'] == 1 else 's'} (recipe: {recipe.epochs})")
     if hp["batch_size"] != task.batch_size:
         out.append(f"batch size {hp['batch_size']} (recipe: {task.batch_size})")
     full_updates = hp["epochs"] * math.ceil(data["train_examples"] / hp["batch_size"])

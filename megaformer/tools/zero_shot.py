@@ -439,10 +439,12 @@ def report(row: dict) -> str:
         parts.append(
             table([row]) + f"\n\n{shot}; HS, PI, OB: acc_norm, WG, SC: acc (lm_eval's), in % ± standard error"
         )
+    ppl = f"{row['ppl']:.2f}" if row.get("ppl") is not None and math.isfinite(row["ppl"]) else "-"
+    head = f"{row['model']}: |θ| {row['params_m']:.1f} M, PPL {ppl}"
     if len(paper) < len(row["tasks"]):
-        ppl = f"{row['ppl']:.2f}" if row.get("ppl") is not None and math.isfinite(row["ppl"]) else "-"
-        head = f"{row['model']}: |θ| {row['params_m']:.1f} M, PPL {ppl}"
         parts.append(head + "\n\n" + task_table(row))
+    if not row["tasks"]:  # --tasks none: the PPL column alone
+        parts.append(head)
     return "\n\n".join(parts)
 
 
@@ -488,7 +490,8 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="TASKS",
         help="lm_eval task, group or tag names (glob patterns too), task YAML files, directories of them; "
-        f"comma-separated or repeated. Default, without --task: the paper's {','.join(DEFAULT_TASKS)}",
+        f"comma-separated or repeated. Default, without --task: the paper's {','.join(DEFAULT_TASKS)}; "
+        "'none': the PPL column alone (with --ppl-data-prefix)",
     )
     p.add_argument(
         "--task",
@@ -551,21 +554,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--num-fewshot {args.num_fewshot}: a count of examples, 0 or more")
     if args.ppl_max_tokens < 0:
         p.error(f"--ppl-max-tokens {args.ppl_max_tokens}: a number of tokens, 0 (all) or more")
+    ppl_only = args.tasks is not None and [t for spec in args.tasks for t in spec.split(",")] == ["none"]
+    if ppl_only and (args.task or not args.ppl_data_prefix):
+        p.error("--tasks none scores no task: give --ppl-data-prefix PREFIX for the PPL column, no --task")
     try:
         tasks = _parse_tasks(args.task or [])
         specs = args.tasks if args.tasks is not None else ([] if tasks else list(DEFAULT_TASKS))
+        specs = [] if ppl_only else specs
         _check_task_files(tasks, specs, args.include_path)  # before the model loads
         lm, params, ppl = _model(args)
         with tempfile.TemporaryDirectory() as tmp:
-            results = evaluate_tasks(
-                lm,
-                tasks,
-                task_dir=args.task_dir or tmp,
-                limit=args.limit,
-                tasks=specs,
-                include_paths=args.include_path,
-                num_fewshot=args.num_fewshot,
-                bootstrap_iters=args.bootstrap_iters,
+            results = (
+                {}
+                if ppl_only
+                else evaluate_tasks(
+                    lm,
+                    tasks,
+                    task_dir=args.task_dir or tmp,
+                    limit=args.limit,
+                    tasks=specs,
+                    include_paths=args.include_path,
+                    num_fewshot=args.num_fewshot,
+                    bootstrap_iters=args.bootstrap_iters,
+                )
             )
     except (ValueError, CheckpointReadError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

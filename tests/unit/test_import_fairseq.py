@@ -354,3 +354,29 @@ def test_zero_shot_ppl_reads_at_most_its_token_cap(tmp_path, capsys):
     _, _, whole = _model(argparse.Namespace(**{**vars(args), "ppl_max_tokens": 0}))
     assert f"over the first {(20 * 200 - 1) // seq_len * seq_len:,} tokens" in capsys.readouterr().err
     assert capped != whole and capped > 1
+
+
+def test_zero_shot_tasks_none_prints_the_ppl_column_alone(tmp_path, capsys):
+    """``zero_shot --tasks none --ppl-data-prefix P``: the perplexity part alone, no task loaded (a
+    user without the hub's datasets got the PPL line and then exit 2 after 35 s of retries); refused
+    without a PPL dataset or beside --task, before the model loads."""
+    import numpy as np
+
+    from data_tools.indexed_dataset import IndexedDatasetWriter
+    from megaformer.tools import zero_shot
+
+    import_fairseq(str(FIXTURE / "model_cfg.pt"), str(tmp_path / "imported"))
+    config = load_for_generation(str(tmp_path / "imported"), None, False)[1]
+    prefix = tmp_path / "text_text_document"
+    with IndexedDatasetWriter(str(prefix), np.uint16) as writer:
+        for _ in range(4):
+            writer.add_document(np.random.default_rng(0).integers(0, config.vocab_size, size=200))
+    ckpt = ["--checkpoint", str(tmp_path / "imported"), "--device", "cpu"]
+    assert zero_shot.main([*ckpt, "--tasks", "none", "--ppl-data-prefix", str(prefix)]) == 0
+    out = capsys.readouterr()
+    assert "PPL" in out.err and out.out.strip().startswith("imported: |θ|") and "PPL -" not in out.out
+    beside_a_task = ["--tasks", "none", "--ppl-data-prefix", str(prefix), "--task", "piqa=x"]
+    for bad in (["--tasks", "none"], beside_a_task):
+        with pytest.raises(SystemExit) as e:
+            zero_shot.main([*ckpt, *bad])
+        assert e.value.code == 2 and "--tasks none scores no task" in capsys.readouterr().err
