@@ -239,15 +239,15 @@ attention_dropout.register_autograd(_attention_backward, setup_context=_attentio
 
 # --- attention with dropout on a fused kernel: one forward, the kernel's own backward -------------------
 
-FUSED_BACKENDS = ("flash", "efficient", "cudnn")
-"""``model.attention_backend`` values that name a fused SDPA kernel (besides ``auto`` and ``sdpa``)."""
-
 SDP_BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
     "cudnn": SDPBackend.CUDNN_ATTENTION,
 }
 """The ``torch.nn.attention.sdpa_kernel`` backend that makes eager SDPA run each fused kernel."""
+
+FUSED_BACKENDS = tuple(SDP_BACKENDS)
+"""``model.attention_backend`` values that name a fused SDPA kernel (besides ``auto`` and ``sdpa``)."""
 
 
 @torch._dynamo.assume_constant_result
@@ -264,7 +264,7 @@ def fused_attention_backend(
     cuDNN's kernel only when named: on the second H200 loan its dropout forward / backward ran at
     143 / 220 TFLOP/s where the same shapes without dropout ran at 368 / 310 (BENCHMARKS.md), and
     which of flash and cuDNN is faster with dropout is for the next GPU measurement to say
-    (``bench/gpu_check.py --set model.attention_backend=...``). A constant to dynamo (Python values
+    (``bench/attention_backends.py``). A constant to dynamo (Python values
     in, a string out), so a compiled graph fixes the kernel at trace time.
     """
     if setting == "sdpa":
