@@ -67,17 +67,19 @@ def run_ranks(
     nproc: int = 2,
     timeout: int = 400,
     env: dict[str, str] | None = None,
+    module: str = "megaformer.train",
 ) -> subprocess.CompletedProcess:
-    """Run ``python -m megaformer.train`` as ``nproc`` ranks started here, by torchrun's contract
-    (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` in the environment):
-    for the tests whose subject is the training (layouts, numerics, checkpoints), not the launcher.
-    It skips ``launch/pretrain.sh``'s checks, the supervisor, DeepSpeed's runner and its per-node
-    ``launch.py`` (four Python start-ups, about 8 s of a launch on 2 cores); the launcher's own
-    behaviour keeps its tests through :func:`run_pretrain`. The ranks are forks of an interpreter
-    that has imported torch, DeepSpeed and the trainer once per session (:mod:`tests.support.warm_ranks`:
-    3.5-4 s of CPU saved per rank), unless ``env`` changes what an interpreter reads at start-up
-    (then, and under ``MEGAFORMER_TEST_FRESH_RANKS=1``, each rank is a new ``python -u -m
-    megaformer.train``).
+    """Run ``python -m megaformer.train`` (or another rank program, ``module``, as
+    ``MEGAFORMER_MODULE`` names one to ``launch/pretrain.sh``) as ``nproc`` ranks started here, by
+    torchrun's contract (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``
+    in the environment): for the tests whose subject is the training (layouts, numerics,
+    checkpoints), not the launcher. It skips ``launch/pretrain.sh``'s checks, the supervisor,
+    DeepSpeed's runner and its per-node ``launch.py`` (four Python start-ups, about 8 s of a launch
+    on 2 cores); the launcher's own behaviour keeps its tests through :func:`run_pretrain`. The
+    ranks are forks of an interpreter that has imported torch, DeepSpeed and the trainer once per
+    session (:mod:`tests.support.warm_ranks`: 3.5-4 s of CPU saved per rank), unless ``env`` changes
+    what an interpreter reads at start-up (then, and under ``MEGAFORMER_TEST_FRESH_RANKS=1``, each
+    rank is a new ``python -u -m megaformer.train``).
 
     Returns the finished job as a ``CompletedProcess``: ``stdout``/``stderr`` are the ranks' in rank
     order, ``returncode`` the first non-zero rank's (0 when all succeeded). A rank that fails ends
@@ -102,7 +104,7 @@ def run_ranks(
         **(env or {}),
     }
     argv = [config, *overrides]
-    cmd = [sys.executable, "-u", "-m", "megaformer.train", *argv]
+    cmd = [sys.executable, "-u", "-m", module, *argv]
     fork = warm_ranks.can_fork(base)
     with tempfile.TemporaryDirectory() as logs, contextlib.ExitStack() as files:
         # files, not pipes: a rank blocked on a full pipe would hang the others in a collective
@@ -111,7 +113,7 @@ def run_ranks(
         envs = [base | {"RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nproc)]
         if fork:  # the same main(argv), in a fork of an interpreter that has done the imports
             procs = [
-                warm_ranks.start_rank(argv, envs[r], str(REPO), paths[2 * r], paths[2 * r + 1])
+                warm_ranks.start_rank(argv, envs[r], str(REPO), paths[2 * r], paths[2 * r + 1], module)
                 for r in range(nproc)
             ]
         else:
@@ -140,6 +142,30 @@ def run_ranks(
     done = subprocess.CompletedProcess(cmd, rc, "".join(texts[0::2]), "".join(texts[1::2]))
     done.forked = fork  # the ranks were forks of the warm interpreter (test_warm_ranks.py)
     return done
+
+
+def warm_pretrain_sh(args: list[str], log_path, env: dict[str, str]) -> int:
+    """Stand-in for :func:`megaformer.experiments.launcher._pretrain_sh` in the experiment tests
+    whose subject is the experiment (sweep, compare), not the launcher: the same ``CONFIG
+    OVERRIDES`` (or ``MEGAFORMER_MODULE``'s ``SPEC``) run by :func:`run_ranks` on
+    ``NPROC_PER_NODE`` warm-forked ranks, their output into ``log_path``; returns the exit status.
+    ``launch/pretrain.sh``'s own part (the config check before any worker, the supervisor, DeepSpeed's
+    runner) keeps its tests: test_launcher_runs.py runs :func:`~megaformer.experiments.launcher.launch_run`
+    and ``launch_module`` through it."""
+    module = env.get("MEGAFORMER_MODULE", "megaformer.train")
+    proc = run_ranks(args[0], list(args[1:]), nproc=int(env["NPROC_PER_NODE"]), timeout=600, module=module)
+    with open(log_path, "w", encoding="utf-8") as log:
+        log.write(proc.stdout + proc.stderr)
+    return proc.returncode
+
+
+@pytest.fixture
+def warm_experiment_launches(monkeypatch):
+    """The experiment commands' runs as warm-forked ranks (:func:`warm_pretrain_sh`), in this process."""
+    from megaformer.experiments import launcher
+
+    monkeypatch.setattr(launcher, "_pretrain_sh", warm_pretrain_sh)
+    monkeypatch.chdir(REPO)
 
 
 def read_scalars(tb_dir: str) -> dict[str, dict[int, float]]:

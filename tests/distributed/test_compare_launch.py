@@ -5,8 +5,6 @@ reuses both the calibration and the runs."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -24,17 +22,21 @@ TINY = [
 ]  # fmt: skip
 
 
-def test_compare_writes_its_table_and_plot(gutenberg_prefix, tmp_path):
+def test_compare_writes_its_table_and_plot(gutenberg_prefix, tmp_path, warm_experiment_launches, capsys):
+    """In this process, its runs on warm-forked ranks (the subject is the comparison; a run through
+    ``launch/pretrain.sh`` is test_launcher_runs.py's, the calibration's job through it below)."""
+    from megaformer.experiments import compare
+
     out = tmp_path / "cmp"
     sets = [arg for item in [*TINY, f"data.prefix={gutenberg_prefix}"] for arg in ("--set", item)]
     cmd = [
-        sys.executable, "-m", "megaformer.experiments.compare",
         "configs/cpu-compare/pre_ln.yaml", "configs/cpu-compare/normformer.yaml",
         "--budget-device-hours", "0.006", "--output-dir", str(out), *sets,
         "--calibration-rounds", "2", "--calibration-warmup", "3", "--calibration-steps", "6",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    code = compare.main(cmd)
+    said = capsys.readouterr()
+    assert code == 0, said.out[-3000:] + said.err[-3000:]
     data = json.loads((out / "comparison.json").read_text())
     assert [r["run"] for r in data["rows"]] == ["pre_ln", "normformer"]
     for row in data["rows"]:
@@ -57,11 +59,11 @@ def test_compare_writes_its_table_and_plot(gutenberg_prefix, tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     # a second call reuses the finished runs instead of training again
     # (after re-checking the reused calibration on this machine: 2 more rounds of short launches)
-    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0 and "done before with the same request" in again.stdout
+    code = compare.main(cmd)
+    again = capsys.readouterr()
+    assert code == 0 and "done before with the same request" in again.out, again.err[-3000:]
     assert (
-        "calibration: reused" in again.stdout
-        and "calibration re-check: this machine's step time" in again.stdout
+        "calibration: reused" in again.out and "calibration re-check: this machine's step time" in again.out
     )
     recheck = json.loads((out / "calibration.json").read_text())["rechecks"][-1]
     assert set(recheck["ratios"]) == {"pre_ln", "normformer"} and recheck["measured"] > 0

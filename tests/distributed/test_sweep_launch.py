@@ -1,33 +1,35 @@
 """``python -m megaformer.experiments.sweep`` on the bundled corpus: two schemes, two learning rates,
 calibrated together; the table, the plot and a best config per scheme; a second call reuses the
-calibration and every cell."""
+calibration and every cell. In this process, its runs on warm-forked ranks (the subject is the
+sweep; its launches through ``launch/pretrain.sh`` are test_launcher_runs.py's and
+test_compare_launch.py's)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from megaformer.config.load import load_config
-from tests.distributed.conftest import REPO
+from megaformer.experiments import sweep
 from tests.distributed.test_compare_launch import TINY
 
-pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
+pytestmark = pytest.mark.slow  # 8 multi-process launches: outside `scripts/check.sh --fast`
 
 
-def test_sweep_picks_a_rate_per_scheme_and_resumes(gutenberg_prefix, tmp_path):
+def test_sweep_picks_a_rate_per_scheme_and_resumes(
+    gutenberg_prefix, tmp_path, warm_experiment_launches, capsys
+):
     out = tmp_path / "sweep"
     sets = [arg for item in [*TINY, f"data.prefix={gutenberg_prefix}"] for arg in ("--set", item)]
     cmd = [
-        sys.executable, "-m", "megaformer.experiments.sweep",
         "configs/cpu-compare/pre_ln.yaml", "configs/cpu-compare/normformer.yaml",
         "--lr", "3e-4", "--lr", "3e-3", "--budget-device-hours", "0.004", "--output-dir", str(out), *sets,
         "--calibration-rounds", "2", "--calibration-warmup", "3", "--calibration-steps", "6",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    code = sweep.main(cmd)
+    said = capsys.readouterr()
+    assert code == 0, said.out[-3000:] + said.err[-3000:]
     record = json.loads((out / "sweep.json").read_text())
     assert len(record["rows"]) == 4 and len(record["order"]) == 4
     for name in ("pre_ln", "normformer"):
@@ -44,7 +46,8 @@ def test_sweep_picks_a_rate_per_scheme_and_resumes(gutenberg_prefix, tmp_path):
     # (--recheck-rounds 0) spares 4 launches here: the re-check is calibrate_runs', the same call
     # the comparison makes, and test_compare_launch re-checks through it.
     trusted = [*cmd, "--recheck-rounds", "0"]
-    again = subprocess.run(trusted, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert again.stdout.count("done before with the same request") == 4
-    assert "calibration: reused" in again.stdout and "re-check" not in again.stdout
+    code = sweep.main(trusted)
+    again = capsys.readouterr()
+    assert code == 0, again.err[-2000:]
+    assert again.out.count("done before with the same request") == 4
+    assert "calibration: reused" in again.out and "re-check" not in again.out

@@ -13,10 +13,10 @@ BF16 = ["train.precision=bf16", "train.deepspeed_config=configs/deepspeed/paper-
 
 
 @pytest.mark.slow  # over 5 s on 2 cores: outside `scripts/check.sh --fast`
-def test_planted_cpu_collective_and_host_sync_in_forward_are_reported_with_file_and_line(shim):
+def test_planted_cpu_collective_and_host_sync_in_forward_are_reported_with_file_and_line(warm_sessions):
     report = run_session(
         SMALL, BF16, world_size=2, rank=0, gpu="a100-80gb", strict_nccl=False,
-        setup_modules=["tests.fakecuda.planted"],
+        setup_modules=["tests.fakecuda.planted"], sessions=warm_sessions,
     )  # fmt: skip
     assert "error" not in report, report.get("traceback")
     cpu = [f for f in report["findings"] if f["kind"] == "cpu_collective"]
@@ -33,15 +33,21 @@ def test_planted_cpu_collective_and_host_sync_in_forward_are_reported_with_file_
 
 
 @pytest.mark.slow  # over 5 s on 2 cores: outside `scripts/check.sh --fast`
-def test_strict_nccl_stops_at_the_planted_cpu_collective(shim):
+def test_strict_nccl_stops_at_the_planted_cpu_collective(warm_sessions):
     report = run_session(
-        SMALL, BF16, world_size=2, rank=0, gpu="a100-80gb", setup_modules=["tests.fakecuda.planted"]
+        SMALL,
+        BF16,
+        world_size=2,
+        rank=0,
+        gpu="a100-80gb",
+        setup_modules=["tests.fakecuda.planted"],
+        sessions=warm_sessions,
     )
     assert "NCCL refuses a cpu tensor" in report["error"] and "tests/fakecuda/planted.py" in report["error"]
 
 
 @pytest.mark.parametrize("unchecked", [False, True], ids=["checked", "unchecked"])
-def test_bf16_with_fp32_accumulation_at_zero0(shim, unchecked):
+def test_bf16_with_fp32_accumulation_at_zero0(warm_sessions, unchecked):
     """The paper's bf16 JSON at ZeRO-0: refused with the key and the fix; with the check switched
     off, DeepSpeed 0.19 crashes on the GPU path (what the code before the check did)."""
     report = run_session(
@@ -51,6 +57,7 @@ def test_bf16_with_fp32_accumulation_at_zero0(shim, unchecked):
         rank=0,
         gpu="a100-80gb",
         unchecked_engine_json=unchecked,
+        sessions=warm_sessions,
     )
     if unchecked:
         assert report["error"].startswith(

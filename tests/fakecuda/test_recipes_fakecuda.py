@@ -31,18 +31,21 @@ CASES = recipe_cases()
 
 
 @pytest.fixture(scope="session")
-def reports(shim) -> dict[str, dict]:
-    """Every case's report, run two at a time (one process each; the machine has 2 cores)."""
+def reports(warm_sessions) -> dict[str, dict]:
+    """Every case's report, run two at a time (one process each; the machine has 2 cores), each a
+    fork of a warm fake-CUDA interpreter (one per GPU model and thread). The largest layouts go
+    first (the list ends with them), so that the two threads finish together."""
 
     def run(case):
         ident, path, overrides, world, rank, gpu = case
         pp = load_config(path, overrides).parallel.pp_size
         return ident, run_rank_of_job(
-            path, overrides, world_size=world, rank=rank, gpu=gpu, max_micro_batches=max(2, pp)
-        )
+            path, overrides, world_size=world, rank=rank, gpu=gpu, max_micro_batches=max(2, pp),
+            sessions=warm_sessions,
+        )  # fmt: skip
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(pool.map(run, CASES))
+        return dict(pool.map(run, CASES[::-1]))
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ What a fork cannot reproduce, and how the tests are kept out of it:
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import multiprocessing
 import os
@@ -35,6 +36,7 @@ PRELOAD = [
     "deepspeed.runtime.engine",
     "deepspeed.runtime.zero.stage_1_and_2",
     "deepspeed.runtime.pipe.engine",
+    "megaformer.experiments.step_timing",  # the calibration's rank program (MEGAFORMER_MODULE)
 ]
 """Imported once by the fork server: what a rank imports before its first step."""
 
@@ -73,9 +75,12 @@ def can_fork(env: dict[str, str]) -> bool:
     return all(env.get(k) == _server_env.get(k) for k in STARTUP_ENV)
 
 
-def _rank_main(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
-    """The forked rank: the job's directory, environment and output files, then the trainer's
-    ``main`` (which leaves through ``os._exit``; an exception exits 1 with its traceback)."""
+def _rank_main(
+    argv: list[str], env: dict[str, str], cwd: str, out: str, err: str, module: str = "megaformer.train"
+) -> None:
+    """The forked rank: the job's directory, environment and output files, then ``module``'s
+    ``main`` (the trainer's, or another rank program such as the calibration's step-timing job;
+    each leaves through ``os._exit``; an exception exits 1 with its traceback)."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -91,20 +96,21 @@ def _rank_main(argv: list[str], env: dict[str, str], cwd: str, out: str, err: st
     # OpenMP read OMP_NUM_THREADS when the server imported torch; the job's value, as a fresh
     # interpreter would have read it
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
-    sys.argv = ["megaformer/train.py", *argv]
-    from megaformer.train import main
-
-    main(argv)
+    sys.argv = [module.replace(".", "/") + ".py", *argv]
+    importlib.import_module(module).main(argv)
 
 
-def start_rank(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> Forked:
-    """Fork one rank from the warm server (started on first use, with ``env`` as its environment).
+def start_rank(
+    argv: list[str], env: dict[str, str], cwd: str, out: str, err: str, module: str = "megaformer.train"
+) -> Forked:
+    """Fork one rank of ``python -m module`` from the warm server (started on first use, with
+    ``env`` as its environment).
 
     Returns the started rank behind ``Popen``'s ``poll``/``returncode``/``kill``/``wait``
     (:class:`Forked`)."""
     global _server_env
     ctx = multiprocessing.get_context("forkserver")
-    proc = ctx.Process(target=_rank_main, args=(argv, env, cwd, out, err), daemon=False)
+    proc = ctx.Process(target=_rank_main, args=(argv, env, cwd, out, err, module), daemon=False)
     if _server_env is None:
         ctx.set_forkserver_preload(PRELOAD)
         server_env = {k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK")}

@@ -1,16 +1,23 @@
 """Start a fake-CUDA process: the shim preloaded, DeepSpeed's accelerator set to CUDA.
 
 Every fake-CUDA run is its own process because the shim must be loaded before torch
-(:mod:`.build`). :func:`run_session` runs one rank of a job (:mod:`.session`) and returns its report.
+(:mod:`.build`). :func:`run_session` runs one rank of a job (:mod:`.session`) and returns its report,
+in a new interpreter or, given :class:`WarmSessions`, in a fork of a warm one (:mod:`.server`: the
+imports, about 4 s of a session's CPU, paid once per GPU model).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +48,104 @@ def run_python(args: list[str], timeout: float = 900, lib: Path | None = None) -
     )  # fmt: skip
 
 
+class WarmSessions:
+    """Warm fake-CUDA interpreters (:mod:`.server`), started on first use, one per GPU model and
+    concurrent caller, each forking one session per request: for a caller that runs many sessions
+    (the recipes' test tier, a pipeline job's two ranks). Thread-safe; a context manager that stops
+    the servers on exit.
+
+    A session forked here is what ``python -m megaformer.perf.fakecuda.session`` runs after its
+    imports: same request, same report. The environment is the one :func:`fake_cuda_env` gives when
+    the server starts.
+    """
+
+    def __init__(self, lib: Path | None = None) -> None:
+        self._lib = lib
+        self._idle: dict[str, list[subprocess.Popen]] = {}
+        self._all: list[subprocess.Popen] = []
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> WarmSessions:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop every server (its running session, if any, with it)."""
+        with self._lock:
+            servers, self._all, self._idle = self._all, [], {}
+        for server in servers:
+            _stop(server)
+
+    def _start(self, gpu: str, deadline: float) -> subprocess.Popen:
+        errors = tempfile.TemporaryFile()  # noqa: SIM115  (closed with the server's failure or by GC)
+        server = subprocess.Popen(
+            [sys.executable, "-m", "megaformer.perf.fakecuda.server", gpu],
+            env=fake_cuda_env(self._lib or build_shim()), cwd=ROOT, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=errors, text=True, start_new_session=True,
+        )  # fmt: skip
+        with self._lock:
+            self._all.append(server)
+        if _read_line(server, deadline) != "ready":
+            _stop(server)
+            errors.seek(0)
+            said = errors.read().decode(errors="replace")[-3000:]
+            raise RuntimeError(
+                f"the warm fake-CUDA server for {gpu} exited with {server.returncode} before it was "
+                f"ready:\n{said}"
+            )
+        return server
+
+    def run(self, request_path: str, log_path: str, gpu: str, timeout: float) -> int:
+        """Run the session of ``request_path`` (output to ``log_path``) on a warm server for
+        ``gpu``; return its exit status.
+
+        Raises:
+            subprocess.TimeoutExpired: it ran past ``timeout`` seconds (the server is stopped).
+        """
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            idle = self._idle.setdefault(gpu, [])
+            server = idle.pop() if idle else None
+        if server is None or server.poll() is not None:
+            server = self._start(gpu, deadline)
+        assert server.stdin is not None
+        server.stdin.write(json.dumps([request_path, log_path]) + "\n")
+        server.stdin.flush()
+        try:
+            reply = _read_line(server, deadline)
+        except subprocess.TimeoutExpired:
+            _stop(server)
+            raise subprocess.TimeoutExpired(request_path, timeout) from None
+        if not reply.lstrip("-").isdigit():  # the server died: report it as the session's failure
+            _stop(server)
+            return 70
+        with self._lock:
+            self._idle[gpu].append(server)
+        return int(reply)
+
+
+def _read_line(server: subprocess.Popen, deadline: float) -> str:
+    """The server's next reply line ('' if it exited), waiting until ``deadline`` (monotonic)."""
+    assert server.stdout is not None
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise subprocess.TimeoutExpired("megaformer.perf.fakecuda.server", 0)
+        ready, _, _ = select.select([server.stdout], [], [], min(left, 5.0))
+        if ready:
+            return server.stdout.readline().strip()
+
+
+def _stop(server: subprocess.Popen) -> None:
+    """Kill a server and the session it forked (its own process group)."""
+    if server.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
+    server.wait()
+
+
 def run_session(
     config: str,
     overrides: list[str],
@@ -52,6 +157,7 @@ def run_session(
     strict_nccl: bool = True,
     timeout: float = 900,
     stream: bool = False,
+    sessions: WarmSessions | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
     """Run rank ``rank`` of a ``world_size``-rank job of ``config`` for ``steps`` optimizer steps on
@@ -60,6 +166,8 @@ def run_session(
     Args:
         stream: let the child's console output through (progress for the dry-run command); else
             captured and put in the report as ``output`` when it failed.
+        sessions: fork the session from these warm servers instead of starting an interpreter
+            (not with ``stream``).
         extra: further request keys (:mod:`.session`): ``max_micro_batches`` (fewer micro-batches
             per step, each at full size), ``peer_sends`` (the first pipeline stage's small integer
             sends, for a later stage's receives), ``setup_modules``, ``unchecked_engine_json``.
@@ -85,7 +193,13 @@ def run_session(
         with open(path, "w") as f:
             json.dump(request, f)
         cmd = [sys.executable, "-m", "megaformer.perf.fakecuda.session", path]
-        if stream:
+        if sessions is not None and not stream:
+            log = os.path.join(tmp, "session.log")
+            code = sessions.run(path, log, gpu, timeout)
+            with open(log, errors="replace") as f:
+                output = f.read()
+            proc = subprocess.CompletedProcess(cmd, code)
+        elif stream:
             proc = subprocess.run(cmd, env=fake_cuda_env(lib), timeout=timeout, cwd=ROOT)
             output = ""
         else:

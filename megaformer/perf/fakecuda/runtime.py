@@ -202,11 +202,29 @@ def _cuda_stub_table(gpu: GpuModel, rng: _FakePhilox) -> dict[str, Any]:
     }
 
 
+_STUBS_FOR: list[GpuModel] = []
+"""The GPU model whose stand-ins this process has installed (at most one)."""
+
+
 def install_cuda_stubs(gpu: GpuModel) -> None:
     """Give a CPU build of torch the ``torch.cuda`` functions DeepSpeed and megaformer call, for one
     device described by ``gpu``. Generator states are 16-byte Philox states (seed, offset), as
-    CUDA's; memory counters report 0 (the audit measures the fake allocations instead)."""
+    CUDA's; memory counters report 0 (the audit measures the fake allocations instead).
+
+    Installed once per process: a second call for the same GPU does nothing (a session forked from
+    a warm server, :mod:`.server`, finds them installed); for another GPU it raises ``RuntimeError``
+    (the stand-ins and the modules imported onto them would describe the first one).
+    """
     import importlib
+
+    if _STUBS_FOR:
+        if _STUBS_FOR[0] == gpu:
+            return
+        raise RuntimeError(
+            f"the CUDA stand-ins of this process describe {_STUBS_FOR[0].name}, not {gpu.name}: one GPU "
+            "model per fake-CUDA process (start another through megaformer.perf.fakecuda.launch)"
+        )
+    _STUBS_FOR.append(gpu)
 
     cuda = torch.cuda
     rng = _FakePhilox()

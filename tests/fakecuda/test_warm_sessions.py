@@ -1,0 +1,35 @@
+"""A session forked from a warm fake-CUDA server (:class:`~megaformer.perf.fakecuda.launch.WarmSessions`,
+what the recipes' tier runs on) reports what a fresh interpreter reports, and a failing one fails
+the same way."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megaformer.perf.fakecuda.launch import WarmSessions, run_session
+
+pytestmark = (
+    pytest.mark.slow
+)  # three fake-CUDA sessions (~25 s on 2 cores): outside `scripts/check.sh --fast`
+
+SMALL = "configs/normformer-quickstart.yaml"
+BF16 = ["train.precision=bf16", "train.deepspeed_config=configs/deepspeed/paper-bf16-a100.json"]
+TIMES = {"seconds", "returncode"}
+
+
+def _same(report: dict) -> str:
+    return json.dumps({k: v for k, v in report.items() if k not in TIMES}, sort_keys=True, default=str)
+
+
+def test_a_forked_session_reports_what_a_fresh_one_does(shim):
+    args = {"world_size": 2, "rank": 0, "gpu": "a100-80gb"}
+    fresh = run_session(SMALL, BF16, **args)
+    with WarmSessions(shim) as warm:
+        forked = [run_session(SMALL, BF16, sessions=warm, **args) for _ in range(2)]
+        # a session that fails (the planted CPU collective under strict NCCL) fails alike when forked
+        failed = run_session(SMALL, BF16, sessions=warm, setup_modules=["tests.fakecuda.planted"], **args)
+    assert "error" not in fresh and fresh["steps_done"] == 2, fresh.get("error")
+    assert _same(forked[0]) == _same(fresh) and _same(forked[1]) == _same(fresh)
+    assert "NCCL refuses a cpu tensor" in failed["error"] and failed["returncode"] == 3
