@@ -141,6 +141,7 @@ def run_ranks(
     rc = next((c for c in codes if c != 0), 0)
     done = subprocess.CompletedProcess(cmd, rc, "".join(texts[0::2]), "".join(texts[1::2]))
     done.forked = fork  # the ranks were forks of the warm interpreter (test_warm_ranks.py)
+    done.codes = codes  # every rank's exit status, in rank order (-9: killed here after another failed)
     return done
 
 
@@ -199,9 +200,10 @@ LIFECYCLE_TINY = [
 
 @pytest.fixture(scope="session")
 def lifecycle_reference(gutenberg_prefix, tmp_path_factory) -> Path:
-    """The uninterrupted 12-step run (keeping the last 2 checkpoints): global_step8 and 12."""
+    """The uninterrupted 12-step run (keeping the last 2 checkpoints): global_step8 and 12. A
+    reference, not a launcher test: its ranks are started here (:func:`run_ranks`)."""
     out = tmp_path_factory.mktemp("lifecycle_reference")
     overrides = [*LIFECYCLE_TINY, f"data.prefix={gutenberg_prefix}", "train.keep_last_checkpoints=2"]
-    proc = run_pretrain("configs/normformer-quickstart.yaml", [*overrides, f"output.dir={out}"])
+    proc = run_ranks("configs/normformer-quickstart.yaml", [*overrides, f"output.dir={out}"])
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out

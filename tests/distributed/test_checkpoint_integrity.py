@@ -17,7 +17,7 @@ import pytest
 
 from megaformer.checkpoint import integrity
 from megaformer.training.preflight import check_checkpoint
-from tests.distributed.conftest import LIFECYCLE_TINY, run_pretrain
+from tests.distributed.conftest import LIFECYCLE_TINY, run_pretrain, run_ranks
 
 pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
 
@@ -171,7 +171,7 @@ def test_init_from_past_a_truncated_optimizer_file(run12, tmp_path, gutenberg_pr
     ckpt = _copy(run12, tmp_path)
     name = _damage(ckpt, "optimizer_truncated")
     common = [*LIFECYCLE_TINY, f"data.prefix={gutenberg_prefix}", "train.save_interval=0"]
-    proc = run_pretrain(
+    proc = run_ranks(  # the ranks' check, not the launcher's: started by the test
         CONFIG, [*common, "train.steps=14", f"train.init_from={ckpt}", f"output.dir={tmp_path / 'new'}"]
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -189,7 +189,7 @@ def test_resume_past_rank0s_deleted_generator_state(run12, tmp_path, gutenberg_p
     name = ckpt / "global_step8" / "rng_state" / "rank00000.pt"
     os.remove(name)
     overrides = [*LIFECYCLE_TINY, f"data.prefix={gutenberg_prefix}", "train.resume=auto"]
-    proc = run_pretrain(CONFIG, [*overrides, f"output.dir={ckpt.parent}"])
+    proc = run_ranks(CONFIG, [*overrides, f"output.dir={ckpt.parent}"])  # the ranks' resume
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (
         f"{name}: missing" in proc.stderr and "that rank's dropout masks restart from the seed" in proc.stderr

@@ -5,6 +5,10 @@ TensorBoard's train/loss holds every step once.
 The default suite kills twice (mid-save with rank 1 stalled and its optimizer shard cut short, and
 mid-step before the first checkpoint) besides the SIGTERM; ``MEGAFORMER_SLOW_TESTS=1`` adds a kill
 mid-step after a checkpoint and kills at three random moments (seeded).
+
+The killed runs go through ``launch/pretrain.sh`` (the signals' path); each resume, the ranks' own
+work, runs on ranks started by the test (``run_ranks``): a relaunch through the launcher after a
+kill is test_run_ownership_launch.py's.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import pytest
 import torch
 
 from megaformer.training.stopping import EXIT_CODE_STOPPED
-from tests.distributed.conftest import LIFECYCLE_TINY, REPO, run_pretrain
+from tests.distributed.conftest import LIFECYCLE_TINY, REPO, run_pretrain, run_ranks
 
 pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
 
@@ -98,7 +102,7 @@ def test_sigterm_saves_at_the_next_step_and_resumes_exactly(lifecycle_reference,
     # nothing was validated in this launch: said, not printed as "nan" (issue 39)
     assert "valid loss: no validation ran in this launch" in text and "(ppl nan)" not in text
     assert (out / "checkpoints" / "latest").read_text() == f"global_step{stopped}"
-    proc = run_pretrain(CONFIG, _overrides(gutenberg_prefix, out))
+    proc = run_ranks(CONFIG, _overrides(gutenberg_prefix, out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"at step {stopped}" in proc.stdout
     _assert_same_as_reference(out, lifecycle_reference)
@@ -109,7 +113,7 @@ def _kill_then_resume(reference: Path, prefix: str, tmp_path: Path, trigger: str
     proc = _start(_overrides(prefix, out), log)
     _wait_for(proc, log, trigger)
     _kill9(proc)
-    proc = run_pretrain(CONFIG, _overrides(prefix, out))
+    proc = run_ranks(CONFIG, _overrides(prefix, out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     _assert_same_as_reference(out, reference)
 
@@ -133,7 +137,7 @@ def test_kill9_with_a_rank_stalled_mid_save(lifecycle_reference, gutenberg_prefi
     assert (out / "checkpoints" / "latest").read_text() == "global_step4"
     assert not (out / "checkpoints" / "global_step8" / "manifest.json").exists()
     _kill9(proc)
-    proc = run_pretrain(CONFIG, _overrides(gutenberg_prefix, out))
+    proc = run_ranks(CONFIG, _overrides(gutenberg_prefix, out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "at step 4" in proc.stdout
     _assert_same_as_reference(out, lifecycle_reference)
@@ -151,7 +155,7 @@ def test_kill9_at_a_random_moment(lifecycle_reference, gutenberg_prefix, tmp_pat
     _wait_for(proc, log, trigger)
     time.sleep(rng.uniform(0.0, 0.5))
     _kill9(proc)
-    proc = run_pretrain(CONFIG, _overrides(gutenberg_prefix, out))
+    proc = run_ranks(CONFIG, _overrides(gutenberg_prefix, out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     _assert_same_as_reference(out, lifecycle_reference)
 
@@ -172,6 +176,6 @@ def test_restart_after_a_kill_before_the_first_checkpoint(lifecycle_reference, g
         and "holds another run" in fresh.stderr
         and "output.overwrite=true" in fresh.stderr
     )
-    proc = run_pretrain(CONFIG, _overrides(gutenberg_prefix, out, "train.save_interval=0"))
+    proc = run_ranks(CONFIG, _overrides(gutenberg_prefix, out, "train.save_interval=0"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     _assert_same_as_reference(out, lifecycle_reference)

@@ -11,7 +11,7 @@ import pytest
 
 from megaformer.config import load_config
 from megaformer.training.schedule import lr_at
-from tests.distributed.conftest import LIFECYCLE_TINY, read_scalars, run_pretrain
+from tests.distributed.conftest import LIFECYCLE_TINY, read_scalars, run_pretrain, run_ranks
 
 pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
 
@@ -31,7 +31,8 @@ def test_changed_config_refused_and_extension_continues(lifecycle_reference, gut
     assert (
         "Killing subprocess" not in refused.stdout + refused.stderr and "[pretrain.sh]" not in refused.stderr
     )
-    extended = run_pretrain(CONFIG, [*common, "train.steps=16", "train.extend_steps=true"])
+    # the extension and its reference are the ranks' work: started by the test (run_ranks)
+    extended = run_ranks(CONFIG, [*common, "train.steps=16", "train.extend_steps=true"])
     assert extended.returncode == 0, extended.stderr[-3000:]
     assert "extending the run from 12 to 16 steps" in extended.stdout
     assert "recomputed over 16 steps" in extended.stdout
@@ -44,7 +45,7 @@ def test_changed_config_refused_and_extension_continues(lifecycle_reference, gut
     # Every new step's learning rate is the uninterrupted 16-step run's, the first one included
     # (issue 23: it took the 12-step schedule's last rate, min_lr, from the optimizer state).
     straight = tmp_path / "straight"
-    proc = run_pretrain(
+    proc = run_ranks(
         CONFIG,
         [*LIFECYCLE_TINY, f"data.prefix={gutenberg_prefix}", "train.steps=16", "train.save_interval=0"]
         + [f"output.dir={straight}"],

@@ -17,7 +17,7 @@ import shutil
 
 import pytest
 
-from tests.distributed.conftest import LIFECYCLE_TINY, REPO, run_pretrain
+from tests.distributed.conftest import LIFECYCLE_TINY, REPO, run_pretrain, run_ranks
 from tests.support.malicious_checkpoint import plant_payload
 
 pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
@@ -90,7 +90,8 @@ def test_init_from_refuses_the_payload_before_any_process_group(planted, tmp_pat
     assert "train.trust_checkpoint_code=true" in refused.stderr and "Traceback" not in refused.stderr
     assert "step 13/" not in refused.stdout and not marker.exists()
 
-    trusted = run_pretrain(CONFIG, [*overrides, "train.trust_checkpoint_code=true"])
+    # the trusted path is the ranks' load: started by the test (run_ranks)
+    trusted = run_ranks(CONFIG, [*overrides, "train.trust_checkpoint_code=true"])
     assert trusted.returncode == 0, trusted.stderr[-3000:]
     assert f"WARNING: --trust-checkpoint-code: unpickling {path} in full" in trusted.stderr
     assert "step 14/14" in trusted.stdout and marker.exists()

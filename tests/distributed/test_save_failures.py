@@ -2,7 +2,10 @@
 the cause named; then a resume repeats the uninterrupted run.
 
 The failure is injected from outside production code: ``tests/support/save_faults`` on
-``PYTHONPATH`` wraps ``torch.save`` in one worker (its docstring lists the faults). A real full
+``PYTHONPATH`` wraps ``torch.save`` in one worker (its docstring lists the faults). The injected
+faults run on ranks started by the test (``run_ranks``), with no launcher to end the other rank:
+each must end by itself. The real full disk and read-only file system go through
+``launch/pretrain.sh`` (the read-only one is its preflight's refusal). A real full
 disk and a real read-only file system are small tmpfs mounts, where this machine allows mounting
 (root); elsewhere those two tests are skipped.
 """
@@ -19,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from megaformer.checkpoint import integrity
-from tests.distributed.conftest import LIFECYCLE_TINY, REPO, run_pretrain
+from tests.distributed.conftest import LIFECYCLE_TINY, REPO, run_ranks
 
-pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
+pytestmark = pytest.mark.slow  # multi-process runs: outside `scripts/check.sh --fast`
 
 CONFIG = "configs/normformer-quickstart.yaml"
 SAVE_FAULTS = str(REPO / "tests" / "support" / "save_faults")
@@ -63,12 +66,28 @@ FAULTS = {
 }
 
 
+def _ranks_with_fault(overrides: list[str], fault: str) -> tuple[int, str]:
+    """The ranks alone (``run_ranks``, no launcher to end the survivor) with the fault injected:
+    (exit status, output). Every rank must end by itself: one that the helper had to kill after
+    the other failed (-9), or a job still running after HUNG_AFTER_S, fails the test."""
+    try:
+        proc = run_ranks(
+            CONFIG, overrides, timeout=HUNG_AFTER_S,
+            env={"PYTHONPATH": SAVE_FAULTS, "MEGAFORMER_TEST_SAVE_FAULT": fault},
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the job still ran {HUNG_AFTER_S} s after start (a rank waits for ever)")
+    text = proc.stdout + proc.stderr
+    assert all(code > 0 for code in proc.codes), (proc.codes, text[-3000:])  # each ended itself
+    return proc.returncode, text
+
+
 @pytest.mark.parametrize("case", sorted(FAULTS))
 def test_a_save_failing_on_one_rank_ends_every_rank(gutenberg_prefix, tmp_path, case):
     fault, cause = FAULTS[case]
     rank = fault.split(":")[0]
     out = tmp_path / "run"
-    code, text = _run_with_fault(_overrides(gutenberg_prefix, out), fault)
+    code, text = _ranks_with_fault(_overrides(gutenberg_prefix, out), fault)
     assert code != 0 and f"[save-fault] rank {rank}" in text, text[-3000:]
     ckpt = out / "checkpoints"
     failed = f"error: rank {rank}: saving {ckpt / 'global_step8'} failed: {cause}"
@@ -87,11 +106,11 @@ def test_the_resume_after_a_failed_save_repeats_the_run(lifecycle_reference, gut
     from tests.distributed.test_preemption import _assert_same_as_reference
 
     out = tmp_path / "run"
-    code, text = _run_with_fault(
+    code, text = _ranks_with_fault(
         _overrides(gutenberg_prefix, out), "0:8:mp_rank_00_model_states.pt:torch-full"
     )
     assert code != 0 and (out / "checkpoints" / "latest").read_text() == "global_step4", text[-3000:]
-    proc = run_pretrain(CONFIG, _overrides(gutenberg_prefix, out))
+    proc = run_ranks(CONFIG, _overrides(gutenberg_prefix, out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "at step 4" in proc.stdout
     _assert_same_as_reference(out, lifecycle_reference)

@@ -1,4 +1,6 @@
-"""End to end through launch/pretrain.sh: 2 DeepSpeed processes on gloo, real text, TensorBoard, resume."""
+"""End to end through launch/pretrain.sh: 2 DeepSpeed processes on gloo, real text, TensorBoard,
+resume, and the launcher's refusals; the precision and ZeRO paths on ranks started by the tests
+(``run_ranks``: their subject is the engine, not the launcher)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import shutil
 
 import pytest
 
-from tests.distributed.conftest import CPU_FP16_PATH, read_scalars, run_pretrain
+from tests.distributed.conftest import CPU_FP16_PATH, read_scalars, run_pretrain, run_ranks
 
 pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
 
@@ -129,7 +131,7 @@ def test_resume_auto_continues_exactly(run30, gutenberg_prefix, tmp_path):
 
 @pytest.mark.parametrize(("precision", "zero"), [("bf16", 3), ("fp32", 0), ("fp32", 2)])
 def test_precision_and_zero_stage_run(gutenberg_prefix, tmp_path, precision, zero):
-    proc = run_pretrain(
+    proc = run_ranks(
         CONFIG,
         [*TINY, f"data.prefix={gutenberg_prefix}", "train.steps=6", f"train.precision={precision}",
          f"train.zero_stage={zero}", "train.eval_interval=6", f"output.dir={tmp_path}"],
@@ -166,7 +168,7 @@ def test_missing_dataset_is_a_clear_error(tmp_path):
 def test_fp16_dynamic_loss_scale_is_logged(gutenberg_prefix, tmp_path, monkeypatch):
     """The fp16 path (DeepSpeed's dynamic loss scaler) on CPU, which DeepSpeed refuses unless told."""
     monkeypatch.setenv("PYTHONPATH", CPU_FP16_PATH)
-    proc = run_pretrain(
+    proc = run_ranks(
         CONFIG,
         [*TINY, f"data.prefix={gutenberg_prefix}", "train.steps=6", "train.precision=fp16",
          "train.zero_stage=1", "train.eval_interval=6", f"output.dir={tmp_path}"],

@@ -34,3 +34,16 @@ def test_forked_ranks_train_bitwise_as_new_interpreters(gutenberg_prefix, tmp_pa
     want = fingerprint_runs.scalars(tmp_path / "fresh" / "tensorboard")
     assert {"train/loss", "train/grad_norm", "valid/loss"} <= set(want), sorted(want)
     assert len(want["train/loss"]) == 8 and got == want
+
+
+def test_a_test_sitecustomize_on_pythonpath_still_forks_and_other_paths_do_not(monkeypatch):
+    """The CPU fp16 switch and the save-fault injector are run by the fork itself (their
+    ``sitecustomize.py``); any other ``PYTHONPATH`` change is a start-up difference: fresh ranks."""
+    monkeypatch.delenv("MEGAFORMER_TEST_FRESH_RANKS", raising=False)
+    server = {"PYTHONPATH": str(REPO)}
+    monkeypatch.setattr(warm_ranks, "_server_env", server)
+    for site in warm_ranks.SITE_DIRS:
+        assert warm_ranks.can_fork({"PYTHONPATH": os.pathsep.join([str(REPO), site])})
+        assert warm_ranks._site_dirs({"PYTHONPATH": os.pathsep.join([str(REPO), site])})[0] == [site]
+    assert not warm_ranks.can_fork({"PYTHONPATH": os.pathsep.join([str(REPO), "/elsewhere"])})
+    assert not warm_ranks.can_fork({"PYTHONPATH": str(REPO), "LD_PRELOAD": "/lib/x.so"})

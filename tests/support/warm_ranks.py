@@ -14,6 +14,11 @@ What a fork cannot reproduce, and how the tests are kept out of it:
   CPU fp16 shim; OpenMP's thread count): a job whose environment differs from the server's in any
   of :data:`STARTUP_ENV` runs in fresh processes instead (:func:`can_fork`); the thread count is set
   with ``torch.set_num_threads`` from the job's ``OMP_NUM_THREADS`` (what OpenMP reads at start).
+* A test-support directory put first on ``PYTHONPATH`` for its ``sitecustomize.py`` (the CPU fp16
+  switch, the checkpoint-fault injector: :data:`SITE_DIRS`) is not a start-up difference: the fork
+  runs that ``sitecustomize.py`` itself, with the job's environment, before the rank's ``main``
+  (each only sets attributes of modules the server has imported: DeepSpeed's accelerator,
+  ``torch.save``, which the ranks look up when they call them).
 * ``MEGAFORMER_TEST_FRESH_RANKS=1`` turns the fork server off for a whole session (every rank a
   fresh interpreter), to rule it out when a test fails.
 """
@@ -25,6 +30,7 @@ import importlib
 import io
 import multiprocessing
 import os
+import runpy
 import sys
 from collections.abc import Iterator
 
@@ -45,6 +51,17 @@ STARTUP_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH", "LD_PRELOAD", "DS_A
 differently from the server's environment runs in fresh processes."""
 
 _server_env: dict[str, str] | None = None
+
+_SUPPORT = os.path.dirname(os.path.abspath(__file__))
+SITE_DIRS = tuple(os.path.join(_SUPPORT, name) for name in ("cpu_fp16", "save_faults"))
+"""Test-support directories whose ``sitecustomize.py`` a forked rank runs itself."""
+
+
+def _site_dirs(env: dict[str, str]) -> tuple[list[str], str]:
+    """``env``'s :data:`SITE_DIRS` entries of ``PYTHONPATH``, and ``PYTHONPATH`` without them."""
+    parts = env.get("PYTHONPATH", "").split(os.pathsep) if env.get("PYTHONPATH") else []
+    sites = [p for p in parts if os.path.abspath(p) in SITE_DIRS]
+    return sites, os.pathsep.join(p for p in parts if os.path.abspath(p) not in SITE_DIRS)
 
 
 @contextlib.contextmanager
@@ -72,7 +89,10 @@ def can_fork(env: dict[str, str]) -> bool:
         return False
     if _server_env is None:
         return True
-    return all(env.get(k) == _server_env.get(k) for k in STARTUP_ENV)
+    same = [k for k in STARTUP_ENV if k != "PYTHONPATH"]
+    return _site_dirs(env)[1] == _site_dirs(_server_env)[1] and all(
+        env.get(k) == _server_env.get(k) for k in same
+    )
 
 
 def _rank_main(
@@ -96,6 +116,8 @@ def _rank_main(
     # OpenMP read OMP_NUM_THREADS when the server imported torch; the job's value, as a fresh
     # interpreter would have read it
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    for site in _site_dirs(env)[0]:  # what a fresh interpreter's start-up would have run
+        runpy.run_path(os.path.join(site, "sitecustomize.py"), run_name="sitecustomize")
     sys.argv = [module.replace(".", "/") + ".py", *argv]
     importlib.import_module(module).main(argv)
 
@@ -114,6 +136,8 @@ def start_rank(
     if _server_env is None:
         ctx.set_forkserver_preload(PRELOAD)
         server_env = {k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK")}
+        # the server itself runs no test sitecustomize: each fork runs its job's (_rank_main)
+        server_env["PYTHONPATH"] = _site_dirs(server_env)[1]
         with _environ(server_env):  # the server keeps the environment it starts with
             proc.start()
         _server_env = server_env
