@@ -156,7 +156,9 @@ def test_zeroed_block_stops_resume_and_init_from_before_the_model(run12, tmp_pat
     _damage(ckpt, "zeros")
     common = [*LIFECYCLE_TINY, f"data.prefix={gutenberg_prefix}"]
     resumed = run_pretrain(CONFIG, [*common, "train.resume=auto", f"output.dir={ckpt.parent}"])
-    started = run_pretrain(
+    # the resume through the launcher (a user's relaunch); init_from on ranks started here: the
+    # same check, in the ranks' preflight
+    started = run_ranks(
         CONFIG, [*common, "train.steps=16", f"train.init_from={ckpt}", f"output.dir={tmp_path / 'new'}"]
     )
     for proc in (resumed, started):

@@ -160,35 +160,44 @@ def test_reshard_refuses_a_degree_that_does_not_divide_the_heads(runs, tmp_path)
         reshard(str(runs["tp2"][0] / "checkpoints"), str(tmp_path / "x"), tp=3)
 
 
-def test_generate_samples_text_from_a_tp2_checkpoint(runs, tmp_path):
-    """The sampling tool consolidates the TP 2 shards and decodes text; a bad directory is exit 2."""
+def _generate_here(args: list[str], capsys) -> tuple[int, str, str]:
+    """``megaformer.tools.generate ARGS`` in this process: (exit status, stdout, stderr)."""
+    from megaformer.tools.generate import main
+
+    try:
+        code = main(args)
+    except SystemExit as e:  # argparse's and the tool's own exits
+        code = e.code if isinstance(e.code, int) else 1
+    said = capsys.readouterr()
+    return code, said.out, said.err
+
+
+def test_generate_samples_text_from_a_tp2_checkpoint(runs, tmp_path, capsys):
+    """The sampling tool consolidates the TP 2 shards and decodes text; seeded, the same command in
+    another process prints the same samples; a bad directory is exit 2. The first call is the
+    command itself (a subprocess); the others call its ``main`` here (the start-up is not theirs)."""
     run_dir, _ = runs["tp2"]
-    cmd = [sys.executable, "-m", "megaformer.tools.generate", "--checkpoint", str(run_dir / "checkpoints")]
-    cmd += ["--prompt", "It was the best of times,", "--max-new-tokens", "16", "--num-samples", "2"]
+    args = ["--checkpoint", str(run_dir / "checkpoints")]
+    args += ["--prompt", "It was the best of times,", "--max-new-tokens", "16", "--num-samples", "2"]
+    cmd = [sys.executable, "-m", "megaformer.tools.generate", *args]
     first = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stderr
     assert "step 20: 2 layers, d=64, seq_len 64" in first.stdout
     samples = first.stdout.split("--- sample ")[1:]
     assert len(samples) == 2 and all("\nIt was the best of times," in s for s in samples)
-    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    code, again, _ = _generate_here(args, capsys)
     # seeded (compared from our header on: DeepSpeed's import logs a timestamped line first)
-    assert again.stdout[again.stdout.index("# ") :] == first.stdout[first.stdout.index("# ") :]
-    bad = subprocess.run(
-        [sys.executable, "-m", "megaformer.tools.generate", "--checkpoint", str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert bad.returncode == 2 and str(tmp_path) in bad.stderr, bad.stderr
+    assert code == 0 and again[again.index("# ") :] == first.stdout[first.stdout.index("# ") :]
+    code, _, err = _generate_here(["--checkpoint", str(tmp_path)], capsys)
+    assert code == 2 and str(tmp_path) in err, err
     damaged = tmp_path / "damaged"
     shutil.copytree(run_dir / "checkpoints", damaged)
     truncated = damaged / "global_step20" / "mp_rank_01_model_states.pt"
     truncated.write_bytes(truncated.read_bytes()[:5000])
-    bad = subprocess.run(
-        [sys.executable, "-m", "megaformer.tools.generate", "--checkpoint", str(damaged)],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    code, _, err = _generate_here(["--checkpoint", str(damaged)], capsys)
     # named by the checkpoint's manifest check (issue 12), before any attempt to unpickle it
-    assert bad.returncode == 2 and f"{truncated}: 5,000 bytes, the manifest says" in bad.stderr, bad.stderr
-    assert "Traceback" not in bad.stderr, bad.stderr
+    assert code == 2 and f"{truncated}: 5,000 bytes, the manifest says" in err, err
+    assert "Traceback" not in err, err
 
 
 # model.norm_scheme / model.qkv_ln as multi-process runs: each at TP = 2 repeats its TP = 1 run.
