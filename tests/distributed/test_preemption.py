@@ -13,6 +13,7 @@ kill is test_run_ownership_launch.py's.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -65,8 +66,16 @@ def _worker(proc: subprocess.Popen, local_rank: int) -> psutil.Process:
 
 
 def _kill9(proc: subprocess.Popen) -> None:
+    """SIGKILL to the launcher's group (the supervisor and the ranks), then wait until every process
+    of the job is gone and reaped: a resume started at once (run_ranks, no launcher start-up before
+    it) would otherwise find a killed rank's PID still in the run lock (a clean-clone CI did)."""
+    job = psutil.Process(proc.pid).children(recursive=True)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    _, alive = psutil.wait_procs(job, timeout=60)  # DeepSpeed's runner and launch.py exit after the ranks
+    for rest in alive:
+        with contextlib.suppress(psutil.Error):
+            rest.kill()
 
 
 def _train_losses(tb_dir: Path) -> list[tuple[int, float]]:

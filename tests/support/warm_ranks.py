@@ -14,7 +14,7 @@ What a fork cannot reproduce, and how the tests are kept out of it:
   CPU fp16 shim; OpenMP's thread count): a job whose environment differs from the server's in any
   of :data:`STARTUP_ENV` runs in fresh processes instead (:func:`can_fork`); the thread count is set
   with ``torch.set_num_threads`` from the job's ``OMP_NUM_THREADS`` (what OpenMP reads at start).
-* A test-support directory put first on ``PYTHONPATH`` for its ``sitecustomize.py`` (the CPU fp16
+* A test-support directory put on ``PYTHONPATH`` for its ``sitecustomize.py`` (the CPU fp16
   switch, the checkpoint-fault injector: :data:`SITE_DIRS`) is not a start-up difference: the fork
   runs that ``sitecustomize.py`` itself, with the job's environment, before the rank's ``main``
   (each only sets attributes of modules the server has imported: DeepSpeed's accelerator,
