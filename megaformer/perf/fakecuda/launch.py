@@ -51,8 +51,8 @@ def run_python(args: list[str], timeout: float = 900, lib: Path | None = None) -
 class WarmSessions:
     """Warm fake-CUDA interpreters (:mod:`.server`), started on first use, one per GPU model and
     concurrent caller, each forking one session per request: for a caller that runs many sessions
-    (the recipes' test tier, a pipeline job's two ranks). Thread-safe; a context manager that stops
-    the servers on exit.
+    (the recipes' test tier; the dry-run command starts its sessions fresh). Thread-safe; a context
+    manager that stops the servers on exit.
 
     A session forked here is what ``python -m megaformer.perf.fakecuda.session`` runs after its
     imports: same request, same report. The environment is the one :func:`fake_cuda_env` gives when
