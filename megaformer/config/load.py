@@ -459,12 +459,6 @@ def check_train(cfg: RunConfig) -> None:
         f"train.final_eval_batches={t.final_eval_batches}: must be -1 (as train.eval_batches), 0 (the "
         "whole held-out set) or a number of global batches.",
     )
-    _require(
-        t.final_eval_batches != 0 or not (cfg.data.split or cfg.data.valid_prefix),
-        "train.final_eval_batches=0 (the whole held-out set) reads the held-out split of "
-        "data.valid_fraction; with data.split or data.valid_prefix give a number of global batches "
-        "(train.final_eval_batches=N) or -1.",
-    )
     _require(t.min_lr >= 0 and t.min_lr <= t.lr, f"train.min_lr={t.min_lr}: must lie in [0, train.lr].")
     _require(
         0 <= t.warmup_steps <= t.steps,

@@ -352,8 +352,8 @@ class TrainConfig:
     When it differs from train.eval_batches, the sampled validation still runs at the last step
     (the curve stays comparable) and summary.json's final_valid_loss is this one's, with
     final_valid_loss_sampled and final_valid_tokens beside it. Not charged to a compute budget (it
-    measures the run; the budget counts its training and its regular validations). 0 needs the
-    held-out split of data.valid_fraction (not data.split or data.valid_prefix)."""
+    measures the run; the budget counts its training and its regular validations). With
+    data.valid_prefix or data.split, 0 reads that validation set whole, the same way."""
     save_interval: int = 100
     """Checkpoint every this many steps (and at the end); 0: only at the end."""
     resume: str = "none"

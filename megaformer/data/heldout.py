@@ -13,6 +13,8 @@
 
 Validation and test samples are read in order (no shuffle), from the start, so the first
 ``eval_batches × global_batch_size`` of them are the same every evaluation and at every layout.
+``train.final_eval_batches=0`` (:data:`~megaformer.data.gpt_dataset.WHOLE_HELDOUT` samples) builds
+every sample a held-out set holds; the regular validations still read its first ones.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from data_tools.blend import apportion, blend_indices
 from data_tools.indexed_dataset import DataFormatError, IndexedDataset, open_dataset
 from data_tools.sample_index import load_or_build
 from megaformer.config.load import parse_split
-from megaformer.data.gpt_dataset import BlendedSamples, GPTSamples
+from megaformer.data.gpt_dataset import WHOLE_HELDOUT, BlendedSamples, GPTSamples
 
 
 def split_ranges(num_documents: int, shares: tuple[float, float, float]) -> list[np.ndarray]:
@@ -56,8 +58,9 @@ def ordered_samples(
     counts: dict | None = None,
 ) -> GPTSamples:
     """The first ``num_samples`` samples of ``seq_len + 1`` tokens of ``prefix``'s documents
-    (``doc_ids``, default all) concatenated in order, unshuffled. ``counts``: an info dict whose
-    ``index_cache_hits`` / ``index_cache_builds`` count this index too.
+    (``doc_ids``, default all) concatenated in order, unshuffled; ``num_samples`` =
+    :data:`~megaformer.data.gpt_dataset.WHOLE_HELDOUT`: every sample they hold. ``counts``: an info
+    dict whose ``index_cache_hits`` / ``index_cache_builds`` count this index too.
 
     Raises:
         DataFormatError: fewer tokens than ``num_samples`` samples need (names ``key`` and the fix).
@@ -67,6 +70,8 @@ def ordered_samples(
     ids = np.arange(len(lengths), dtype=np.int64) if doc_ids is None else doc_ids
     tokens = int(lengths[ids].sum())
     available = max(tokens - 1, 0) // seq_len
+    if num_samples == WHOLE_HELDOUT:  # train.final_eval_batches=0: the whole set, in order
+        num_samples = max(available, 1)
     if available < num_samples:
         raise DataFormatError(
             f"{key}: '{prefix}' ({len(ids)} documents, {tokens} tokens) holds {available} samples of "

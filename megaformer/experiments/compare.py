@@ -434,12 +434,14 @@ def compare(
     """
     root = Path(output_dir)
     by_name = dict(zip(names, configs))
+    run_args = [f"train.final_eval_batches={final_eval_batches}"]
+    for n in names:  # what the runs will be given, refused now rather than after the calibration
+        load_config(by_name[n], [*overrides, *run_args])
     timings, cal, code = calibrate.calibrate_runs(
         by_name, overrides, root, nproc, calibration, "compare", share_calibration
     )
     sequence = run_order(names, order, order_seed)
     print(f"[compare] training order: {', '.join(sequence)} ({order}, seed {order_seed})", flush=True)
-    run_args = [f"train.final_eval_batches={final_eval_batches}"]
     summaries = {
         n: train_one(by_name[n], root / n, budget, overrides, nproc, timings[n], code, run_args)
         for n in sequence

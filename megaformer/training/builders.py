@@ -260,7 +260,7 @@ def _build_data(cfg: RunConfig, stats: list, datasets: list[tuple[float, str]]) 
             test_prefix=cfg.data.test_prefix,
             seq_len=seq_len,
             train_samples=t.steps * t.global_batch_size,
-            eval_samples=_valid_samples(cfg, eval_samples),  # 0 (whole) is refused by the config
+            eval_samples=_valid_samples(cfg, eval_samples),
             seed=t.seed,
             cache_dir=cache_dir,
         )

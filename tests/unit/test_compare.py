@@ -373,3 +373,22 @@ def test_a_refused_comparison_leaves_nothing_behind(tmp_path, capsys):
     assert main(["configs/cpu-compare/pre_ln.yaml", "--budget-device-hours", "0.01", "--output-dir", str(out),
                  "--set", "train.nosuchkey=1"]) == 2  # fmt: skip
     assert out.is_dir()
+
+
+def test_a_config_the_runs_would_refuse_is_refused_before_the_calibration(monkeypatch, tmp_path):
+    """compare checks every config with what its runs get (train.final_eval_batches) first: the
+    refusal came after minutes of calibration before."""
+    import pytest
+
+    from megaformer.config import ConfigError
+    from megaformer.experiments import calibrate as cal
+    from megaformer.experiments import compare as cmp
+
+    calibrated = []
+    monkeypatch.setattr(cal, "calibrate_runs", lambda *a, **k: calibrated.append(a) or ({}, {}, "c" * 16))
+    with pytest.raises(ConfigError, match="final_eval_batches=-2"):
+        cmp.compare(
+            ["configs/cpu-compare/pre_ln.yaml"], ["pre_ln"], BUDGET, str(tmp_path / "out"),
+            final_eval_batches=-2,
+        )  # fmt: skip
+    assert calibrated == []

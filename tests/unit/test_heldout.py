@@ -102,3 +102,31 @@ def test_held_out_runs_count_the_sample_indices_they_build_and_find(tmp_path):
     assert len(list((tmp_path / "cache").glob("*_doc_idx.npy"))) == 2  # what was built, on disk
     info = build_heldout_data(**kwargs)[3]
     assert (info["index_cache_hits"], info["index_cache_builds"]) == (2, 0)
+
+
+def test_the_whole_validation_set_of_a_valid_prefix_or_a_split(tmp_path):
+    """train.final_eval_batches=0 with data.valid_prefix or data.split: every sample the validation
+    set holds, in order, its first ones those the regular validations read (it was refused by the
+    config, after a comparison's calibration had run)."""
+    import numpy as np
+
+    from megaformer.data.gpt_dataset import WHOLE_HELDOUT
+    from megaformer.data.heldout import build_heldout_data
+    from tests.unit.test_preflight import _dataset, _docs
+
+    train = _dataset(tmp_path / "train", _docs(40))
+    valid = _dataset(tmp_path / "valid", _docs(10, max_id=500))
+    common = dict(pairs=[(1.0, train)], test_prefix="", seq_len=32, train_samples=8, seed=1, cache_dir=None)
+    _, sampled, _, info = build_heldout_data(split="", valid_prefix=valid, eval_samples=4, **common)
+    _, whole, _, _ = build_heldout_data(split="", valid_prefix=valid, eval_samples=WHOLE_HELDOUT, **common)
+    assert len(whole) == (info["valid_tokens"] - 1) // 32 > len(sampled) == 4
+    assert all(np.array_equal(whole[i], sampled[i]) for i in range(4))
+    stream = np.concatenate(_docs(10, max_id=500))
+    assert np.array_equal(whole[len(whole) - 1], stream[32 * (len(whole) - 1) : 32 * len(whole) + 1])
+    # data.split's validation range: the same rule
+    _, split_whole, _, split_info = build_heldout_data(
+        split="80,20,0", valid_prefix="", eval_samples=WHOLE_HELDOUT, **common
+    )
+    assert len(split_whole) == (split_info["valid_tokens"] - 1) // 32
+    cfg = load_config(CONFIG, [f"data.valid_prefix={valid}", "train.final_eval_batches=0"])
+    assert cfg.train.final_eval_batches == 0

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# SST-2 after in-domain pretraining (issue 37 item 5): the corpus, the two masked LMs at equal
+# compute, then each fine-tuned on SST-2 beside its random-initialisation control. EXPERIMENTS.md
+# "SST-2 after task-adaptive pretraining" has the record. Run from the repository root:
+#   bash experiments/sst2-tapt/run.sh FULL_GLUE_SST2_TRAIN_TSV GLUE_SST2_TEST_TSV
+# (GLUE's SST-2 train.tsv and test.tsv; origin and hashes in data/sst2-text/SOURCE.md.)
+set -euo pipefail
+PY="${VENV:-.venv}/bin/python"
+OUT=runs/sst2-tapt
+LRS=(1e-4 3e-4 1e-3)
+if [[ ! -f data/sst2-text/sst2_train_sentences.jsonl ]]; then
+  "$PY" experiments/sst2-tapt/make_corpus.py "$1" data/glue/SST-2/dev.tsv "$2" data/sst2-text
+fi
+T=(--tokenizer-type GPT2BPETokenizer --vocab-file data/gpt2-bpe/encoder.json --merge-file data/gpt2-bpe/vocab.bpe)
+for name in sst2_train sst2_test; do
+  [[ -f data/processed/${name}_text_document.idx ]] ||
+    "$PY" -m data_tools.preprocess --input data/sst2-text/${name}_sentences.jsonl \
+      --output-prefix data/processed/$name "${T[@]}" --append-eod --workers 1
+done
+[[ -f data/processed/gutenberg_text_document.idx ]] ||
+  "$PY" -m data_tools.preprocess --input data/gutenberg-novels/*.txt.xz \
+    --output-prefix data/processed/gutenberg "${T[@]}" --append-eod --workers 2
+echo "[sst2-tapt] pretraining $(date -u +%T)"
+"$PY" -m megaformer.experiments.compare experiments/sst2-tapt/{pre_ln,normformer}.yaml \
+  --budget-device-hours 0.5 --output-dir "$OUT" --set budget.overrun=1000
+for m in pre_ln normformer; do
+  echo "[sst2-tapt] fine-tuning $m $(date -u +%T)"
+  "$PY" -m megaformer.tools.finetune --checkpoint "$OUT/$m/checkpoints" --task sst2 --data data/glue \
+    --epochs 3 --batch-size 32 --lr "${LRS[@]}" --no-save-best
+  "$PY" -m megaformer.tools.finetune --checkpoint "$OUT/$m/checkpoints" --task sst2 --data data/glue \
+    --epochs 3 --batch-size 32 --lr "${LRS[@]}" --no-save-best --random-init
+done
+"$PY" -m megaformer.tools.finetune --table "$OUT"/{pre_ln,normformer}/finetune{,-random-init} \
+  > "$OUT/sst2-table3.md"
+echo "[sst2-tapt] done $(date -u +%T)"
