@@ -8,7 +8,8 @@ none / selective / full, each in a fresh process (so its peak memory is its own)
 optimizer and DeepSpeed engine are built by the trainer's own builders
 (:mod:`megaformer.training.builders`, :func:`megaformer.training.ds_adapter.initialize`), the
 batches are random tokens already on the device (the loader is not measured), dropout as in the
-recipe. After 3 warm-up steps, ``--steps`` steps are timed between two ``cuda.synchronize``;
+recipe. After 3 warm-up steps (1 with ``--smoke``, whose figures mean nothing), ``--steps`` steps
+are timed between two ``cuda.synchronize``;
 micro-batch = the recipe's, or what the planner (:mod:`megaformer.perf.plan`) says fits, with 4
 accumulation steps. MFU = model FLOPs (:func:`megaformer.training.flops.model_flops_per_token`,
 recomputation not counted) per second over the GPU's datasheet bf16 peak. Cases that run out of
@@ -37,6 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 CASES = [(zero, recompute) for zero in (0, 1) for recompute in ("none", "selective", "full")]
+WARMUP_STEPS = 3
+"""Untimed steps before the timed ones (compilation, allocator and cuDNN warm-up)."""
 SMOKE = [
     "model.hidden_size=64",
     "model.num_layers=2",
@@ -240,8 +243,8 @@ def run_case(
     overrides after the case's own (e.g. ``train.compile=false``); ``profile``: a folder where two
     more steps, run under ``torch.profiler``, leave their kernel table (the 40 largest by device
     time, as text); ``attention``: one more step under the profiler names the attention kernels
-    (:func:`attention_calls`). ``setup_s`` (imports done to the engine built) and ``warmup_s`` (the 3
-    warm-up steps, compilation included) are recorded for the time estimates of
+    (:func:`attention_calls`). ``setup_s`` (imports done to the engine built) and ``warmup_s`` (the
+    :data:`WARMUP_STEPS` warm-up steps, compilation included) are recorded for the time estimates of
     ``bench/gpu_check.py``."""
     t_setup = time.perf_counter()
     import torch
@@ -260,7 +263,7 @@ def run_case(
     it = batches()
     sync = torch.cuda.synchronize if layout.device.type == "cuda" else (lambda: None)
     t_warmup = time.perf_counter()
-    for _ in range(3):
+    for _ in range(1 if smoke else WARMUP_STEPS):  # the smoke checks the path, not the speed
         loss = engine.train_step(it)
     sync()
     warmup_s = time.perf_counter() - t_warmup

@@ -36,6 +36,7 @@ itself, with the table beside it as ``.md`` (the form of earlier runs).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -132,8 +133,10 @@ def case_key(row: dict, gpu: str) -> str:
     return f"{row['recipe']}|{' '.join(row['overrides'])}|{gpu}"
 
 
-def predict(row: dict, gpu: str, smoke: bool) -> dict:
-    """Planner and dry-run predictions for one bench case (the same config, one GPU)."""
+def predict(row: dict, gpu: str, smoke: bool, sessions=None) -> dict:
+    """Planner and dry-run predictions for one bench case (the same config, one GPU); the dry run
+    forked from ``sessions`` (a :class:`~megaformer.perf.fakecuda.launch.WarmSessions`, see
+    :func:`warm_sessions`) when given, else in a fresh interpreter."""
     from megaformer.config import load_config
     from megaformer.perf.plan import DEVICES, cpu_device, make_plan
 
@@ -161,13 +164,26 @@ def predict(row: dict, gpu: str, smoke: bool) -> dict:
         hint = f"bench/gpu_check.py --predict-only --gpu {gpu} on a CPU machine"
         out["dryrun"] = dry or {"missing": f"no dry-run prediction here ({type(e).__name__}); run {hint}"}
         return out
-    report = run_session(path, row["overrides"], world_size=1, rank=0, gpu=gpu, steps=2)
+    report = run_session(path, row["overrides"], world_size=1, rank=0, gpu=gpu, steps=2, sessions=sessions)
     if "error" in report:
         out["dryrun"] = {"error": report["error"]}
     else:
         by_category = {k: v / GIB for k, v in report["peak_by_category"].items()}
         out["dryrun"] = {"peak_gib": report["peak_bytes"] / GIB, "by_category_gib": by_category}
     return out
+
+
+@contextlib.contextmanager
+def warm_sessions():
+    """Warm fake-CUDA interpreters for a loop of :func:`predict` calls (the imports paid once per
+    GPU model, not per case), or None where fake CUDA cannot run (a CUDA image)."""
+    try:
+        from megaformer.perf.fakecuda.launch import WarmSessions
+    except Exception:  # e.g. no compiler for the shim: predict() says why per case
+        yield None
+        return
+    with WarmSessions() as sessions:
+        yield sessions
 
 
 def _size(recipe: str) -> str:
@@ -466,9 +482,10 @@ def measure(args, json_path: Path, md_path: Path) -> int:
     doc["gpu"] = args.gpu or ("a100-80gb" if args.smoke else _detect_gpu(doc["rows"]))
     doc["environment"] = environment()
     if args.predict == "yes" or (args.predict == "auto" and args.smoke):
-        for row in doc["rows"]:
-            if "overrides" in row:
-                row["prediction"] = predict(row, doc["gpu"], args.smoke)
+        with warm_sessions() as sessions:
+            for row in doc["rows"]:
+                if "overrides" in row:
+                    row["prediction"] = predict(row, doc["gpu"], args.smoke, sessions)
     doc["complete"] = True
     doc["wall_s"] = time.monotonic() - start
     _write(doc, json_path, md_path)
@@ -509,9 +526,10 @@ def repredict(source: str, out: str | None, gpu: str | None) -> int:
     and ``.md`` beside it (or at ``out``)."""
     doc, path = load_measured(source)
     doc["gpu"] = gpu or doc.get("gpu") or _detect_gpu(doc["rows"])
-    for row in doc["rows"]:
-        if "overrides" in row and _measured(row):
-            row["prediction"] = predict(row, doc["gpu"], False)
+    with warm_sessions() as sessions:
+        for row in doc["rows"]:
+            if "overrides" in row and _measured(row):
+                row["prediction"] = predict(row, doc["gpu"], False, sessions)
     doc.setdefault("pairs", pair_ratios(doc["rows"]))
     doc["predicted"] = {"on": environment(), "gpu": doc["gpu"]}
     stem = f"{path.stem}_predicted"
@@ -629,10 +647,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.predict_only:
         rows = case_rows(args.sizes.split(","), args.gpu, parse_cases(args.cases), pairs=True)
         saved = json.loads(PREDICTIONS.read_text()) if PREDICTIONS.exists() else {}
-        for row in rows:
-            p = predict(row, args.gpu, smoke=False)
-            saved[case_key(row, args.gpu)] = p["dryrun"]
-            print(f"{row['recipe']} {' '.join(row['overrides'])}: {p['dryrun']}", flush=True)
+        with warm_sessions() as sessions:
+            for row in rows:
+                p = predict(row, args.gpu, smoke=False, sessions=sessions)
+                saved[case_key(row, args.gpu)] = p["dryrun"]
+                print(f"{row['recipe']} {' '.join(row['overrides'])}: {p['dryrun']}", flush=True)
         PREDICTIONS.write_text(json.dumps(saved, indent=1))
         return 0
     try:

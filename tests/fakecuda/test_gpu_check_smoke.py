@@ -22,7 +22,7 @@ def test_gpu_check_smoke_writes_measurements_beside_predictions_in_the_out_folde
     out = tmp_path / "OUT"
     out.mkdir()
     env = dict(
-        os.environ, VENV="none", PYTHON=sys.executable, OUT=str(out), SIZES="125m", STEPS="2", PROBE="0"
+        os.environ, VENV="none", PYTHON=sys.executable, OUT=str(out), SIZES="125m", STEPS="1", PROBE="0"
     )
     proc = subprocess.run(
         ["bash", "scripts/gpu_check.sh", "--smoke"],

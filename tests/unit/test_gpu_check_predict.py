@@ -61,7 +61,7 @@ def _row(recipe: str, step_s: float, **extra) -> dict:
     }
 
 
-def _stub_predict(row, gpu, smoke):
+def _stub_predict(row, gpu, smoke, sessions=None):
     return {
         "planner_peak_gib": 40.0,
         "steptime": {"step_s": row["step_s"] / 1.5, "mfu": 0.5},

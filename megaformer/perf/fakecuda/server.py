@@ -29,6 +29,11 @@ PRELOAD = [
     "deepspeed.runtime.zero.stage3",
     "deepspeed.runtime.pipe.engine",
     "torch._dynamo",  # every torch.optim optimizer's constructor imports it
+    "torch.utils.tensorboard",  # the loop's metrics writer
+    # DeepSpeed imports it in every ZeRO engine's optimizer check (is_zero_supported_optimizer); its
+    # module-level torch.compile pulls in inductor: 1.3 s of a session's CPU. Optional: a DeepSpeed
+    # without Muon has no such module and no such cost.
+    "deepspeed.runtime.zero.muon.muon_optimizer",
     "megaformer.perf.fakecuda.session",
     "megaformer.training.builders",
     "megaformer.training.trainer",
@@ -70,7 +75,11 @@ def main(argv: list[str] | None = None) -> int:
 
     install_cuda_stubs(GPUS[argv[0]])
     for module in PRELOAD:
-        importlib.import_module(module)
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:  # only an optional module itself may be missing
+                raise
     reply = sys.stdout
     reply.write("ready\n")
     reply.flush()
