@@ -205,6 +205,7 @@ def _worker(rank: int, world_size: int, port: int, check: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two spawned ranks build and step a model (7-9 s on 2 cores): outside `--fast`
 @pytest.mark.parametrize("check", ["pipeline", "tp"])
 def test_collectives_get_tensors_on_the_communication_device(check):
     mp.spawn(_worker, args=(2, free_port(), check), nprocs=2, join=True)

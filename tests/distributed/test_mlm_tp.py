@@ -8,6 +8,7 @@ import dataclasses
 import os
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -60,5 +61,6 @@ def _worker(rank: int, world_size: int, port: int) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two spawned ranks (8 s on 2 cores): outside `check.sh --fast`
 def test_tp2_masked_lm_equals_its_unsharded_version():
     mp.spawn(_worker, args=(2, free_port()), nprocs=2, join=True)

@@ -14,6 +14,9 @@ import pytest
 
 from megaformer.perf.fakecuda.launch import run_python
 
+# Each case compiles a block in a fresh fake-CUDA process (6-9 s on 2 cores): outside `check.sh --fast`.
+pytestmark = pytest.mark.slow
+
 FUSED = "megaformer.fused_attention_dropout.default"
 RERUN = "megaformer.attention_dropout_backward.default"
 

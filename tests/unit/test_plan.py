@@ -72,6 +72,7 @@ def test_every_recipe_layout_is_the_planners_choice(name, hw):
         assert not planner.make_plan(trial, device, world).fits, f"{name} {hw}: micro-batch {bigger[0]} fits"
 
 
+@pytest.mark.slow  # the step-time model's block traces at full size (4-9 s each on 2 cores)
 @pytest.mark.parametrize("name", ZERO2_A100)
 def test_a_zero2_recipe_layout_is_the_faster_stage_as_its_header_says(name):
     """The A100 layouts that are ZeRO-2 (the planner's memory search prefers ZeRO-1 at equal size):
