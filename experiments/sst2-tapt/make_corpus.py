@@ -12,7 +12,8 @@ second file, the pretraining's validation text. Task-adaptive pretraining on the
 unlabelled text: Gururangan et al. 2020 ("Don't Stop Pretraining", Sec. 4); an LM pretrained on
 in-domain text for sentiment classification: Dai & Le 2015.
 
-Exit status: 0 written; 2 a missing input or a dev sentence found in the corpus.
+Exit status: 0 written; 2 a missing or malformed input (named with its line) or a dev sentence
+found in the corpus; nothing is written then.
 """
 
 from __future__ import annotations
@@ -23,15 +24,32 @@ import sys
 from pathlib import Path
 
 
+def _fail(message: str) -> None:
+    """Say what is wrong and exit 2, before anything is written."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def read_tsv(path: Path) -> list[str]:
     """The ``sentence`` column of a GLUE SST-2 file (header ``sentence\\tlabel`` or, for the test
     split, ``index\\tsentence``), stripped."""
     lines = path.read_text(encoding="utf-8").splitlines()
     header = lines[0].split("\t") if lines else []
     if "sentence" not in header:
-        raise SystemExit(f"{path}: line 1 has no 'sentence' column (GLUE SST-2's header)")
+        _fail(f"{path}: line 1 has no 'sentence' column (GLUE SST-2's header)")
     col = header.index("sentence")
-    return [line.split("\t")[col].strip() for line in lines[1:] if line.strip()]
+    out = []
+    for number, line in enumerate(lines[1:], start=2):
+        if not line.strip():
+            continue
+        fields = line.split("\t")
+        if len(fields) != len(header):
+            _fail(
+                f"{path}: line {number} has {len(fields)} tab-separated fields, the header {len(header)}; "
+                "is the file cut short or not GLUE's?"
+            )
+        out.append(fields[col].strip())
+    return out
 
 
 def write_jsonl(out: Path, texts: list[str]) -> None:
@@ -73,9 +91,9 @@ def main(argv: list[str]) -> int:
     if leaked:
         print(f"error: {len(leaked)} corpus sentences are dev sentences, e.g. {leaked[0]!r}", file=sys.stderr)
         return 2
+    test_sentences = read_tsv(test)  # every input read before anything is written
     out = out_dir / "sst2_train_sentences.jsonl"
     write_jsonl(out, sentences)
-    test_sentences = read_tsv(test)
     write_jsonl(out_dir / "sst2_test_sentences.jsonl", test_sentences)
     digest = hashlib.sha256(train.read_bytes()).hexdigest()
     words = sum(len(s.split()) for s in sentences)
