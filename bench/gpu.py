@@ -39,7 +39,8 @@ sys.path.insert(0, str(REPO))
 
 CASES = [(zero, recompute) for zero in (0, 1) for recompute in ("none", "selective", "full")]
 WARMUP_STEPS = 3
-"""Untimed steps before the timed ones (compilation, allocator and cuDNN warm-up)."""
+"""Untimed steps before the timed ones (compilation, allocator and cuDNN warm-up); bench/gpu_check.py's
+time estimates repeat the figure (they run without importing this module)."""
 SMOKE = [
     "model.hidden_size=64",
     "model.num_layers=2",
