@@ -43,7 +43,7 @@ PRELOAD = [
     "deepspeed.runtime.zero.stage_1_and_2",
     "deepspeed.runtime.pipe.engine",
     # DeepSpeed imports it on every ZeRO engine's optimizer check (is_zero_supported_optimizer), and
-    # its module-level torch.compile pulls in inductor: 1.3 s of CPU per rank
+    # its module-level torch.compile pulls in inductor: about 1.3 s per rank
     "deepspeed.runtime.zero.muon.muon_optimizer",
     # imported later by every rank (DeepSpeed's op builders check the compiler through setuptools;
     # its expert-parallel config; numpy.ma by a median; the run lock): 0.1-0.2 s per rank

@@ -31,7 +31,7 @@ PRELOAD = [
     "torch._dynamo",  # every torch.optim optimizer's constructor imports it
     "torch.utils.tensorboard",  # the loop's metrics writer
     # DeepSpeed imports it in every ZeRO engine's optimizer check (is_zero_supported_optimizer); its
-    # module-level torch.compile pulls in inductor: 1.3 s of a session's CPU. Optional: a DeepSpeed
+    # module-level torch.compile pulls in inductor: about 1.3 s per session. Optional: a DeepSpeed
     # without Muon has no such module and no such cost.
     "deepspeed.runtime.zero.muon.muon_optimizer",
     "megaformer.perf.fakecuda.session",
