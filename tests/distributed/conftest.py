@@ -142,6 +142,7 @@ def run_ranks(
     done = subprocess.CompletedProcess(cmd, rc, "".join(texts[0::2]), "".join(texts[1::2]))
     done.forked = fork  # the ranks were forks of the warm interpreter (test_warm_ranks.py)
     done.codes = codes  # every rank's exit status, in rank order (-9: killed here after another failed)
+    done.ranks = list(zip(texts[0::2], texts[1::2]))  # (stdout, stderr) of each rank, in rank order
     return done
 
 

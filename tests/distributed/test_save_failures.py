@@ -78,7 +78,11 @@ def _ranks_with_fault(overrides: list[str], fault: str) -> tuple[int, str]:
     except subprocess.TimeoutExpired:
         pytest.fail(f"the job still ran {HUNG_AFTER_S} s after start (a rank waits for ever)")
     text = proc.stdout + proc.stderr
-    assert all(code > 0 for code in proc.codes), (proc.codes, text[-3000:])  # each ended itself
+    # each ended itself; else each rank's own last lines (the cause is in one rank's, not the tail)
+    assert all(code > 0 for code in proc.codes), "\n".join(
+        f"--- rank {r} exited {code}\n{out[-1500:]}\n{err[-2500:]}"
+        for r, (code, (out, err)) in enumerate(zip(proc.codes, proc.ranks))
+    )
     return proc.returncode, text
 
 
