@@ -81,12 +81,18 @@ if [[ -z "${MASTER_PORT:-}" ]]; then
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
-# A bad key or value in the config or an override: said once, here, before the launcher starts a
-# worker per rank (each would print it among the launcher's lines). Exit 2 is the check's verdict;
-# anything else (an interpreter without megaformer's requirements) leaves the check to the workers.
+# A bad key or value in the config or an override, a layout the job's processes cannot make, a
+# missing or damaged dataset or an output.dir the run cannot write (on one node): said once, here,
+# before the launcher starts a worker per rank (each would print it among the launcher's lines,
+# ~8 s later on 2 CPU cores). Exit 2 is the check's verdict; anything else (an interpreter without megaformer's
+# requirements) leaves the check to the workers.
 MODULE="${MEGAFORMER_MODULE:-megaformer.train}"
 if [[ "$MODULE" == megaformer.train ]]; then
-  CHECK_OUT="$("$PYTHON" -m megaformer.train --check-config "$CONFIG" "$@" 2>&1)" && CHECK_RC=0 || CHECK_RC=$?
+  CHECK=(--check-config --world-size "$((NNODES * NPROC_PER_NODE))")
+  # The files too where this node is the job's only one. On several nodes each worker's preflight
+  # checks them where it runs: a dataset staged to every node's local disk need not exist here.
+  if [[ "$NNODES" -eq 1 ]]; then CHECK+=(--check-files); fi
+  CHECK_OUT="$("$PYTHON" -m megaformer.train "${CHECK[@]}" "$CONFIG" "$@" 2>&1)" && CHECK_RC=0 || CHECK_RC=$?
   if [[ "$CHECK_RC" -eq 2 ]]; then
     echo "$CHECK_OUT" >&2
     exit 2

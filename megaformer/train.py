@@ -10,7 +10,7 @@ import argparse
 import sys
 import warnings
 
-from megaformer.config import ConfigError, load_config
+from megaformer.config import ConfigError, load_config, validate_layout
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -24,8 +24,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--check-config",
         action="store_true",
-        help="only load and validate the config with its overrides (exit 0, or 2 with the error); "
-        "launch/pretrain.sh runs it before the launcher starts one worker per rank",
+        help="only load and validate the config with its overrides, and check the files the run reads "
+        "or writes (output.dir, the datasets, the held-out split, a resume's checkpoint manifest; "
+        "exit 0, or 2 with the error); launch/pretrain.sh runs it before the launcher starts one "
+        "worker per rank",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --check-config: the job's process count, to check the layout too (tp × pp "
+        "dividing it, the global batch dividing into micro-batches of every data-parallel rank)",
+    )
+    parser.add_argument(
+        "--check-files",
+        action="store_true",
+        help="with --check-config: check the files here too (output.dir writable, the datasets, the "
+        "held-out split); launch/pretrain.sh asks it on a single node, where its workers will run",
     )
     return parser.parse_args(argv)
 
@@ -38,13 +54,21 @@ def main(argv: list[str] | None = None) -> None:
     (:mod:`megaformer.training.run_lock`)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.check_config:  # before torch and DeepSpeed are imported: a fraction of a second
+        from data_tools.errors import DataFormatError
         from megaformer.checkpoint.resume_rules import check_before_launch
+        from megaformer.training.data_checks import check_files_before_launch
 
         try:
-            # the resume / extension / init_from rules too, from the checkpoints' manifests: said
-            # once, here, not by every rank after its start-up
-            check_before_launch(load_config(args.config, args.overrides))
-        except ConfigError as e:  # CheckpointError (a damaged 'latest') is one too
+            cfg = load_config(args.config, args.overrides)
+            if args.world_size is not None:
+                validate_layout(cfg, args.world_size)
+            # the layout, output.dir, the datasets and the held-out split, then the resume /
+            # extension / init_from rules from the checkpoints' manifests: each said once, here,
+            # not by every rank after its start-up
+            if args.check_files:
+                check_files_before_launch(cfg)
+            check_before_launch(cfg)
+        except (ConfigError, DataFormatError) as e:  # CheckpointError (a damaged 'latest') is one too
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(2)
         sys.exit(0)

@@ -22,6 +22,10 @@ What is checked (each failure a :class:`~megaformer.config.ConfigError` or
   ``data.index_cache_dir`` would be created in (:mod:`.storage`): a read-only file system or a
   directory without write permission is named here, not as a traceback and a lost connection
   after the process groups started.
+
+The checks of ``output.dir`` and the datasets are :mod:`.data_checks`' (torch-free):
+``launch/pretrain.sh``'s ``--check-config`` runs them before any worker starts, and the workers run
+them again here for a run started without it.
 """
 
 from __future__ import annotations
@@ -31,10 +35,6 @@ import os
 import zipfile
 from dataclasses import dataclass, field
 
-from data_tools.blend import parse_blend
-from data_tools.errors import DataFormatError
-from data_tools.indexed_dataset import open_dataset
-from data_tools.stats import read_stats
 from megaformer.checkpoint.integrity import (
     NEEDS_ALL,
     NEEDS_RESUME,
@@ -46,9 +46,10 @@ from megaformer.checkpoint.integrity import (
     way_out,
 )
 from megaformer.checkpoint.safe_load import refuse_untrusted, weight_files
-from megaformer.checkpoint.storage import check_writable
 from megaformer.config import ConfigError, RunConfig, validate_layout
-from megaformer.training.data_checks import check_heldout, check_token_ids
+from megaformer.training.data_checks import (  # torch-free: the launcher's check runs them too
+    check_files_before_launch,
+)
 from megaformer.training.deepspeed_config import check_engine_combination, read_engine_json
 from megaformer.training.distributed import pick_backend
 from megaformer.training.ds_adapter import check_deepspeed_version, check_precision
@@ -86,17 +87,13 @@ def run_preflight(cfg: RunConfig, world_size: int) -> Preflight:
     dp_size = validate_layout(cfg, world_size)
     check_deepspeed_version()
     check_backend_and_precision(cfg)
-    check_output_dirs(cfg)
     if cfg.train.deepspeed_config:
         check_engine_combination(
             cfg, read_engine_json(cfg.train.deepspeed_config), cfg.train.deepspeed_config
         )
-    datasets = data_prefixes(cfg)
-    stats = [check_dataset(prefix, cfg) for _, prefix in datasets]
-    for key in ("valid_prefix", "test_prefix"):  # held-out sets: the same checks, not in the stats
-        if getattr(cfg.data, key):
-            check_dataset(getattr(cfg.data, key), cfg, key=f"data.{key}")
-    check_heldout(cfg, datasets)
+    # output.dir, the datasets, the held-out split: what launch/pretrain.sh's --check-config said
+    # already, again for a run started without it (torchrun, a direct python -m megaformer.train)
+    datasets, stats = check_files_before_launch(cfg)
     check_wandb(cfg.output.wandb_project)
     if cfg.train.resume not in ("none", "auto"):
         check_checkpoint(cfg.train.resume, "train.resume", NEEDS_RESUME)
@@ -110,22 +107,6 @@ def run_preflight(cfg: RunConfig, world_size: int) -> Preflight:
         # need the full unpickler (nothing of it runs: the scan reads opcodes only).
         refuse_untrusted(weight_files(tag_dir), cfg.train.trust_checkpoint_code)
     return Preflight(dp_size=dp_size, datasets=datasets, stats=stats)
-
-
-def check_output_dirs(cfg: RunConfig) -> None:
-    """Refuse an ``output.dir`` the run cannot write or create, and a missing
-    ``data.index_cache_dir`` it cannot create. An existing cache directory may be read-only (indices
-    prebuilt there by ``data_tools.build_index``): it is read, and a missing index is then built in
-    memory with a warning.
-
-    Raises:
-        ConfigError: naming the key, the path, why (read-only file system, permissions) and the fix.
-    """
-
-    check_writable(cfg.output.dir, "output.dir", "checkpoints, TensorBoard events and summary.json")
-    cache = cfg.data.index_cache_dir
-    if cache and not os.path.isdir(cache):
-        check_writable(cache, "data.index_cache_dir", "the sample indices (creating the directory)")
 
 
 def check_backend_and_precision(cfg: RunConfig) -> str:
@@ -144,59 +125,6 @@ def check_backend_and_precision(cfg: RunConfig) -> str:
         )
     check_precision(cfg.train.precision, backend)
     return backend
-
-
-def data_prefixes(cfg: RunConfig) -> list[tuple[float, str]]:
-    """``[(weight, prefix)]`` of the run: the parsed ``data.blend``, or ``[(1.0, data.prefix)]``.
-
-    Raises:
-        ConfigError: a malformed ``data.blend`` (names the item).
-    """
-
-    if cfg.data.blend:
-        try:
-            return parse_blend(cfg.data.blend)
-        except DataFormatError as e:
-            raise ConfigError(f"{e}.") from None
-    return [(1.0, cfg.data.prefix)]
-
-
-def check_dataset(prefix: str, cfg: RunConfig, key: str | None = None):
-    """Open ``prefix``'s ``.bin/.idx`` (header, index and size checks) and read its sidecar.
-
-    Returns:
-        Its :class:`data_tools.stats.DatasetStats`.
-
-    Raises:
-        DataFormatError: missing files, a corrupt pair, a missing or stale sidecar, token ids
-            ``>= model.vocab_size``, or documents not ended by ``data.eod_token``.
-    """
-
-    where = key or ("data.blend" if cfg.data.blend else "data.prefix")
-    missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
-    if missing:
-        raise DataFormatError(
-            f"{where}='{prefix}': {', '.join(missing)} not found; build the dataset with "
-            "python -m data_tools.preprocess --output-prefix ... (the prefix ends in _text_document) "
-            "or fix the path"
-        )
-    open_dataset(prefix)  # header, index and .bin size checks (DataFormatError naming the file)
-    stats = read_stats(prefix)
-    check_token_ids(prefix, stats, cfg)  # the sidecar's largest id, or a scan if it is older
-    eod = cfg.data.eod_token
-    if stats.eod_token is not None and stats.eod_token != eod:
-        raise DataFormatError(
-            f"{prefix}: documents end in token {stats.eod_token} ({prefix}.stats.json) but "
-            f"data.eod_token={eod}; set data.eod_token={stats.eod_token}"
-        )
-    if stats.documents_end_with_eod is False or stats.eod_token is None:
-        raise DataFormatError(
-            f"{prefix}: its documents are not all ended by data.eod_token={eod} ({prefix}.stats.json: "
-            f"eod_token={stats.eod_token}, documents_end_with_eod={stats.documents_end_with_eod}); "
-            "samples would run documents together: preprocess with --append-eod, or recompute the "
-            f"sidecar with python -m data_tools.stats --data-prefix {prefix} --eod-token {eod}"
-        )
-    return stats
 
 
 def _latest_tag_dir(ckpt: str, key: str) -> str:

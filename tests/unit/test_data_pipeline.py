@@ -237,7 +237,7 @@ def test_negative_weight_is_a_config_error():
     """Refused by the preflight, before any process group starts (config loading reads only YAML)."""
     from megaformer.config import ConfigError
     from megaformer.config.load import load_config
-    from megaformer.training.preflight import data_prefixes
+    from megaformer.training.data_checks import data_prefixes
 
     with pytest.raises(ConfigError, match=r"data\.blend.*'b'.*-0\.3"):
         data_prefixes(load_config(None, ["data.blend=0.7 a -0.3 b"]))

@@ -87,3 +87,45 @@ def test_heldout_split_smaller_than_one_evaluation(tmp_path):
     assert prefix in message and "2 of 40 documents, 102 tokens" in message and "makes 6 samples" in message
     assert "one evaluation reads 32" in message and "raise data.valid_fraction" in message
     assert len(IndexedDataset(prefix)) == 40
+
+
+def _check_config(*args: str) -> tuple[int, str]:
+    """``python -m megaformer.train --check-config ARGS`` (launch/pretrain.sh's check before any
+    worker): (exit status, stderr ending in whether torch or DeepSpeed was imported)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('imported:', 'torch' in sys.modules or 'deepspeed' in sys.modules,"
+        " file=sys.stderr))\n"
+        "from megaformer.train import main\n"
+        f"main({list(args)!r})\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    return proc.returncode, proc.stderr
+
+
+def test_the_launchers_check_refuses_the_files_and_the_layout_before_any_worker(tmp_path):
+    """Issue 38's suite and issue 39's new user: a missing or damaged dataset, a held-out split too
+    small, an unwritable output.dir and a layout the job's processes cannot make are refused by
+    ``--check-config`` (exit 2, the key and the fix named) without importing torch or DeepSpeed;
+    a good config passes."""
+    config = "configs/normformer-quickstart.yaml"
+    good = _dataset(tmp_path / "good_text_document")
+    base = ["model.seq_len=16", "train.micro_batch_size=2", "train.global_batch_size=4",
+            "train.eval_batches=1", f"output.dir={tmp_path / 'run'}"]  # fmt: skip
+    check = ("--check-config", "--check-files")
+    code, err = _check_config(*check, "--world-size", "2", config, *base, f"data.prefix={good}")
+    assert code == 0 and err.strip().endswith("imported: False"), err
+    cases = {
+        "missing": ([f"data.prefix={tmp_path / 'none_text_document'}"], "none_text_document.bin"),
+        "held-out": ([f"data.prefix={good}", "train.eval_batches=400"], "held-out"),
+        "output.dir": ([f"data.prefix={good}", f"output.dir={good}.bin/run"], "output.dir="),
+    }
+    for name, (extra, needle) in cases.items():
+        code, err = _check_config(*check, config, *base, *extra)
+        assert code == 2 and needle in err and err.strip().endswith("imported: False"), (name, err)
+    # the layout, with the job's process count: 4 samples per step cannot split over 3 ranks
+    code, err = _check_config("--check-config", "--world-size", "3", config, *base, f"data.prefix={good}")
+    assert code == 2 and "train.global_batch_size=4 is not divisible" in err, err

@@ -57,7 +57,9 @@ def _run(tmp_path: Path, extra_env: dict) -> tuple[subprocess.CompletedProcess, 
     blend = "data.blend=0.7 /data/a_text_document 0.3 /data/b_text_document"
     proc = subprocess.run(
         ["bash", str(REPO / "launch" / "slurm.sbatch"), "configs/normformer-quickstart.yaml", blend,
-         f"output.dir={tmp_path / 'run'}"],
+         # 128: the quickstart's micro-batch of 8 on each of up to 16 data-parallel ranks (the launch
+         # checks the layout for the allocation's processes before it starts any)
+         "train.global_batch_size=128", f"output.dir={tmp_path / 'run'}"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,  # sbatch runs in the submit dir
     )  # fmt: skip
     return proc, calls

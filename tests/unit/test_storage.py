@@ -11,7 +11,7 @@ import pytest
 
 from megaformer.checkpoint import storage
 from megaformer.config import ConfigError, load_config
-from megaformer.training.preflight import check_output_dirs
+from megaformer.training.data_checks import check_output_dirs
 
 
 def _torch_full() -> RuntimeError:
