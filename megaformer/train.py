@@ -13,6 +13,17 @@ import warnings
 from megaformer.config import ConfigError, load_config, validate_layout
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (a process count)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: the job's process count, an integer >= 1")
+    return value
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="megaformer.train",
@@ -24,14 +35,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--check-config",
         action="store_true",
-        help="only load and validate the config with its overrides, and check the files the run reads "
-        "or writes (output.dir, the datasets, the held-out split, a resume's checkpoint manifest; "
-        "exit 0, or 2 with the error); launch/pretrain.sh runs it before the launcher starts one "
-        "worker per rank",
+        help="only load and validate the config with its overrides and a resume's rules from the "
+        "checkpoint's manifest (exit 0, or 2 with the error); launch/pretrain.sh runs it before the "
+        "launcher starts one worker per rank",
     )
     parser.add_argument(
         "--world-size",
-        type=int,
+        type=_positive_int,
         default=None,
         metavar="N",
         help="with --check-config: the job's process count, to check the layout too (tp × pp "
