@@ -17,6 +17,7 @@ child's backward fail), so the server runs no tensor code; the shim check
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -80,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         except ModuleNotFoundError as e:
             if e.name != module:  # only an optional module itself may be missing
                 raise
+    # Every object of the imports is permanent: out of the collector's reach, each forked session's
+    # collections (automatic ones and DeepSpeed's gc.collect() in see_memory_usage) skip them
+    gc.freeze()
     reply = sys.stdout
     reply.write("ready\n")
     reply.flush()
