@@ -35,6 +35,7 @@ from megaformer.config.schema import (
     FUSED_KERNELS,
     HEAD_SCALE_POSITIONS,
     INITS,
+    MLM_HEAD_POSITIONS,
     MLM_VOCAB_SIZE,
     NORM_SCHEMES,
     OBJECTIVES,
@@ -362,6 +363,12 @@ def check_model_config(m: ModelConfig) -> None:
     )
     _one_of("model.norm_scheme", m.norm_scheme, NORM_SCHEMES)
     _one_of("model.objective", m.objective, OBJECTIVES, " ('clm', the causal LM, is the default)")
+    _one_of("model.mlm_head_positions", m.mlm_head_positions, MLM_HEAD_POSITIONS, " ('all' is the default)")
+    _require(
+        m.mlm_head_positions == "all" or m.objective == "mlm",
+        f"model.mlm_head_positions='{m.mlm_head_positions}' with model.objective='{m.objective}': "
+        "only the masked LM has masked positions; remove the key or set model.objective='mlm'.",
+    )
     _one_of("model.fused_kernels", m.fused_kernels, FUSED_KERNELS, " ('auto', on for CUDA, is the default)")
     _one_of("model.attention_backend", m.attention_backend, ATTENTION_BACKENDS, " ('auto' is the default)")
     if m.objective == "mlm":

@@ -76,6 +76,7 @@ from megaformer.config.schema import MLM_VOCAB_SIZE  # the config checks model.v
 from megaformer.data.gpt_dataset import BlendedSamples, GPTSamples
 
 __all__ = [
+    "max_masked_positions",
     "BOS_ID",
     "EOD_ID",
     "GPT2_VOCAB_SIZE",
@@ -182,6 +183,24 @@ class MaskingConfig:
     def _replaceable_skips(self) -> tuple[int, ...]:
         """The special ids inside ``[0, vocab_size)``, ascending: skipped by random replacements."""
         return tuple(sorted({s for s in self.special_ids if 0 <= s < self.vocab_size}))
+
+
+def max_masked_positions(block_len: int, mask_prob: float = MaskingConfig.mask_prob) -> int:
+    """The most positions :func:`mask_block` can choose in a block of ``block_len`` tokens:
+    ``min(block_len, floor(mask_prob · block_len) + 1)`` (its count is
+    ``int(mask_prob · n + u)``, ``u`` in [0, 1), over ``n <= block_len`` candidates; fairseq's
+    rounding). The masked LM's head decodes this many positions per row under
+    ``model.mlm_head_positions`` masked (:class:`megaformer.model.MaskedLMFeatures`): a shape
+    set by the block's length alone, so no host sync.
+
+    Raises:
+        ValueError: ``block_len < 1`` or ``mask_prob`` outside (0, 1).
+    """
+    if block_len < 1 or not 0.0 < mask_prob < 1.0:
+        raise ValueError(
+            f"max_masked_positions: block_len={block_len} (must be >= 1), mask_prob={mask_prob} (in (0, 1))"
+        )
+    return min(block_len, math.floor(mask_prob * block_len) + 1)
 
 
 def _random_tokens(u: np.ndarray, config: MaskingConfig) -> np.ndarray:

@@ -11,7 +11,9 @@ ends::
     L + 2        LayerDef(NormFormerEmbedding, tied_key="embed", forward_fn=tied_output_logits)
                                                                      hidden -> logits [B, T, V_pad/tp]
                  (untied: LayerDef(OutputProjection); model.objective mlm: forward_fn=masked_lm_logits,
-                 RoBERTa's LM head, whose parameters the embedding module holds as lm_head.*)
+                 RoBERTa's LM head, whose parameters the embedding module holds as lm_head.*; with
+                 model.mlm_head_positions masked: forward_fn=masked_lm_features, the head's features
+                 and the decoder's weights, which the loss decodes at the masked positions only)
     loss         LMLoss                                              logits, labels -> mean cross-entropy
                  (model.objective mlm: MaskedLMLoss, the masked positions only)
 
@@ -44,10 +46,12 @@ from megaformer.config.load import check_model_config
 from megaformer.config.schema import ModelConfig
 from megaformer.model.normformer import (
     FinalNorm,
+    MaskedLMFeatures,
     NormFormerBlock,
     NormFormerEmbedding,
     OutputProjection,
     lm_loss,
+    masked_lm_features,
     masked_lm_logits,
     tied_output_logits,
 )
@@ -94,6 +98,14 @@ class LayerDef:
         return self.module(*self.args, **dict(self.kwargs))
 
 
+def _tied_head(config: ModelConfig) -> Callable[..., Any]:
+    """The tied last entry's ``forward_fn``: the causal LM's decoder, the masked LM's head with its
+    decoder (``model.mlm_head_positions`` all), or the head alone, decoded in the loss (masked)."""
+    if config.objective != "mlm":
+        return tied_output_logits
+    return masked_lm_features if config.mlm_head_positions == "masked" else masked_lm_logits
+
+
 def model_layers(
     config: ModelConfig,
     *,
@@ -135,7 +147,7 @@ def model_layers(
                 (config,),
                 common,
                 tied_key="embed",
-                forward_fn=masked_lm_logits if config.objective == "mlm" else tied_output_logits,
+                forward_fn=_tied_head(config),
                 tied_weight_attr=tied,
             )
         )
@@ -317,5 +329,7 @@ class NormFormerLM(nn.Module):
         for fn in self._forward_fns:
             x = fn(x)
         if labels is None:
+            if isinstance(x, MaskedLMFeatures):  # model.mlm_head_positions masked: decode everywhere
+                x = x.logits()
             return mask_padded_vocab(x, self.tp_group, self.config.vocab_size)
         return self.loss_fn(x, labels)

@@ -62,6 +62,7 @@ import importlib.util
 import math
 import sys
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -70,7 +71,7 @@ from torch.distributed import ProcessGroup
 
 from megaformer.config.load import check_model_config
 from megaformer.config.schema import ModelConfig
-from megaformer.data.mlm import IGNORE_INDEX
+from megaformer.data.mlm import IGNORE_INDEX, max_masked_positions
 from megaformer.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -905,6 +906,83 @@ def masked_lm_logits(embedding: NormFormerEmbedding, hidden: torch.Tensor) -> to
     return tied_output_logits(embedding, head(hidden)) + head.bias
 
 
+class MaskedLMFeatures(NamedTuple):
+    """The masked LM's last layer output under ``model.mlm_head_positions`` masked: the LM head's
+    features and the tied decoder's weights, decoded by the loss at the masked positions only
+    (fairseq ``RobertaLMHead(features, masked_tokens)``), so that the ``d × V`` decoder runs on
+    ``max_masked_positions(T)`` rows per sequence, not ``T``.
+
+    Fields: ``features`` ``float[B, T, d]`` (``[B, T / tp, d]`` with sequence parallelism),
+    ``LN(GELU(dense(h)))`` of :class:`MaskedLMHead`; ``weight`` ``float[V_pad / tp, d]`` (the token
+    embedding: the tied decoder); ``bias`` ``float32[V_pad / tp]``; the TP group and whether the
+    features are sequence-parallel. The masked LM needs ``pp_size`` 1, so this never crosses a
+    pipeline stage.
+    """
+
+    features: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor
+    tp_group: ProcessGroup | None
+    sequence_parallel: bool
+
+    def _full_sequence(self) -> torch.Tensor:
+        # As tied_output_logits: the all-gather of the sequence slices (backward reduce-scatter), or
+        # the identity whose backward all-reduces the gradient over the vocabulary shards.
+        if self.sequence_parallel:
+            return gather_from_sequence_region(self.features, self.tp_group)  # (B, T, d)
+        return copy_to_tp_region(self.features, self.tp_group)
+
+    def logits(self) -> torch.Tensor:
+        """Every position's raw logits, ``float[B, T, V_pad / tp]``: :func:`masked_lm_logits`."""
+        return F.linear(self._full_sequence(), self.weight) + self.bias
+
+    def masked_logits(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits of the masked positions and their labels.
+
+        Args:
+            labels: ``LongTensor[B, T]``, the original token at the masked positions and
+                :data:`~megaformer.data.mlm.IGNORE_INDEX` elsewhere (:func:`~megaformer.data.mlm.mask_block`).
+
+        Returns:
+            ``(float[B, K, V_pad / tp], LongTensor[B, K])``, ``K = max_masked_positions(T)``: each
+            row's masked positions first, in position order, then unmasked ones whose labels read
+            ``IGNORE_INDEX`` (padding: their loss is zeroed). ``K`` depends on ``T`` alone, so the
+            selection is a gather of fixed shape (no host sync).
+
+        Raises:
+            ValueError: ``labels`` is not ``[B, T]`` of the full sequence, or (on a CPU, where the
+                check costs no device sync) a row has more than ``K`` masked positions: labels not
+                drawn by :func:`~megaformer.data.mlm.mask_block`'s rule, which the head would drop.
+        """
+        hidden = self._full_sequence()
+        b, t, d = hidden.shape
+        if labels.shape != (b, t):
+            raise ValueError(f"labels {tuple(labels.shape)} must have the shape of tokens {(b, t)}")
+        k = max_masked_positions(t)
+        chosen = labels != IGNORE_INDEX
+        if labels.device.type == "cpu" and int(chosen.sum(dim=1).max()) > k:
+            raise ValueError(
+                f"a row of labels has {int(chosen.sum(dim=1).max())} masked positions, more than the "
+                f"{k} that model.mlm_head_positions='masked' decodes at T={t} (mask_block's rule, "
+                "mask_prob 0.15); set model.mlm_head_positions='all' for other masking"
+            )
+        # A stable sort of the 0/1 key puts each row's masked positions first, in position order.
+        order = torch.argsort((~chosen).to(torch.uint8), dim=1, stable=True)[:, :k]  # (B, K)
+        rows = hidden.gather(1, order.unsqueeze(-1).expand(b, k, d))  # (B, K, d)
+        return F.linear(rows, self.weight) + self.bias, labels.gather(1, order)
+
+
+def masked_lm_features(embedding: NormFormerEmbedding, hidden: torch.Tensor) -> MaskedLMFeatures:
+    """RoBERTa's LM head without its decoder, for ``model.mlm_head_positions`` masked: the final
+    hidden state ``float[B, T, d]`` (``[B, T / tp, d]`` with sequence parallelism) ->
+    :class:`MaskedLMFeatures`, which :class:`MaskedLMLoss` decodes at the masked positions and
+    :meth:`MaskedLMFeatures.logits` everywhere (the same function as :func:`masked_lm_logits`)."""
+    head = embedding.lm_head
+    return MaskedLMFeatures(
+        head(hidden), embedding.token.weight, head.bias, embedding.tp_group, embedding.sequence_parallel
+    )
+
+
 class OutputProjection(nn.Module):
     """Untied output projection: column-parallel over the padded vocabulary, no bias, weight drawn
     from ``N(0, init_std²)`` (``N(0, 1/d)`` under ``model.init`` fairseq) under the seed name ``output``.
@@ -976,8 +1054,11 @@ class MaskedLMLoss:
     """Mean cross-entropy (nats) of the masked positions only: RoBERTa's masked-LM loss.
 
     Called as ``loss_fn(logits_local float[B, T, V_pad/tp], labels LongTensor[B, T])`` -> ``float32``
-    scalar, the same on every TP rank. ``labels`` hold the original token at the positions chosen
-    for prediction and :data:`~megaformer.data.mlm.IGNORE_INDEX` (-100) elsewhere
+    scalar, the same on every TP rank; under ``model.mlm_head_positions`` masked the first argument
+    is the head's :class:`MaskedLMFeatures` instead, decoded here at the masked positions only
+    (:meth:`MaskedLMFeatures.masked_logits`; the same loss up to rounding). ``labels`` hold the
+    original token at the positions chosen for prediction and
+    :data:`~megaformer.data.mlm.IGNORE_INDEX` (-100) elsewhere
     (:func:`~megaformer.data.mlm.mask_block`); the cross-entropy of the other positions (taken
     against label 0, so that :func:`~megaformer.parallel.vocab_parallel_cross_entropy` sees valid
     labels) is multiplied by zero, so an unmasked position neither counts nor gets a gradient, with
@@ -1002,11 +1083,15 @@ class MaskedLMLoss:
         self.fused = False  # compiled cross-entropy kernels (set where the blocks are compiled)
 
     def __call__(
-        self, logits: torch.Tensor, labels: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+        self,
+        logits: torch.Tensor | MaskedLMFeatures,
+        labels: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         weight = None
         if isinstance(labels, (tuple, list)):  # (labels, weight): a pipeline's last stage
             labels, weight = labels
+        if isinstance(logits, MaskedLMFeatures):  # model.mlm_head_positions masked
+            logits, labels = logits.masked_logits(labels)  # (B, K, V_pad / tp), (B, K)
         if labels.shape != logits.shape[:-1]:
             raise ValueError(
                 f"labels {tuple(labels.shape)} must have the shape of tokens {tuple(logits.shape[:-1])}"

@@ -19,8 +19,9 @@ operations", eq. (3): ``72·B·s·l·h²·(1 + s/(6h) + V/(12·h·l))`` per batc
                3 · 2d [DeepNorm's α·x]                 per layer, where switched on
 
 Under ``model.objective`` mlm, RoBERTa's LM head adds its dense ``d -> d`` layer (``2·d²``) and its
-LayerNorm; the decoder is counted at every position, as megaformer computes it (fairseq decodes the
-masked positions only, ~15 %: a shape that depends on the data, a host sync per micro-batch).
+LayerNorm; the decoder is counted where megaformer computes it: at every position under
+``model.mlm_head_positions`` all, at ``max_masked_positions(T) / T`` of them (~16 %, fairseq's
+choice of decoding the masked positions only) under masked.
 
 The token embedding is a lookup (no FLOPs); softmax, activations, dropout and residual additions
 are not counted (as in Megatron and PaLM). The norms and scales are NormFormer's extra operations:
@@ -38,6 +39,7 @@ import time
 import torch
 
 from megaformer.config.schema import ModelConfig
+from megaformer.data.mlm import max_masked_positions
 
 PEAK_TFLOPS = {"V100": 125.0, "A100": 312.0, "H100": 989.0, "H200": 989.0}
 """Dense fp16/bf16 peak per GPU (NVIDIA datasheets: V100 SXM2, A100 SXM4, H100 / H200 SXM)."""
@@ -75,7 +77,10 @@ def model_flops_per_token(config: ModelConfig, padded_vocab_size: int | None = N
     """
     d, f, L, T = config.hidden_size, config.ffn_size, config.num_layers, config.seq_len  # noqa: N806
     V = padded_vocab_size or config.padded_vocab_size(1)  # noqa: N806
-    forward = 2 * (L * (4 * d * d + 2 * d * f) + d * V)  # matmuls
+    decoded = 1.0  # share of the positions the output projection decodes
+    if getattr(config, "mlm_head_positions", "all") == "masked":
+        decoded = max_masked_positions(T) / T
+    forward = 2 * (L * (4 * d * d + 2 * d * f) + d * V * decoded)  # matmuls
     if getattr(config, "objective", "clm") == "mlm":
         forward += 2 * d * d  # RoBERTa's LM head dense d -> d, before the tied decoder
     forward += 2 * L * 2 * T * d  # attention scores and weighted values

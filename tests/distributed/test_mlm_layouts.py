@@ -1,6 +1,7 @@
-"""The masked LM (model.objective=mlm) as multi-process runs on real text at four layouts, all from
+"""The masked LM (model.objective=mlm) as multi-process runs on real text at five layouts, all from
 the same seed and samples: one process (2 micro-batches of 4 per step), tp = 2, pp = 2 (2 pipeline
-micro-batches) and dp = 2 (one micro-batch per rank). Each repeats the one-process run step for step
+micro-batches), dp = 2 (one micro-batch per rank) and pp = 2 with the LM head decoding the masked
+positions only (model.mlm_head_positions masked). Each repeats the one-process run step for step
 within 1e-4 relative: the training loss (fairseq's Σ NLL / N over the step's masked tokens, whose
 count differs between micro-batches and ranks, so a mean of means would not agree), the gradient
 norm and the masked-token validation loss (the quickstart has no dropout: its masks would be
@@ -39,6 +40,9 @@ RUNS = {  # name: (processes, overrides)
     "tp2": (2, ["parallel.tp_size=2"]),
     "pp2": (2, ["parallel.pp_size=2"]),
     "dp2": (2, []),
+    # fairseq's head: the decoder at the masked positions only, on the last pipeline stage, against
+    # the one-process run that decodes every position (the default).
+    "pp2_masked": (2, ["parallel.pp_size=2", "model.mlm_head_positions=masked"]),
 }
 
 
@@ -61,10 +65,11 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
-@pytest.mark.parametrize("name", ["tp2", "pp2", "dp2"])
+@pytest.mark.parametrize("name", ["tp2", "pp2", "dp2", "pp2_masked"])
 def test_layout_repeats_one_process_step_for_step(runs, name):
     ref, (proc, got, _) = runs["one"][1], runs[name]
-    layout = {"tp2": "| tp 2 |", "pp2": "| pp 2 (parameters) | dp 1 |", "dp2": "| dp 2 |"}[name]
+    pp2 = "| pp 2 (parameters) | dp 1 |"
+    layout = {"tp2": "| tp 2 |", "pp2": pp2, "dp2": "| dp 2 |", "pp2_masked": pp2}[name]
     assert layout in proc.stdout, proc.stdout[-2000:]
     assert sorted(got["train/loss"]) == list(STEPS)
     for step in STEPS:

@@ -1,6 +1,7 @@
 """The masked LM (model.objective=mlm) at TP = 2 equals TP = 1: logits, the masked-positions loss and
 every gathered gradient (RoBERTa's LM head: replicated dense + LayerNorm, vocabulary-parallel bias),
-with and without sequence parallelism, in spawned gloo processes on CPU."""
+with and without sequence parallelism, in spawned gloo processes on CPU; and TP = 2 decoding the
+masked positions only (model.mlm_head_positions masked) equals TP = 1 decoding all of them."""
 
 from __future__ import annotations
 
@@ -24,12 +25,18 @@ TINY_MLM = dataclasses.replace(
 )
 
 
-def _check(group, sequence_parallel: bool) -> None:
+def _check(group, sequence_parallel: bool, head_positions: str = "all") -> None:
     tokens = torch.randint(0, 50257, (2, 16), generator=_gen(13))
     labels = torch.full_like(tokens, IGNORE_INDEX)
-    chosen = torch.rand(tokens.shape, generator=_gen(14)) < 0.3
+    if head_positions == "all":
+        chosen = torch.rand(tokens.shape, generator=_gen(14)) < 0.3
+    else:  # the head decodes max_masked_positions(16) = 3 per row: the data's rule never gives more
+        chosen = torch.zeros(tokens.shape, dtype=torch.bool)
+        chosen[0, [2, 9, 15]] = chosen[1, [0, 7]] = True
     labels[chosen] = torch.randint(0, 50260, tokens.shape, generator=_gen(15))[chosen]
-    sharded = NormFormerLM(TINY_MLM, tp_group=group, seed=3, sequence_parallel=sequence_parallel)
+    # The sharded model decodes where head_positions says; the reference always everywhere.
+    sharded_cfg = dataclasses.replace(TINY_MLM, mlm_head_positions=head_positions)
+    sharded = NormFormerLM(sharded_cfg, tp_group=group, seed=3, sequence_parallel=sequence_parallel)
     plain = NormFormerLM(TINY_MLM, seed=3)
     with torch.no_grad():  # random gains / biases (the head's vocabulary bias included), set alike
         for (name, p), q in zip(sharded.named_parameters(), plain.parameters(), strict=True):
@@ -57,6 +64,8 @@ def _worker(rank: int, world_size: int, port: int) -> None:
     group = dist.new_group(list(range(world_size)))
     _check(group, sequence_parallel=False)
     _check(group, sequence_parallel=True)
+    _check(group, sequence_parallel=False, head_positions="masked")
+    _check(group, sequence_parallel=True, head_positions="masked")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -13,9 +13,17 @@ import torch.nn.functional as F
 from megaformer.config.load import check_model_config, check_parallel, require_causal_lm
 from megaformer.config.schema import OBJECTIVES, ConfigError, ModelConfig, ParallelConfig, RunConfig
 from megaformer.data.loader import collate_for, collate_samples
-from megaformer.data.mlm import IGNORE_INDEX, MLM_VOCAB_SIZE, collate_mlm
+from megaformer.data.mlm import (
+    BOS_ID,
+    IGNORE_INDEX,
+    MLM_VOCAB_SIZE,
+    collate_mlm,
+    mask_block,
+    max_masked_positions,
+)
 from megaformer.model import MaskedLMHead, MaskedLMLoss, NormFormerLM, masked_lm_logits, vocab_param_names
 from megaformer.model.normformer import LMLoss
+from megaformer.training.flops import model_flops_per_token
 from tests.tiny_model import TINY_MODEL
 
 # The tiny model as a masked LM: the vocabulary must hold <mask>/<s>/<pad> (50265 rows).
@@ -271,3 +279,69 @@ def test_padded_keys_give_each_row_its_own_hidden_states(config):
         assert not torch.allclose(unmasked[1, 0], alone[1][0], atol=1e-4)
     with pytest.raises(ValueError, match="keep must be bool"), padded_keys(model.blocks, keep.long()):
         pass
+
+
+def _mask_block_labels(config: ModelConfig, rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels) ``[rows, seq_len]`` drawn by the data's own rule (mask_block)."""
+    tokens = np.random.default_rng(seed).integers(0, 50257, (rows, config.seq_len))
+    tokens[:, 0] = BOS_ID
+    pairs = [mask_block(t, seed=seed, epoch=0, index=i) for i, t in enumerate(tokens)]
+    return tuple(torch.from_numpy(np.stack(x)) for x in zip(*pairs, strict=True))
+
+
+def test_max_masked_positions_bounds_mask_block_tightly():
+    # The head's fixed K per row is never exceeded by the data's rule, and it is reached (tight).
+    for t in (16, 64, 128):
+        k = max_masked_positions(t)
+        assert k == min(t, int(0.15 * t) + 1)
+        counts = [
+            int((mask_block(np.full(t, 7), seed=3, epoch=0, index=i)[1] != IGNORE_INDEX).sum())
+            for i in range(400)
+        ]
+        assert max(counts) == k, (t, k, max(counts))
+    assert max_masked_positions(2) == 1 and max_masked_positions(1, 0.99) == 1
+    with pytest.raises(ValueError, match="block_len=0"):
+        max_masked_positions(0)
+
+
+def test_masked_head_positions_give_the_same_loss_gradients_and_logits():
+    # model.mlm_head_positions masked (fairseq's masked_tokens) against all (the default): the same
+    # parameters, the same loss and gradients up to rounding, the same logits without labels.
+    masked_cfg = dataclasses.replace(TINY_MLM, mlm_head_positions="masked")
+    check_model_config(masked_cfg)
+    every, masked = NormFormerLM(TINY_MLM, seed=11), NormFormerLM(masked_cfg, seed=11)
+    tokens, labels = _mask_block_labels(TINY_MLM, 3, seed=12)
+    with torch.no_grad():  # a non-zero vocabulary bias, set alike, so its gradient is checked too
+        for m in (every, masked):
+            m.embedding.lm_head.bias.copy_(torch.randn(m.embedding.lm_head.bias.shape, generator=_gen(13)))
+    with torch.no_grad():
+        assert torch.equal(every(tokens), masked(tokens))
+    loss_all, loss_masked = every(tokens, labels), masked(tokens, labels)
+    torch.testing.assert_close(loss_masked, loss_all, rtol=1e-6, atol=0)
+    loss_all.backward()
+    loss_masked.backward()
+    for (name, p), q in zip(every.named_parameters(), masked.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None, name
+        scale = float(p.grad.abs().max().clamp_min(1e-30))
+        assert float((p.grad - q.grad).abs().max()) <= 1e-5 * scale, name
+
+
+def test_masked_head_positions_refuse_labels_beyond_the_fixed_count():
+    model = NormFormerLM(dataclasses.replace(TINY_MLM, mlm_head_positions="masked"), seed=1)
+    tokens = _tokens(TINY_MLM, 2)
+    k = max_masked_positions(TINY_MLM.seq_len)
+    model(tokens, _masked_labels(tokens, list(range(k))))  # at the bound: fine
+    with pytest.raises(ValueError, match=rf"{k + 1} masked positions, more than the {k}.*'all'"):
+        model(tokens, _masked_labels(tokens, list(range(k + 1))))
+
+
+def test_mlm_head_positions_config_rules_and_flops():
+    with pytest.raises(ConfigError, match=r"model.mlm_head_positions='some': use 'all' or 'masked'"):
+        check_model_config(dataclasses.replace(TINY_MLM, mlm_head_positions="some"))
+    with pytest.raises(ConfigError, match=r"mlm_head_positions='masked' with model.objective='clm'"):
+        check_model_config(dataclasses.replace(TINY_MODEL, mlm_head_positions="masked"))
+    # The decoder's FLOPs are counted at the positions decoded: K / T of them under masked.
+    d, v, t = TINY_MLM.hidden_size, TINY_MLM.padded_vocab_size(1), TINY_MLM.seq_len
+    masked_cfg = dataclasses.replace(TINY_MLM, mlm_head_positions="masked")
+    saved = model_flops_per_token(TINY_MLM) - model_flops_per_token(masked_cfg)
+    assert saved == pytest.approx(3 * 2 * d * v * (1 - max_masked_positions(t) / t), rel=1e-12)

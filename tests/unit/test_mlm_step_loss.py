@@ -93,7 +93,11 @@ def test_the_step_loss_and_gradient_are_over_the_steps_masked_tokens():
     want.backward()
     torch.testing.assert_close(loss.float(), want.detach(), rtol=1e-5, atol=1e-6)
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-7, msg=name)
+        # atol relative to the tensor's largest gradient: the two sum the micro-batches in another
+        # order, and an element near zero differs by rounding by more than 1e-7 absolute at some
+        # BLAS thread counts (2 threads: 2.out_proj.weight; worst tensor 3.6e-7 of its max).
+        atol = 1e-6 * float(q.grad.abs().max())
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=atol, msg=name)
     # Not the mean of the micro-batches' means (their counts differ: 2, 8, 16).
     means = sum(float(model(t, y).detach()) for t, y in batches) / len(batches)
     assert abs(means - float(want.detach())) > 1e-4
