@@ -72,7 +72,12 @@ from dataclasses import dataclass, replace
 from megaformer.config import ConfigError, load_config
 from megaformer.config.schema import ModelConfig, RunConfig
 from megaformer.training.deepspeed_config import read_engine_json
-from megaformer.training.flops import PEAK_TFLOPS, measure_cpu_peak_flops, model_flops_per_token
+from megaformer.training.flops import (
+    PEAK_TFLOPS,
+    decoded_share,
+    measure_cpu_peak_flops,
+    model_flops_per_token,
+)
 
 GIB = 1024**3
 HEADROOM = 0.8
@@ -213,12 +218,14 @@ def block_activation_bytes(cfg: RunConfig, device: Device, recompute: str | None
 
 
 def logits_bytes(cfg: RunConfig, device: Device) -> float:
-    """Peak bytes of the output logits, softmax and their gradient on the last stage."""
+    """Peak bytes of the output logits, softmax and their gradient on the last stage, at the
+    decoded positions (all, or the masked LM's masked ones:
+    :func:`~megaformer.training.flops.decoded_share`)."""
     m, t = cfg.model, cfg.train
     per_token = m.padded_vocab_size(cfg.parallel.tp_size) / cfg.parallel.tp_size
     # fp32: the logits buffer (reused in place as softmax and gradient) plus a padding-masked copy
     # or the backward's temporaries; bf16 / fp16: logits 2 + transient fp32 softmax 4 + gradient 2.
-    return t.micro_batch_size * m.seq_len * per_token * 8.0
+    return t.micro_batch_size * m.seq_len * decoded_share(m) * per_token * 8.0
 
 
 # --- the plan --------------------------------------------------------------------------------------

@@ -128,7 +128,7 @@ from megaformer.perf.costs import (
 )
 from megaformer.perf.devices import DEVICE_SPECS, DeviceSpec, cpu_device
 from megaformer.perf.plan import DEVICES, Device, engine_json, immediate_grad_update, make_plan
-from megaformer.training.flops import model_flops_per_token
+from megaformer.training.flops import decoded_share, model_flops_per_token
 
 
 @dataclass
@@ -267,6 +267,7 @@ def _busiest_stage(
     block's costs ``block`` (:func:`block_costs`)."""
     m, tp = cfg.model, cfg.parallel.tp_size
     n = cfg.train.micro_batch_size * m.seq_len
+    n_decoded = n * decoded_share(m)
     d, v = m.hidden_size, m.padded_vocab_size(tp)
     block_compute, block_attention, block_memory, block_tp, act = block
     tp_bw, tp_lat = link(dev, tp, gpus_per_node)
@@ -281,18 +282,19 @@ def _busiest_stage(
             memory += n * q * 4 * d * 3 / dev.memory_bytes_per_s  # lookup, scale, dropout, gradient
             tpc += collective_time("allreduce", act, tp, tp_bw, tp_lat)
         if last:
-            compute += 3 * gemm_seconds(dev, n, d, v / tp, q)
+            # the decoder and its loss, at the decoded positions (the masked ones only, if so set)
+            compute += 3 * gemm_seconds(dev, n_decoded, d, v / tp, q)
             if dev.cpu:
                 # the loss's measured rate (else softmax's exp in forward and again in backward), or
                 # 16 bytes per logit
                 loss = (
-                    n * v / tp / dev.loss_per_s
+                    n_decoded * v / tp / dev.loss_per_s
                     if math.isfinite(dev.loss_per_s)
-                    else 2.0 * n * v / tp / dev.exp_per_s
+                    else 2.0 * n_decoded * v / tp / dev.exp_per_s
                 )
-                memory += max(n * 16.0 * v / tp / dev.memory_bytes_per_s, loss)
+                memory += max(n_decoded * 16.0 * v / tp / dev.memory_bytes_per_s, loss)
             else:  # fused (inductor's kernels) or eager (ATen's), both at the fused class's rate
-                memory += n * loss_bytes_per_logit(cfg, q) * v / tp / dev.bytes_per_s("fused")
+                memory += n_decoded * loss_bytes_per_logit(cfg, q) * v / tp / dev.bytes_per_s("fused")
             tpc += collective_time("allreduce", act, tp, tp_bw, tp_lat)
         params = stage.params
         if first and last and m.tie_embeddings:  # the tied output layer is the embedding's tensor

@@ -64,6 +64,16 @@ def normalised_elements_per_token(config: ModelConfig) -> int:
     return config.num_layers * per_layer + final + head
 
 
+def decoded_share(config: ModelConfig) -> float:
+    """Share of a sequence's positions the output projection decodes: 1, or
+    ``max_masked_positions(T) / T`` under ``model.mlm_head_positions`` masked (the masked LM's
+    decoder at the masked positions only, :class:`megaformer.model.MaskedLMFeatures`). The FLOPs,
+    the step-time model and the memory plan scale the decoder and its loss by it."""
+    if getattr(config, "mlm_head_positions", "all") == "masked":
+        return max_masked_positions(config.seq_len) / config.seq_len
+    return 1.0
+
+
 def model_flops_per_token(config: ModelConfig, padded_vocab_size: int | None = None) -> float:
     """Training FLOPs per token (forward + backward) of the model, as the module docstring counts.
 
@@ -77,10 +87,7 @@ def model_flops_per_token(config: ModelConfig, padded_vocab_size: int | None = N
     """
     d, f, L, T = config.hidden_size, config.ffn_size, config.num_layers, config.seq_len  # noqa: N806
     V = padded_vocab_size or config.padded_vocab_size(1)  # noqa: N806
-    decoded = 1.0  # share of the positions the output projection decodes
-    if getattr(config, "mlm_head_positions", "all") == "masked":
-        decoded = max_masked_positions(T) / T
-    forward = 2 * (L * (4 * d * d + 2 * d * f) + d * V * decoded)  # matmuls
+    forward = 2 * (L * (4 * d * d + 2 * d * f) + d * V * decoded_share(config))  # matmuls
     if getattr(config, "objective", "clm") == "mlm":
         forward += 2 * d * d  # RoBERTa's LM head dense d -> d, before the tied decoder
     forward += 2 * L * 2 * T * d  # attention scores and weighted values

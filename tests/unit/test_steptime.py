@@ -314,3 +314,27 @@ def test_host_term_counts_the_parameter_tensors():
     spec = DEVICE_SPECS["h200-141gb"]
     assert st.host == pytest.approx(spec.host_step_s + spec.host_per_tensor_s * 147)
     assert predict(base, cpu_device(), 1, counts="formula").host == 0.0
+
+
+def test_masked_lm_decoder_terms_scale_with_the_decoded_positions():
+    """model.mlm_head_positions masked: the decoder's GEMMs, its loss and the logits' memory are
+    predicted at max_masked_positions(T) / T of the positions; the blocks' terms do not move."""
+    from megaformer.data.mlm import max_masked_positions
+    from megaformer.perf import plan as perf_plan
+    from megaformer.perf import steptime
+
+    base = ["train.zero_stage=1", "train.compile=false"]
+    every = load_config("configs/paper/mlm-125m-baseline.yaml", base)
+    masked = load_config("configs/paper/mlm-125m-baseline.yaml", [*base, "model.mlm_head_positions=masked"])
+    m, t = every.model, every.train
+    share = max_masked_positions(m.seq_len) / m.seq_len
+    spec = steptime.DEVICE_SPECS["h200-141gb"]
+    a = steptime.predict(every, spec, 1, 1, counts="formula")
+    b = steptime.predict(masked, spec, 1, 1, counts="formula")
+    logits = t.global_batch_size * m.seq_len * m.padded_vocab_size(1)  # per step, all micro-batches
+    loss = steptime.loss_bytes_per_logit(every, 2) * logits / spec.bytes_per_s("fused")
+    assert a.memory - b.memory == pytest.approx((1 - share) * loss, rel=1e-9)
+    assert a.compute > b.compute and a.attention == b.attention and a.optimizer == b.optimizer
+    device = perf_plan.DEVICES["a100-40gb"]
+    want = share * perf_plan.logits_bytes(every, device)
+    assert perf_plan.logits_bytes(masked, device) == pytest.approx(want, rel=1e-12)
