@@ -202,7 +202,8 @@ class ModelConfig:
     (Liu et al. 2019): bidirectional attention, RoBERTa's LM head (dense, GELU, LayerNorm, the tied
     decoder plus a vocabulary bias), cross-entropy on the masked positions only, samples from
     :mod:`megaformer.data.mlm`. Needs ``vocab_size >= 50265`` (the ``<mask>`` / ``<s>`` / ``<pad>``
-    ids), ``tie_embeddings`` and ``parallel.pp_size = 1``; learned positions are RoBERTa's."""
+    ids) and ``tie_embeddings``; trains at any tensor / pipeline / data-parallel layout
+    (tests/distributed/test_mlm_layouts.py); learned positions are RoBERTa's."""
     mlm_head_positions: str = "all"
     """Where the masked LM's LM head decodes (``model.objective`` mlm only). ``all`` (default, as
     Megatron's BERT and the code before this key): the tied decoder at every position, then the

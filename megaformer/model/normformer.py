@@ -915,8 +915,8 @@ class MaskedLMFeatures(NamedTuple):
     Fields: ``features`` ``float[B, T, d]`` (``[B, T / tp, d]`` with sequence parallelism),
     ``LN(GELU(dense(h)))`` of :class:`MaskedLMHead`; ``weight`` ``float[V_pad / tp, d]`` (the token
     embedding: the tied decoder); ``bias`` ``float32[V_pad / tp]``; the TP group and whether the
-    features are sequence-parallel. The masked LM needs ``pp_size`` 1, so this never crosses a
-    pipeline stage.
+    features are sequence-parallel. Under a pipeline it is the last stage's output, which DeepSpeed
+    hands to the loss on that stage (``PipelineEngine._exec_forward_pass``): it is never sent.
     """
 
     features: torch.Tensor
