@@ -14,7 +14,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.getcwd())
-from data_tools.indexed_dataset import IndexedDataset  # noqa: E402
+from data_tools.indexed_dataset import IndexedDataset
 
 EOD, VOCAB = 50256, 50257
 
