@@ -76,7 +76,6 @@ from megaformer.config.schema import MLM_VOCAB_SIZE  # the config checks model.v
 from megaformer.data.gpt_dataset import BlendedSamples, GPTSamples
 
 __all__ = [
-    "max_masked_positions",
     "BOS_ID",
     "EOD_ID",
     "GPT2_VOCAB_SIZE",
@@ -90,6 +89,7 @@ __all__ = [
     "build_mlm_samples",
     "collate_mlm",
     "mask_block",
+    "max_masked_positions",
     "mlm_vocab_rows",
 ]
 
