@@ -2,7 +2,7 @@
 
     python -m megaformer.tools.finetune --checkpoint RUN/checkpoints --task rte --data data/glue
         [--lr 1e-5 1e-4 ...] [--epochs 10] [--batch-size N] [--out DIR] [--device cuda]
-        [--random-init [--init-seed S]] [--no-save-best]
+        [--random-init [--init-seed S]] [--pooling first|mean] [--no-save-best]
     python -m megaformer.tools.finetune --table DIR [DIR ...]     # one Table 3 from several runs
 
 What the NormFormer paper (Shleifer et al. 2021, Sec. 3, "Fine-Tuning") does: "We fine-tune both the
@@ -35,10 +35,11 @@ flags of fairseq's ``examples/roberta/README.glue.md`` (the recipe RoBERTa's GLU
     ============================ ===================================================================
 
 The head is fairseq's ``RobertaClassificationHead`` (:class:`ClassificationHead`) on the first
-token's final hidden state; the loss is cross-entropy, or mean squared error for STS-B
-(``sentence_prediction`` criterion, ``--regression-target``). Inputs are RoBERTa's ``<s> A </s></s> B
-</s>`` with megaformer's ids (:mod:`megaformer.data.glue`), right-padded per batch, the padding masked
-out of attention.
+token's final hidden state (``--pooling mean``: on the mean over the non-padding positions, a
+difference from the recipe that ``recipe_differences`` lists); the loss is cross-entropy, or mean
+squared error for STS-B (``sentence_prediction`` criterion, ``--regression-target``). Inputs are
+RoBERTa's ``<s> A </s></s> B </s>`` with megaformer's ids (:mod:`megaformer.data.glue`),
+right-padded per batch, the padding masked out of attention.
 
 **Scope.** One process, one device (CPU or one CUDA GPU), TP = 1: the checkpoint, saved at any
 (tp, pp, dp) layout, is consolidated into one fp32 model (as ``evaluate`` and ``export_hf`` load it).
@@ -112,6 +113,7 @@ from megaformer.model import NormFormerLM, vocab_param_names
 from megaformer.model.normformer import padded_keys
 from megaformer.tools.generate import REPO
 
+POOLINGS = ("first", "mean")  # FinetuneConfig.pooling, --pooling
 PAPER_LR_GRID = (1e-5, 1e-4, 3e-4, 1e-3, 3e-3, 6e-3)  # NormFormer paper, Sec. 3 "Fine-Tuning"
 TABLE3_TASKS = ("CoLA", "MNLI", "MRPC", "QNLI", "QQP", "RTE", "SST-2")  # the paper's Table 3 columns
 
@@ -129,6 +131,13 @@ class FinetuneConfig:
     dropout: float = 0.1
     attention_dropout: float = 0.1
     pooler_dropout: float = 0.0
+    pooling: str = "first"
+    """What the head reads (:data:`POOLINGS`): ``first``, the ``<s>`` token's final hidden state
+    (fairseq's ``RobertaClassificationHead``, the recipe), or ``mean``, the mean over the row's
+    non-padding positions (``<s>`` and ``</s>`` included; Sentence-BERT's mean pooling, Reimers &
+    Gurevych 2019, Sec. 3). A masked LM never predicts ``<s>``, so its last layer is not trained
+    there (megaformer masks no special token, :mod:`megaformer.data.mlm`), while every other
+    position's state is what the pretraining loss shaped."""
     max_steps: int = 0
     """Stop after this many updates (0: the epochs' worth); the schedule spans the updates made."""
     seed: int = 1
@@ -137,16 +146,36 @@ class FinetuneConfig:
 class ClassificationHead(nn.Module):
     """fairseq's ``RobertaClassificationHead``: the first token's features ``float[B, d]`` ->
     dropout -> dense ``d -> d`` -> tanh -> dropout -> ``out_proj`` ``d -> num_outputs``.
-    PyTorch's default ``nn.Linear`` init, as fairseq registers the head after the model's init."""
+    PyTorch's default ``nn.Linear`` init, as fairseq registers the head after the model's init.
+    With ``pooling="mean"`` (:attr:`FinetuneConfig.pooling`) the pooled features are the mean over
+    the non-padding positions instead of the first token's.
 
-    def __init__(self, hidden_size: int, num_outputs: int, pooler_dropout: float = 0.0) -> None:
+    Raises:
+        ValueError: ``pooling`` not in :data:`POOLINGS`.
+    """
+
+    def __init__(
+        self, hidden_size: int, num_outputs: int, pooler_dropout: float = 0.0, pooling: str = "first"
+    ) -> None:
         super().__init__()
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling={pooling!r}: expected one of {', '.join(POOLINGS)}")
+        self.pooling = pooling
         self.dense = nn.Linear(hidden_size, hidden_size)
         self.dropout = nn.Dropout(pooler_dropout)
         self.out_proj = nn.Linear(hidden_size, num_outputs)
 
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        x = self.dropout(features[:, 0, :])  # (B, d): <s>, RoBERTa's [CLS]
+    def forward(self, features: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """``features`` ``float[B, T, d]``; ``keep`` ``bool[B, T]``, the non-padding positions (for
+        ``mean``; None: every position). Returns ``float[B, num_outputs]``."""
+        if self.pooling == "first":
+            pooled = features[:, 0, :]  # (B, d): <s>, RoBERTa's [CLS]
+        else:
+            weight = torch.ones(features.shape[:2], dtype=features.dtype, device=features.device)
+            if keep is not None:
+                weight = keep.to(features.dtype)
+            pooled = (features * weight.unsqueeze(-1)).sum(1) / weight.sum(1, keepdim=True).clamp_min(1.0)
+        x = self.dropout(pooled)
         x = self.dropout(torch.tanh(self.dense(x)))
         return self.out_proj(x)  # (B, num_outputs)
 
@@ -157,10 +186,12 @@ class SentenceClassifier(nn.Module):
     encoder is called through the modules of :class:`~megaformer.model.NormFormerLM` one by one,
     stopping before the LM head, padded keys masked (:func:`~megaformer.model.normformer.padded_keys`)."""
 
-    def __init__(self, lm: NormFormerLM, num_outputs: int, pooler_dropout: float = 0.0) -> None:
+    def __init__(
+        self, lm: NormFormerLM, num_outputs: int, pooler_dropout: float = 0.0, pooling: str = "first"
+    ) -> None:
         super().__init__()
         self.lm = lm
-        self.head = ClassificationHead(lm.config.hidden_size, num_outputs, pooler_dropout)
+        self.head = ClassificationHead(lm.config.hidden_size, num_outputs, pooler_dropout, pooling)
 
     def features(self, tokens: torch.Tensor) -> torch.Tensor:
         """Final hidden states ``float[B, T, d]`` of ``tokens`` (``int64[B, T]``, padded with
@@ -173,7 +204,7 @@ class SentenceClassifier(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """``float[B, num_outputs]``: logits, or the predicted score (regression)."""
-        return self.head(self.features(tokens))
+        return self.head(self.features(tokens), tokens != PAD_ID)
 
 
 def pad_batch(rows: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -235,7 +266,7 @@ def build_classifier(
     lm = NormFormerLM(ft_config, tp_group=None, seed=hp.seed)  # every weight is replaced below
     load_full(lm, full, ft_config, tp_rank=0, tp=1)
     torch.manual_seed(hp.seed)  # the head's init, then dropout
-    return SentenceClassifier(lm, task.num_outputs, hp.pooler_dropout).to(device)
+    return SentenceClassifier(lm, task.num_outputs, hp.pooler_dropout, hp.pooling).to(device)
 
 
 def finetune_one(
@@ -479,7 +510,8 @@ def load_classifier(
         {k: v.float() for k, v in full.items()},
         ModelConfig(**run_config["model"]),
         task,
-        FinetuneConfig(),
+        # Saved before pooling existed: the recipe's first token.
+        FinetuneConfig(pooling=(info.get("hyperparameters") or {}).get("pooling", "first")),
         device,
     )
     model.head.load_state_dict({k: v.to(device) for k, v in head.items()}, strict=True)
@@ -931,6 +963,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=1, help="head init, dropout and data order")
     p.add_argument(
+        "--pooling",
+        choices=POOLINGS,
+        default="first",
+        help="what the head reads: the <s> token's features (first, RoBERTa's recipe) or the mean over "
+        "the non-padding positions (mean)",
+    )
+    p.add_argument(
         "--random-init",
         action="store_true",
         help="the control: fine-tune the checkpoint's architecture from the trainer's random "
@@ -1021,6 +1060,7 @@ def finetune_task(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], 
         batch_size=args.batch_size or task.batch_size,
         max_steps=args.max_steps,
         seed=args.seed,
+        pooling=args.pooling,
     )
     run_dir = os.path.dirname(os.path.dirname(info["tag_dir"]))
     weights = (

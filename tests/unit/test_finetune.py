@@ -127,6 +127,32 @@ def test_head_is_roberta_s_classification_head():
     torch.testing.assert_close(head(features), expected)  # reads the first token only
 
 
+def test_mean_pooling_averages_the_non_padding_positions():
+    head = ft.ClassificationHead(8, 2, pooling="mean")
+    features = torch.randn(2, 5, 8)
+    keep = torch.tensor([[True] * 5, [True, True, True, False, False]])
+    pooled = torch.stack([features[0].mean(0), features[1, :3].mean(0)])
+    torch.testing.assert_close(head(features, keep), head.out_proj(torch.tanh(head.dense(pooled))))
+    torch.testing.assert_close(head(features)[0], head(features, keep)[0])  # no mask: every position
+    with pytest.raises(ValueError, match="pooling='max': expected one of first, mean"):
+        ft.ClassificationHead(8, 2, pooling="max")
+
+
+def test_mean_pooled_logits_of_a_padded_row_equal_the_row_alone():
+    """The padding neither reaches attention nor the mean: batching does not change a prediction."""
+    lm = NormFormerLM(tiny_config(seq_len=16), seed=1)
+    model = ft.SentenceClassifier(lm, 2, pooling="mean").eval()
+    rows = [[BOS_ID, 11, 12, 13, 14, 15, EOD_ID], [BOS_ID, 21, 22, EOD_ID]]
+    with torch.no_grad():
+        batched = model(ft.pad_batch(rows))
+        alone = torch.cat([model(torch.tensor([r])) for r in rows])
+        first = ft.SentenceClassifier(lm, 2).eval()
+        first.head.load_state_dict(model.head.state_dict())
+        other = first(ft.pad_batch(rows))
+    torch.testing.assert_close(batched, alone, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(batched, other, atol=1e-4)  # the mean is not the first token
+
+
 def test_schedule_warms_up_linearly_then_decays_to_zero():
     f = ft.polynomial_decay(total=100, warmup=6)
     assert [f(n) for n in (0, 1, 3, 6)] == [1 / 6, 1 / 6, 0.5, 1.0]  # fairseq: no update at rate 0
@@ -240,7 +266,8 @@ def test_rte_from_a_tiny_masked_lm_checkpoint_end_to_end(tmp_path, capsys):
     assert header in capsys.readouterr().out
 
 
-def test_the_best_model_is_saved_reloaded_and_exported_like_any_checkpoint(tmp_path):
+@pytest.mark.parametrize("pooling", ["first", "mean"])
+def test_the_best_model_is_saved_reloaded_and_exported_like_any_checkpoint(tmp_path, pooling):
     """OUT/<task>_best: megaformer's checkpoint format with the head beside the encoder; reloaded, it
     predicts exactly the recorded best epoch's validation accuracy; consolidate, export_hf and
     finetune's own --checkpoint read it."""
@@ -250,11 +277,12 @@ def test_the_best_model_is_saved_reloaded_and_exported_like_any_checkpoint(tmp_p
     out = tmp_path / "ft"
     argv = ["--checkpoint", str(ckpt), "--task", "sst2", "--data", str(GLUE_DIR), "--device", "cpu"]
     argv += ["--lr", "1e-3", "3e-3", "--epochs", "2", "--max-train-examples", "64"]
-    argv += ["--max-valid-examples", "96", "--batch-size", "16", "--out", str(out)]
+    argv += ["--max-valid-examples", "96", "--batch-size", "16", "--out", str(out), "--pooling", pooling]
     assert ft.main(argv) == 0
     doc = json.loads((out / "sst-2.json").read_text())
     best = doc["best"]
     model, task, info = ft.load_classifier(str(out / "sst-2_best"))
+    assert model.head.pooling == pooling  # read back from the saved hyperparameters
     assert task.name == "SST-2" and (info["lr"], info["epoch"]) == (best["lr"], best["epoch"])
     assert info["init"] == "pretrained" and info["source_checkpoint"] == str(ckpt / "global_step1")
     # Re-encode the same 96 validation rows and predict: the recorded accuracy and predictions.
@@ -410,6 +438,7 @@ def test_recipe_differences_name_every_setting_that_differs():
         "weight_decay 0.01 (recipe: 0.1)"
     ]
     assert ft.recipe_differences(_doc(hyperparameters__lr_grid=[6e-3, 1e-5, 1e-4, 3e-4, 1e-3, 3e-3])) == []
+    assert ft.recipe_differences(_doc(hyperparameters__pooling="mean")) == ["pooling mean (recipe: first)"]
     table = ft.render_tables(
         [_doc(), {**_doc(data__valid_examples=100), "model": {**_doc()["model"], "name": "n"}}]
     )
