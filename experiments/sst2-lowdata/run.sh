@@ -13,15 +13,7 @@
 set -euo pipefail
 PY="${VENV:-.venv}/bin/python"
 OUT="${OUT:-runs/sst2-lowdata}"
-T=(--tokenizer-type GPT2BPETokenizer --vocab-file data/gpt2-bpe/encoder.json --merge-file data/gpt2-bpe/vocab.bpe)
-for name in sst2_train sst2_test; do
-  [[ -f data/processed/${name}_text_document.idx ]] ||
-    "$PY" -m data_tools.preprocess --input data/sst2-text/${name}_sentences.jsonl \
-      --output-prefix data/processed/$name "${T[@]}" --append-eod --workers 1
-done
-[[ -f data/processed/gutenberg_text_document.idx ]] ||
-  "$PY" -m data_tools.preprocess --input data/gutenberg-novels/*.txt.xz \
-    --output-prefix data/processed/gutenberg "${T[@]}" --append-eod --workers 2
+PY="$PY" bash experiments/sst2-tapt/preprocess.sh
 COMMON=(budget.overrun=1000 model.mlm_head_positions=masked train.final_eval_batches=0 budget.device_hours=1.0)
 declare -A TIMES=(
   [pre_ln]="budget.step_seconds=0.322519 budget.eval_seconds=1.22757 budget.fixed_seconds=0.82124"

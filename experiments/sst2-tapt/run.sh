@@ -19,15 +19,7 @@ LRS=(1e-4 3e-4 1e-3)
 if [[ ! -f data/sst2-text/sst2_train_sentences.jsonl ]]; then
   "$PY" experiments/sst2-tapt/make_corpus.py "${1:?GLUE SST-2 train.tsv}" data/glue/SST-2/dev.tsv "${2:?test.tsv}" data/sst2-text
 fi
-T=(--tokenizer-type GPT2BPETokenizer --vocab-file data/gpt2-bpe/encoder.json --merge-file data/gpt2-bpe/vocab.bpe)
-for name in sst2_train sst2_test; do
-  [[ -f data/processed/${name}_text_document.idx ]] ||
-    "$PY" -m data_tools.preprocess --input data/sst2-text/${name}_sentences.jsonl \
-      --output-prefix data/processed/$name "${T[@]}" --append-eod --workers 1
-done
-[[ -f data/processed/gutenberg_text_document.idx ]] ||
-  "$PY" -m data_tools.preprocess --input data/gutenberg-novels/*.txt.xz \
-    --output-prefix data/processed/gutenberg "${T[@]}" --append-eod --workers 2
+PY="$PY" bash experiments/sst2-tapt/preprocess.sh
 echo "[sst2-tapt] pretraining $(date -u +%T)"
 "$PY" -m megaformer.experiments.compare experiments/sst2-tapt/{pre_ln,normformer}.yaml \
   --budget-device-hours "$BUDGET" --output-dir "$OUT" "${SETS[@]}"
