@@ -171,9 +171,7 @@ class ClassificationHead(nn.Module):
         if self.pooling == "first":
             pooled = features[:, 0, :]  # (B, d): <s>, RoBERTa's [CLS]
         else:
-            weight = torch.ones(features.shape[:2], dtype=features.dtype, device=features.device)
-            if keep is not None:
-                weight = keep.to(features.dtype)
+            weight = features.new_ones(features.shape[:2]) if keep is None else keep.to(features.dtype)
             pooled = (features * weight.unsqueeze(-1)).sum(1) / weight.sum(1, keepdim=True).clamp_min(1.0)
         x = self.dropout(pooled)
         x = self.dropout(torch.tanh(self.dense(x)))
