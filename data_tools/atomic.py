@@ -69,14 +69,41 @@ def is_output_error(e: OSError, output_prefix: str) -> bool:
     return failed.startswith(out_dir) or out_dir.startswith(failed)
 
 
+_stop_signal: int | None = None  # the stop signal that came, once one has (see raise_if_stopped)
+
+
 def _raise_interrupt(signum, frame) -> None:
+    global _stop_signal
+    _stop_signal = signum
     raise KeyboardInterrupt
+
+
+def raise_if_stopped() -> None:
+    """Raise ``KeyboardInterrupt`` if a stop signal came since :func:`sigterm_as_interrupt`.
+
+    The handler raises at whatever bytecode the main thread is running, and when that is inside a
+    ``__del__`` (a pipe's ``Connection`` collected, say) Python prints "Exception ignored in" and
+    drops the exception: the run goes on as if no signal had come (seen on a loaded CI machine: a
+    SIGTERM'd ``preprocess`` worked on for more than 30 s). Loops that run for long call this once
+    an iteration, so a dropped interrupt is raised again at the next one.
+
+    Raises:
+        KeyboardInterrupt: a stop signal came.
+    """
+    if _stop_signal is not None:
+        raise KeyboardInterrupt
 
 
 def sigterm_as_interrupt() -> None:
     """Make SIGTERM (a scheduler's kill, ``timeout``) unwind like Ctrl-C, so that ``except`` and
-    ``finally`` blocks remove temporaries instead of the process dying with them on disk."""
+    ``finally`` blocks remove temporaries instead of the process dying with them on disk.
+
+    Ctrl-C gets the same handler (Python's own raises the same ``KeyboardInterrupt``), so that
+    :func:`raise_if_stopped` sees both."""
+    global _stop_signal
+    _stop_signal = None
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGINT, _raise_interrupt)
 
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}

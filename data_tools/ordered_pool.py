@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from data_tools.atomic import STOP_SIGNALS, stop_signals_blocked
+from data_tools.atomic import STOP_SIGNALS, raise_if_stopped, stop_signals_blocked
 from data_tools.errors import DataToolsError, WorkerError
 
 __all__ = ["OrderedPool"]
@@ -185,6 +185,7 @@ class OrderedPool:
         held: memoryview | None = None  # the next item, pickled, waiting for a worker that can take it
         exhausted = False
         while True:
+            raise_if_stopped()  # an interrupt dropped in a __del__ is raised here after all
             while not exhausted and sent - given < max_pending:
                 if held is None:
                     item = next(items, _END)

@@ -49,7 +49,13 @@ from typing import BinaryIO
 import numpy as np
 
 from data_tools import fastjson
-from data_tools.atomic import is_output_error, sigterm_as_interrupt, stop_signals_blocked, write_error
+from data_tools.atomic import (
+    is_output_error,
+    raise_if_stopped,
+    sigterm_as_interrupt,
+    stop_signals_blocked,
+    write_error,
+)
 from data_tools.bpe_cache import CachedGPT2BPETokenizer
 from data_tools.errors import DataFormatError, DataToolsError, PreprocessError
 from data_tools.files import atomic_write_json
@@ -1060,6 +1066,7 @@ def _tokenize(
     lines: list = [None, 0]  # the file of the last jsonl-range unit, and its lines so far
     with bar, encoded_units as encoded_iter:
         for encoded in encoded_iter:
+            raise_if_stopped()  # with one worker no pool loop looks (see raise_if_stopped)
             if encoded.newlines is not None:
                 _number_lines(encoded, lines)
             for record in encoded.bad:

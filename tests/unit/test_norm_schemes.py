@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,8 @@ from megaformer.tools.generate import generate
 from tests.tiny_model import TINY_MODEL
 
 torch.set_num_threads(1)
+
+REPO = Path(__file__).resolve().parents[2]
 
 TINY = TINY_MODEL
 NF_OFF = dict(post_attn_ln=False, head_scale=False, ffn_ln=False, resid_scale=False)
@@ -179,44 +182,94 @@ def test_qkv_ln_normalises_each_of_q_k_v_over_all_heads():
     assert float(per_head.mean(-1).abs().max()) > 1e-3
 
 
-def _fingerprint(model: torch.nn.Module, tokens: torch.Tensor) -> str:
+def _fingerprint(model: torch.nn.Module, tokens: torch.Tensor | None = None) -> str:
+    """sha256 of the parameters' names and values, and of the logits on ``tokens`` if given."""
     h = hashlib.sha256()
     for n, p in model.named_parameters():
         h.update(n.encode())
         h.update(p.detach().numpy().tobytes())
-    h.update(model(tokens).detach().numpy().tobytes())
+    if tokens is not None:
+        h.update(model(tokens).detach().numpy().tobytes())
     return h.hexdigest()
 
 
-def _cpu_flags() -> set[str]:
+def _cpu_info() -> tuple[str, set[str]]:
+    """(vendor_id, flags) of /proc/cpuinfo; ("", set()) where there is none."""
+    vendor, flags = "", set()
     try:
         with open("/proc/cpuinfo") as f:
-            return {w for line in f if line.startswith("flags") for w in line.split()}
+            for line in f:
+                if line.startswith("vendor_id") and not vendor:
+                    vendor = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
     except OSError:
-        return set()
+        pass
+    return vendor, flags
 
 
-def test_pre_ln_models_are_bitwise_what_they_were_before_norm_scheme():
-    """Parameter names, values and logits hashed before the change (commit a4cc908) for three models.
+_BEFORE_NORM_SCHEME = [  # the three Pre-LN models of the tests below
+    TINY,
+    dataclasses.replace(TINY, post_attn_ln=False, head_scale=False, ffn_ln=False),
+    dataclasses.replace(TINY, resid_scale=True, tie_embeddings=False, position_embedding="learned"),
+]
+_TOKENS = (2, 16)
+# sha256 of the parameters and logits of those models as the code of commit a4cc908 (before
+# model.norm_scheme) computes them. The logits' last bits follow the matmul kernels oneDNN/MKL pick
+# by vendor and instruction set, so each triple belongs to the CPU it was recorded on.
+_AMD_AVX2 = [  # 2026-12-03, a worktree of a4cc908 itself (torch 2.13.0) on an AMD EPYC VM with AVX2
+    # and no AVX-512, the CI machine's kind; the current code gives the same three there
+    "a7d1c7b1765499135958fa670619fa2bdeb1b9de3901f42dd3f97aaa556ba7c1",
+    "34bdea8656d46fae551bd6103afdea0693af520596b018bb0c6b1d7a3949bc3f",
+    "409ba7fe6a3dc58f12053d84250cf30248253b8640a43690159e6a2a5a31c4e4",
+]
+_AT_THE_CHANGE = [  # recorded with b5062af (the change) on that session's x86 VM, without
+    # AVX512-FP16/AMX (its vendor and AVX-512 were not written down)
+    "0dd77ffa4bcad65b6db98abb0ea3125b81dcedf9ef8bd677edca837185a1e10d",
+    "1bd64fe2397d8f58dd96c1e4e8f095a922453ca9ff6432641d4bc25c49b87c09",
+    "8e8692771be9bdc719ec7812fb741f6b426906653e13471117b8d8ce7b9636f8",
+]
 
-    The logits' bits depend on the CPU's matmul kernels: the hashes were recorded on x86 CPUs without
-    AVX512-FP16/AMX; on one with them (Sapphire Rapids) oneDNN picks other kernels and the test is
-    skipped rather than given hashes of its own."""
-    if "amx_tile" in _cpu_flags() or "avx512_fp16" in _cpu_flags():
-        pytest.skip("logit hashes recorded on a CPU without AMX / AVX512-FP16; this one has them")
-    tokens = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))
-    configs = [
-        TINY,
-        dataclasses.replace(TINY, post_attn_ln=False, head_scale=False, ffn_ln=False),
-        dataclasses.replace(TINY, resid_scale=True, tie_embeddings=False, position_embedding="learned"),
-    ]
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, 97, _TOKENS, generator=torch.Generator().manual_seed(1))
+
+
+def test_pre_ln_parameters_are_bitwise_what_they_were_before_norm_scheme():
+    """Parameter names and values hashed by the code of commit a4cc908 (before the change): exact on
+    every CPU (initialisation draws from torch's CPU generator, no matmul kernel involved)."""
     expected = [
-        "0dd77ffa4bcad65b6db98abb0ea3125b81dcedf9ef8bd677edca837185a1e10d",
-        "1bd64fe2397d8f58dd96c1e4e8f095a922453ca9ff6432641d4bc25c49b87c09",
-        "8e8692771be9bdc719ec7812fb741f6b426906653e13471117b8d8ce7b9636f8",
+        "71f3781b52a0ca47a57a1e5d5cf46fb7c32aa0f97f78513ac76526d65a68fb0e",
+        "42deb897d879b95ec7b5bff5e86df0d909782551cf7b7d7890923a3fefc06a06",
+        "794ec050b532bef7ab3874f1720aa4d4f43c60b34661d7d0bad012d8af7590bb",
     ]
-    for config, want in zip(configs, expected, strict=True):
-        assert _fingerprint(NormFormerLM(config, seed=3), tokens) == want
+    for config, want in zip(_BEFORE_NORM_SCHEME, expected, strict=True):
+        assert _fingerprint(NormFormerLM(config, seed=3)) == want
+
+
+def test_pre_ln_logits_are_what_they_were_before_norm_scheme():
+    """The logits against a4cc908's (tests/fixtures/pre_ln_logits_a4cc908.npz, computed by that
+    commit's code on an AMD EPYC VM) to float32 rounding on any CPU; and bitwise, with the
+    parameters, on the kind of CPU a4cc908's hashes were recorded on by that commit's own code (AMD,
+    AVX2, no AVX-512: this project's CI machines). Elsewhere the hashes taken at the change pass
+    too; on other kernels (Sapphire Rapids' AVX512-FP16/AMX, say) the bitwise half is skipped."""
+    import numpy as np
+
+    tokens = _tokens()
+    recorded = np.load(REPO / "tests" / "fixtures" / "pre_ln_logits_a4cc908.npz")
+    got = []
+    for i, config in enumerate(_BEFORE_NORM_SCHEME):
+        model = NormFormerLM(config, seed=3)
+        with torch.no_grad():
+            logits = model(tokens)
+        # ~1e-6 of a logit of size ~1: a kernel's other summation order, not a changed model
+        torch.testing.assert_close(logits, torch.from_numpy(recorded[f"config{i}"]), rtol=1e-5, atol=1e-5)
+        got.append(_fingerprint(model, tokens))
+    vendor, flags = _cpu_info()
+    if vendor == "AuthenticAMD" and "avx2" in flags and "avx512f" not in flags:
+        assert got == _AMD_AVX2  # the kind of CPU a4cc908's hashes were recorded on: bitwise
+    elif got != _AT_THE_CHANGE:
+        pytest.skip(f"logits match a4cc908's to float32 rounding; no bitwise hashes of this CPU ({vendor})")
 
 
 @pytest.mark.parametrize("config", [POST_LN, DEEPNORM, QKV_LN], ids=["post_ln", "deepnorm", "qkv_ln"])
