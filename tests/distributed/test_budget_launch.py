@@ -16,10 +16,15 @@ from tests.distributed.test_train_launch import CONFIG, TINY, _check
 # device-hours spent with the budget, so they run alone (a second test beside them is load)
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
-BUDGET = 0.012  # device-hours: 21.6 s of wall-clock on 2 processes (more than 50 steps: the resume test)
-# A body deep and wide enough for NormFormer's extra LayerNorms to cost measurable time next to the
-# vocabulary projection (at TINY's 2 layers they are lost in it: measured -2 % .. +1 %; here +7 %).
-SHAPE = ["model.num_layers=8", "model.ffn_hidden_size=1024"]
+BUDGET = 0.014  # device-hours: 25.2 s of wall-clock on 2 processes
+# The decision comes after step DECIDED_AT (5 skipped + budget.measure_steps 20; the learning rate's
+# warm-up ends there too). On the 2-core CI machines a TINY step takes 0.2-0.5 s, so the decision
+# spends 5-15 s and a machine twice as slow as the slowest seen still has steps left to decide on.
+# (The bodies are TINY's: an 8-layer body once made NormFormer's extra LayerNorms cost +7 %, but
+# NormFormer's fewer steps are for a quiet machine and are not asserted here, and it made a step
+# 0.5 s: on a slow CI machine the decision came only once the budget was spent.)
+DECIDED_AT = 25
+SAVE_INTERVAL = 15  # a checkpoint after the decision (30, 45, ...) for the resume test
 PRE_LN = ["model.post_attn_ln=false", "model.head_scale=false", "model.ffn_ln=false"]
 NORMFORMER = ["model.post_attn_ln=true", "model.head_scale=true", "model.ffn_ln=true"]
 
@@ -30,13 +35,19 @@ def _budget_run(prefix: str, out, scheme: list[str]):
     # early, is tested on its own below.
     proc = run_ranks(
         CONFIG,
-        [*TINY, *SHAPE, *scheme, f"data.prefix={prefix}", "train.steps=5000", "train.warmup_steps=45",
-         "budget.measure_steps=40", f"budget.device_hours={BUDGET}", "train.eval_interval=25",
-         "train.save_interval=25", "budget.overrun=1",
+        [*TINY, *scheme, f"data.prefix={prefix}", "train.steps=5000", f"train.warmup_steps={DECIDED_AT}",
+         f"budget.measure_steps={DECIDED_AT - 5}", f"budget.device_hours={BUDGET}", "train.eval_interval=25",
+         f"train.save_interval={SAVE_INTERVAL}", "budget.overrun=1",
          "train.log_interval=25", f"output.dir={out}"],
     )  # fmt: skip
     _check(proc)
-    return proc, json.loads((out / "summary.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
+    # the tests below need steps after the decision and a checkpoint between it and the end
+    assert summary["steps"] > DECIDED_AT + SAVE_INTERVAL - DECIDED_AT % SAVE_INTERVAL, (
+        f"{out}: {summary['steps']} steps at {summary['budget_step_seconds']:.3f} s a step; this machine "
+        f"is too slow for a budget of {BUDGET} device-hours (the decision alone came at step {DECIDED_AT})"
+    )
+    return proc, summary
 
 
 @pytest.fixture(scope="module")
@@ -78,13 +89,19 @@ def test_a_killed_budget_run_resumes_to_the_same_step(budget_runs, gutenberg_pre
     out, _, summary = budget_runs["pre_ln"]
     resumed = tmp_path / "resumed"
     shutil.copytree(out / "checkpoints", resumed / "checkpoints")
-    for tag in (resumed / "checkpoints").glob("global_step*"):
-        if tag.name != "global_step50":
-            shutil.rmtree(tag)  # killed after the checkpoint of step 50 (the decision was at 45)
-    (resumed / "checkpoints" / "latest").write_text("global_step50")
+    saved = sorted(
+        int(tag.name[len("global_step") :]) for tag in (resumed / "checkpoints").glob("global_step*")
+    )
+    # killed after the last checkpoint before the end, which came after the decision
+    killed_at = max(step for step in saved if step < summary["steps"])
+    assert killed_at > DECIDED_AT, saved
+    for step in saved:
+        if step != killed_at:
+            shutil.rmtree(resumed / "checkpoints" / f"global_step{step}")
+    (resumed / "checkpoints" / "latest").write_text(f"global_step{killed_at}")
     proc, again = _budget_run(gutenberg_prefix, resumed, [*PRE_LN, "train.resume=auto"])
     assert "as decided before the resume" in proc.stdout
-    assert again["steps"] == summary["steps"] and again["resumed_from_step"] == 50
+    assert again["steps"] == summary["steps"] and again["resumed_from_step"] == killed_at
 
 
 def test_a_run_slower_than_its_calibration_ends_at_the_budget(gutenberg_prefix, tmp_path):
