@@ -64,7 +64,8 @@ def test_equal_budgets_spend_equal_device_hours(budget_runs):
 
     The tolerances are this machine's noise, not the goal: on the 2-core CI machine 10-step means
     of the step time vary by up to ±20 % and 40-step means by ~5 % (measured), so a length fixed
-    from 40 steps misses by a few percent either way. The issue's 2 % between two runs, and
+    from 20 steps misses by several percent either way (the two runs here: 0.0141 and 0.0148
+    device-hours of 0.014 on a slow VM, 2026-12-03). The issue's 2 % between two runs, and
     NormFormer's fewer steps, are for a quiet machine: see the closing note.
     """
     spent = {name: summary["device_hours"] for name, (_, _, summary) in budget_runs.items()}
