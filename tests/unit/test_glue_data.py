@@ -206,3 +206,32 @@ def test_windows_line_ends_and_a_limit(tmp_path):
     path = _write(tmp_path, "sentence\tlabel\r\ngood .\t1\r\nbad .\t0\r\nok .\t1\r\n")
     examples = read_glue_file(path, glue_task("sst2"), limit=2)
     assert [(e.texts, e.label, e.line) for e in examples] == [(("good .",), 1, 2), (("bad .",), 0, 3)]
+
+
+def test_bundled_sst2_test_labels_are_glue_s_test_sentences_with_sst_s_counts():
+    """SST-2/test_labelled.tsv: GLUE's 1,821 test sentences in GLUE's order (the unlabelled text of
+    data/sst2-text), SST's published label counts (912 negative, 909 positive), read by the reader."""
+    import json
+
+    examples = read_glue_file(str(GLUE_DIR / "SST-2" / "test_labelled.tsv"), glue_task("sst2"))
+    text_file = GLUE_DIR.parent / "sst2-text" / "sst2_test_sentences.jsonl"
+    sentences = [json.loads(line)["text"] for line in text_file.read_text().splitlines()]
+    assert [e.texts[0] for e in examples] == sentences
+    assert collections.Counter(e.label for e in examples) == {0: 912, 1: 909}
+
+
+def test_the_sst2_test_label_matcher_matches_exactly_then_by_similarity():
+    """experiments/sst2-test-labels/make_labels.py's rule: letters and digits (PTB bracket words
+    dropped) first, then the most similar line left, each line once; a sentence with no close
+    line is refused."""
+    import importlib.util
+
+    path = GLUE_DIR.parents[1] / "experiments" / "sst2-test-labels" / "make_labels.py"
+    spec = importlib.util.spec_from_file_location("make_labels", path)
+    make_labels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_labels)
+    rows = [("the thrill is lrb long rrb gone", 0), ("a witty take on humour", 1), ("fine", 1)]
+    labels, ratios = make_labels.match(["a witty take on humor .", "The thrill is ( long ) gone ."], rows)
+    assert labels == [1, 0] and len(ratios) == 1 and 0.85 <= ratios[0] < 1
+    with pytest.raises(SystemExit, match="no line matches test sentence 1"):
+        make_labels.match(["something else entirely"], rows[:1])
