@@ -612,6 +612,41 @@ def run_grid(
     return {"runs": runs, "best": best, "best_glue": best_glue}
 
 
+def score_held_out(
+    keeper: BestModel, config: ModelConfig, hp: FinetuneConfig, rows: tuple[list, list, int], device: str
+) -> dict[str, Any]:
+    """Score the selected model (``keeper``, after :func:`run_grid`) once on a held-out labelled set
+    that took no part in choosing the learning rate and epoch, so that its accuracy is not biased
+    upwards by the selection as the validation's best is (:func:`accuracy_interval`).
+
+    Args:
+        keeper: the best model by validation.
+        rows: ``(token rows, labels, truncated)`` (:func:`encode_split`).
+
+    Returns:
+        ``{"examples", "truncated_to_seq_len", "selected_at": {"lr", "epoch"}, "metrics"}``, and for
+        a classification task ``"accuracy_ci95"`` (Wilson), ``"predictions"`` and ``"labels"`` (one
+        digit per example, for paired comparisons of models on the same set).
+    """
+    assert keeper.lm_state is not None and keeper.head_state is not None, "nothing was offered"
+    task = keeper.task
+    model = build_classifier(keeper.lm_state, config, task, hp, device)
+    model.head.load_state_dict({k: v.to(device) for k, v in keeper.head_state.items()}, strict=True)
+    outputs = predict(model, rows[0], hp.batch_size, device)
+    metrics = score(task, np.asarray(rows[1]), outputs)
+    out: dict[str, Any] = {
+        "examples": len(rows[0]),
+        "truncated_to_seq_len": rows[2],
+        "selected_at": {"lr": keeper.info["lr"], "epoch": keeper.info["epoch"]},
+        "metrics": metrics,
+    }
+    if not task.is_regression:
+        out["accuracy_ci95"] = accuracy_interval(metrics["accuracy"], len(rows[0]))
+        out["predictions"] = "".join(str(int(i)) for i in outputs.argmax(axis=-1))
+        out["labels"] = "".join(str(int(y)) for y in rows[1])
+    return out
+
+
 def _fmt(value: float | None, scale: float = 100.0, digits: int = 1) -> str:
     return (
         "–"
@@ -961,6 +996,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=1, help="head init, dropout and data order")
     p.add_argument(
+        "--test-file",
+        default=None,
+        help="a labelled file of the task's format, scored once by the model selected on validation "
+        "(e.g. data/glue/SST-2/test_labelled.tsv); it takes no part in the selection",
+    )
+    p.add_argument(
         "--pooling",
         choices=POOLINGS,
         default="first",
@@ -1029,6 +1070,25 @@ def _tokenizer(args: argparse.Namespace):
     )
 
 
+def _data_doc(
+    task: GlueTask, train_path: str, valid_path: str, train: tuple, valid: tuple, seq_len: int
+) -> dict:
+    """The ``data`` entry of ``<task>.json``: the files, the counts, the truncation and the labels."""
+    majority = None
+    if not task.is_regression:
+        majority = float(max(np.bincount(np.asarray(valid[1], dtype=np.int64))) / len(valid[1]))
+    return {
+        "train": os.path.abspath(train_path),
+        "valid": os.path.abspath(valid_path),
+        "train_examples": len(train[0]),
+        "valid_examples": len(valid[0]),
+        "truncated_to_seq_len": {"train": train[2], "valid": valid[2], "seq_len": seq_len},
+        "valid_majority": majority,
+        # One digit per validation example, its label: what paired comparisons check.
+        "valid_labels": None if task.is_regression else "".join(str(int(y)) for y in valid[1]),
+    }
+
+
 def finetune_task(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], BestModel, dict[str, Any]]:
     """The command's work (after its flags are checked). Bad input (task, data, checkpoint) is
     raised before any training.
@@ -1043,6 +1103,7 @@ def finetune_task(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], 
     # The data files are checked (and read) before the checkpoint is.
     train_rows = read_glue_file(train_path, task, args.max_train_examples)
     valid_rows = read_glue_file(valid_path, task, args.max_valid_examples)
+    test_rows = read_glue_file(args.test_file, task) if args.test_file else None
     full, config, info = load_masked_lm(args.checkpoint, args.tag, args.trust_checkpoint_code)
     init_seed = None
     if args.random_init:
@@ -1073,10 +1134,11 @@ def finetune_task(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], 
     start = time.perf_counter()
     keeper = BestModel(task)
     grid = run_grid(full, config, task, train[:2], valid[:2], args.lr, hp, args.device, log, keeper)
+    if test_rows is not None:
+        test = encode_split(test_rows, encode, config.seq_len)
+        grid["test"] = score_held_out(keeper, config, hp, test, args.device)
+        grid["test"]["file"] = os.path.abspath(args.test_file)
     name = args.name or os.path.basename(run_dir) + (" (random init)" if args.random_init else "")
-    majority = None
-    if not task.is_regression:
-        majority = float(max(np.bincount(np.asarray(valid[1], dtype=np.int64))) / len(valid[1]))
     doc = {
         "tool": "megaformer.tools.finetune",
         "task": task.name,
@@ -1092,16 +1154,7 @@ def finetune_task(args: argparse.Namespace, log=print) -> tuple[dict[str, Any], 
             "resid_scale": config.resid_scale,
         },
         "ppl": args.ppl if args.ppl is not None else (None if args.random_init else _run_ppl(run_dir)),
-        "data": {
-            "train": os.path.abspath(train_path),
-            "valid": os.path.abspath(valid_path),
-            "train_examples": len(train[0]),
-            "valid_examples": len(valid[0]),
-            "truncated_to_seq_len": {"train": train[2], "valid": valid[2], "seq_len": config.seq_len},
-            "valid_majority": majority,
-            # One digit per validation example, its label: what paired comparisons check.
-            "valid_labels": None if task.is_regression else "".join(str(int(y)) for y in valid[1]),
-        },
+        "data": _data_doc(task, train_path, valid_path, train, valid, config.seq_len),
         "hyperparameters": {**dataclasses.asdict(hp), "lr_grid": list(args.lr)},
         "device": args.device,
         "seconds": time.perf_counter() - start,
@@ -1145,6 +1198,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"at lr {best['lr']:g}, epoch {best['epoch']}; wrote {path} and {os.path.join(out, 'table3.md')}"
         + (f"; best model {best['checkpoint']}" if "checkpoint" in best else "")
     )
+    if "test" in doc:
+        test, tci = doc["test"], doc["test"].get("accuracy_ci95")
+        shown = (
+            f"accuracy {test['metrics']['accuracy']:.4f} (95% interval "
+            f"[{tci['low']:.4f}, {tci['high']:.4f}], {tci['correct']}/{tci['n']})"
+            if tci
+            else " ".join(f"{k} {v:.4f}" for k, v in test["metrics"].items())
+        )
+        print(f"{doc['task']} held-out {test['file']}: {shown}, by the model selected on validation")
     if doc["recipe_differences"]:
         print("differs from the paper's recipe: " + "; ".join(doc["recipe_differences"]))
     return 0

@@ -278,9 +278,18 @@ def test_the_best_model_is_saved_reloaded_and_exported_like_any_checkpoint(tmp_p
     argv = ["--checkpoint", str(ckpt), "--task", "sst2", "--data", str(GLUE_DIR), "--device", "cpu"]
     argv += ["--lr", "1e-3", "3e-3", "--epochs", "2", "--max-train-examples", "64"]
     argv += ["--max-valid-examples", "96", "--batch-size", "16", "--out", str(out), "--pooling", pooling]
+    # --test-file: the same 96 dev rows as a held-out file, so its score must be the best epoch's
+    dev_lines = (GLUE_DIR / "SST-2" / "dev.tsv").read_text(encoding="utf-8").splitlines(keepends=True)
+    (tmp_path / "held_out.tsv").write_text("".join(dev_lines[:97]), encoding="utf-8")
+    argv += ["--test-file", str(tmp_path / "held_out.tsv")]
     assert ft.main(argv) == 0
     doc = json.loads((out / "sst-2.json").read_text())
     best = doc["best"]
+    test = doc["test"]  # scored once by the model kept in memory: the selected epoch's numbers
+    assert test["file"] == str(tmp_path / "held_out.tsv") and test["examples"] == 96
+    assert test["selected_at"] == {"lr": best["lr"], "epoch": best["epoch"]}
+    assert test["metrics"] == best["metrics"] and test["predictions"] == best["predictions"]
+    assert test["accuracy_ci95"] == best["accuracy_ci95"] and test["labels"] == doc["data"]["valid_labels"]
     model, task, info = ft.load_classifier(str(out / "sst-2_best"))
     assert model.head.pooling == pooling  # read back from the saved hyperparameters
     assert task.name == "SST-2" and (info["lr"], info["epoch"]) == (best["lr"], best["epoch"])
@@ -334,6 +343,21 @@ def test_an_unknown_task_or_a_bad_data_file_is_an_error_before_the_checkpoint_is
     ckpt = write_checkpoint(tmp_path / "run", tiny_config())
     assert ft.main(["--checkpoint", str(ckpt), "--task", "RTE", "--data", str(tmp_path), "--lr", "1e-4"]) == 2
     assert f"{bad / 'dev.tsv'}:2: label 'maybe' is not one of RTE's labels" in capsys.readouterr().err
+    # a --test-file without labels (GLUE's own test.tsv) is refused before the checkpoint is read
+    unlabelled = tmp_path / "test.tsv"
+    unlabelled.write_text("index\tsentence\n0\tfine .\n")
+    argv = [
+        "--checkpoint",
+        missing_ckpt,
+        "--task",
+        "sst2",
+        "--data",
+        str(GLUE_DIR),
+        "--test-file",
+        str(unlabelled),
+    ]
+    assert ft.main(argv) == 2
+    assert f"{unlabelled}" in capsys.readouterr().err
 
 
 def test_flags_are_checked(capsys):
