@@ -85,7 +85,8 @@ def raise_if_stopped() -> None:
     ``__del__`` (a pipe's ``Connection`` collected, say) Python prints "Exception ignored in" and
     drops the exception: the run goes on as if no signal had come (seen on a loaded CI machine: a
     SIGTERM'd ``preprocess`` worked on for more than 30 s). Loops that run for long call this once
-    an iteration, so a dropped interrupt is raised again at the next one.
+    an iteration, so a dropped interrupt is raised again at the next one. The signal stays recorded
+    until the next :func:`sigterm_as_interrupt` (each command's ``main`` calls it first).
 
     Raises:
         KeyboardInterrupt: a stop signal came.
