@@ -100,11 +100,13 @@ def sigterm_as_interrupt() -> None:
     ``finally`` blocks remove temporaries instead of the process dying with them on disk.
 
     Ctrl-C gets the same handler (Python's own raises the same ``KeyboardInterrupt``), so that
-    :func:`raise_if_stopped` sees both."""
+    :func:`raise_if_stopped` sees both, unless the process started with SIGINT ignored: a shell
+    starts a script's background jobs (``cmd &``) so, and Ctrl-C on the script must not stop them."""
     global _stop_signal
     _stop_signal = None
     signal.signal(signal.SIGTERM, _raise_interrupt)
-    signal.signal(signal.SIGINT, _raise_interrupt)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, _raise_interrupt)
 
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}

@@ -45,6 +45,9 @@ def main(out: str) -> int:
         ),
     ]
     results = [(name, paired_difference(a, b)) for name, a, b in rows]
+    for name, r in results:
+        if r is None:  # paired_difference's answer for other sentences or no predictions
+            sys.exit(f"error: {name}: the two runs cannot be paired (other test sentences or no predictions)")
     # Holm over the two primary tests (the first two rows): the smaller p times 2, the larger as is,
     # each at least the one before it
     first, second = sorted(range(2), key=lambda i: results[i][1]["mcnemar_p"])

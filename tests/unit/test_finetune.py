@@ -357,7 +357,7 @@ def test_an_unknown_task_or_a_bad_data_file_is_an_error_before_the_checkpoint_is
         str(unlabelled),
     ]
     assert ft.main(argv) == 2
-    assert f"{unlabelled}" in capsys.readouterr().err
+    assert f"{unlabelled}:1: no column 'label' in the header" in capsys.readouterr().err
 
 
 def test_flags_are_checked(capsys):

@@ -219,14 +219,16 @@ def test_merge_shards_refuses_unfinished_shards_naming_them(tmp_path, shared_dat
 
     inputs = _corpus(tmp_path / "inputs", shared_data)
     args = ["--input", str(inputs), "--output-prefix", str(tmp_path / "c4"), *gpt2_flags, "--append-eod"]
-    handler = signal.getsignal(signal.SIGTERM)  # main() makes SIGTERM an interrupt; not pytest's
+    # main() makes SIGTERM and SIGINT interrupts; pytest's own handlers come back after
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         for shard in (0, 2):
             assert preprocess.main([*args, "--num-shards", "3", "--shard-index", str(shard)]) == 0
         (inputs / "05.jsonl").write_text('{"text": "changed"}\n')  # in shard 2
         assert merge_shards.main(["--num-shards", "3", *args]) == 2
     finally:
-        signal.signal(signal.SIGTERM, handler)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     err = capsys.readouterr().err
     assert "2 of 3 shards of" in err and "shard 1: " in err and "shard 2: its inputs changed" in err, err
     assert "--array=1,2" in err and "PREPROCESS_NUM_SHARDS=3" in err

@@ -179,3 +179,22 @@ def test_a_worker_killed_alone_ends_the_run_with_an_error(tmp_path, novels_corpu
     assert f"error: worker process {worker} was killed by SIGKILL" in stderr and "Traceback" not in stderr
     assert _wait_for(lambda: not _session_processes(proc.pid), EXIT_TIMEOUT_S)
     assert sorted(p.name for p in out_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("inherited", [signal.SIG_IGN, signal.SIG_DFL], ids=["ignored", "default"])
+def test_a_command_started_with_ctrl_c_ignored_keeps_it_ignored(inherited):
+    """A shell starts a script's background jobs (``cmd &``) with SIGINT ignored, so that Ctrl-C on
+    the script leaves them running; every command's ``sigterm_as_interrupt`` keeps it so, and
+    installs its handler for SIGINT otherwise. SIGTERM always gets it (a scheduler's kill)."""
+    from data_tools import atomic
+
+    previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, inherited)
+    try:
+        atomic.sigterm_as_interrupt()
+        expected = signal.SIG_IGN if inherited is signal.SIG_IGN else atomic._raise_interrupt
+        assert signal.getsignal(signal.SIGINT) is expected
+        assert signal.getsignal(signal.SIGTERM) is atomic._raise_interrupt
+    finally:
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])
