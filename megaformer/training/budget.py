@@ -64,6 +64,12 @@ def overspent(cfg: RunConfig, device_seconds: float, world_size: int, ahead_seco
     return b.device_hours > 0 and device_seconds + world_size * ahead_seconds > limit
 
 
+def run_seconds(done: int, total: int, step_seconds: float, eval_seconds: float, eval_interval: int) -> float:
+    """Forecast wall-clock (s) of steps ``done+1 .. total`` and their evaluations:
+    ``(total - done) · step_seconds + evaluations_between(done, total) · eval_seconds``."""
+    return (total - done) * step_seconds + evaluations_between(done, total, eval_interval) * eval_seconds
+
+
 def steps_for_budget(
     *,
     seconds_left: float,
@@ -81,7 +87,7 @@ def steps_for_budget(
     """
 
     def cost(total: int) -> float:
-        return (total - done) * step_seconds + evaluations_between(done, total, eval_interval) * eval_seconds
+        return run_seconds(done, total, step_seconds, eval_seconds, eval_interval)
 
     lo, hi = done, max_steps
     if cost(hi) <= seconds_left:
@@ -112,6 +118,8 @@ class BudgetKeeper:
         self.first = start_step + SKIP_STEPS
         self.last = self.first + b.measure_steps
         self.decided: int | None = None
+        self.decided_at: int | None = None  # the step the length was fixed after
+        self.spent_at_decision = 0.0  # job wall-clock (s) spent then, slowest rank's
         self._t0 = 0.0
         self._paused0 = 0.0
         if self.calibrated:  # measured outside the run (see the module docstring)
@@ -157,7 +165,18 @@ class BudgetKeeper:
             max_steps=t.steps,
         )
         self.decided = broadcast_int(decided, src=0)
+        self.decided_at, self.spent_at_decision = done, spent_seconds
         return self.decided
+
+    def forecast_device_hours(self, world_size: int) -> float:
+        """What the decision forecast the run to spend in all (device-hours): the time spent when it
+        was made plus :func:`run_seconds` of the decided steps, times ``world_size``. Beside the
+        summary's measured ``device_hours``, their gap is the machine's drift since the decision."""
+        assert self.decided is not None and self.decided_at is not None, "before the decision"
+        ahead = run_seconds(
+            self.decided_at, self.decided, self.step_seconds, self.eval_seconds, self.cfg.train.eval_interval
+        )
+        return (self.spent_at_decision + ahead) * world_size / 3600.0
 
     def describe(self, done: int, world_size: int) -> str:
         """The decision, for the log."""

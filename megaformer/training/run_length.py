@@ -167,6 +167,12 @@ class RunLength:
         if self.budget is not None:
             out["budget_step_seconds"] = self.budget.step_seconds  # the decision's input
             out["budget_calibrated"] = self.budget.calibrated
+            if self.budget.decided is not None:  # the decision's other inputs and its forecast
+                out["budget_decided_at"] = self.budget.decided_at
+                out["budget_eval_seconds"] = self.budget.eval_seconds
+                out["budget_spent_at_decision_seconds"] = self.budget.spent_at_decision
+                world = self.layout.world_size
+                out["budget_forecast_device_hours"] = self.budget.forecast_device_hours(world)
         out["budget_machine_factor"] = b.machine_factor
         return out
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import time
 
 import pytest
 
+from megaformer.training.budget import steps_for_budget
 from tests.distributed.conftest import read_scalars, run_ranks
 from tests.distributed.test_train_launch import CONFIG, TINY, _check
 
@@ -33,6 +35,7 @@ def _budget_run(prefix: str, out, scheme: list[str]):
     # budget.overrun=1: these runs test the decision (its step count, the schedule, the
     # resume); the end-at-the-budget rule, which a loaded CI machine would trigger a step or two
     # early, is tested on its own below.
+    start = time.perf_counter()
     proc = run_ranks(
         CONFIG,
         [*TINY, *scheme, f"data.prefix={prefix}", "train.steps=5000", f"train.warmup_steps={DECIDED_AT}",
@@ -40,6 +43,7 @@ def _budget_run(prefix: str, out, scheme: list[str]):
          f"train.save_interval={SAVE_INTERVAL}", "budget.overrun=1",
          "train.log_interval=25", f"output.dir={out}"],
     )  # fmt: skip
+    proc.wall_seconds = time.perf_counter() - start
     _check(proc)
     summary = json.loads((out / "summary.json").read_text())
     # the tests below need steps after the decision and a checkpoint between it and the end
@@ -59,23 +63,43 @@ def budget_runs(gutenberg_prefix, tmp_path_factory):
     }
 
 
-def test_equal_budgets_spend_equal_device_hours(budget_runs):
-    """Each run fills its budget, and the two spend about the same.
+def test_each_self_timed_run_fixes_the_length_its_own_timing_affords(budget_runs):
+    """Each run times its steps 6..25, fixes the largest length whose forecast fits the budget
+    (steps_for_budget on the inputs it logged), and both forecasts fill the budget to one step.
 
-    The tolerances are this machine's noise, not the goal: on the 2-core CI machine 10-step means
-    of the step time vary by up to ±20 % and 40-step means by ~5 % (measured), so a length fixed
-    from 20 steps misses by several percent either way (the two runs here: 0.0141 and 0.0148
-    device-hours of 0.014 on a slow VM, 2026-12-03). The issue's 2 % between two runs, and
-    NormFormer's fewer steps, are for a quiet machine: see the closing note.
+    What the runs then spend is the machine's, not the code's, so it is measured in a benchmark
+    (bench/budget_fairness.py, BENCHMARKS.md), not asserted here: on the 2-core CI machine a
+    20-step window left these two runs −9 % and +24 % off the budget (CI, 2026-12-03: 0.0128 and
+    0.0173 device-hours of 0.014), which failed the ±15 % this test once asserted. Checked of the
+    spend: it is counted once per device over the loop's wall-clock (no more than the launch's
+    wall-clock allows).
     """
-    spent = {name: summary["device_hours"] for name, (_, _, summary) in budget_runs.items()}
     for name, (_, proc, summary) in budget_runs.items():
         assert "run length fixed at" in proc.stdout, name
         assert summary["budget_device_hours"] == BUDGET and summary["budget_steps"] == summary["steps"]
         assert summary["steps"] < 5000  # the budget, not train.steps, ended the run
         assert summary["tokens"] == summary["steps"] * 8 * 64
-        assert summary["device_hours"] == pytest.approx(BUDGET, rel=0.15), (name, spent)
-    assert spent["pre_ln"] == pytest.approx(spent["normformer"], rel=0.10), spent
+        assert summary["budget_decided_at"] == DECIDED_AT and summary["budget_calibrated"] is False
+        step, evaluation = summary["budget_step_seconds"], summary["budget_eval_seconds"]
+        logged = re.search(
+            r"step ([0-9.]+) s \(steps 6\.\.25, slowest rank\), evaluation ([0-9.]+) s", proc.stdout
+        )
+        assert logged and logged[1] == f"{step:.4f}" and logged[2] == f"{evaluation:.3f}", name
+        spent = summary["budget_spent_at_decision_seconds"]  # job wall-clock at the decision
+        assert 0 < spent < BUDGET * 3600 / 2
+        assert summary["steps"] == steps_for_budget(
+            seconds_left=BUDGET * 3600 / 2 - spent,
+            done=DECIDED_AT,
+            step_seconds=step,
+            eval_seconds=evaluation,
+            eval_interval=25,
+            max_steps=5000,
+        ), name
+        # the forecast fits the budget, and one more step (and an evaluation) would not
+        forecast = summary["budget_forecast_device_hours"]
+        assert forecast <= BUDGET < forecast + 2 * (step + evaluation) / 3600, name
+        # device-hours: 2 devices × the loop's wall-clock, within the launch's
+        assert spent * 2 / 3600 < summary["device_hours"] <= 2 * proc.wall_seconds / 3600, name
 
 
 def test_the_learning_rate_decays_to_the_chosen_step(budget_runs):

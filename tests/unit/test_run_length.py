@@ -12,7 +12,7 @@ import pytest
 
 from megaformer.checkpoint.resume_rules import config_changes
 from megaformer.config import ConfigError, load_config, to_dict
-from megaformer.training.budget import steps_for_budget
+from megaformer.training.budget import evaluations_between, steps_for_budget
 from megaformer.training.run_length import GO_ON, RunLength
 from megaformer.training.schedule import Schedule
 from megaformer.training.stopping import BUDGET_SPENT, StopCheck
@@ -81,7 +81,14 @@ def test_a_calibrated_budget_fixes_the_length_before_the_first_step_and_keeps_it
     assert length.state_dict() == {"budget_steps": expect}
     again = RunLength(cfg, LAYOUT, Schedule(cfg.train), 200, length.state_dict())
     assert again.total == expect and again.budget is None  # not decided a second time
-    assert length.summary()["budget_steps"] == expect and length.summary()["budget_calibrated"] is True
+    summary = length.summary()
+    assert summary["budget_steps"] == expect and summary["budget_calibrated"] is True
+    # the decision's inputs and its forecast, in device-hours: budget.fixed_seconds (10 s) and the
+    # decided steps with their evaluations, on 2 devices; it fits the budget, one more step would not
+    assert summary["budget_decided_at"] == 0 and summary["budget_spent_at_decision_seconds"] == 10
+    forecast = (10 + expect * 0.5 + evaluations_between(0, expect, 100) * 4) * 2 / 3600
+    assert summary["budget_forecast_device_hours"] == pytest.approx(forecast, rel=1e-12)
+    assert forecast <= 0.1 < forecast + 2 * (0.5 + 4) / 3600
 
 
 def test_the_policy_answers_after_each_step_with_the_reason():
