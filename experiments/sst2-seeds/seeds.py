@@ -20,13 +20,15 @@ Secondary: NormFormer − Pre-LN (both pretrained), the same test; and each row'
 views, the paired t over seeds (sentences held fixed; scipy.stats.ttest_rel) and the t interval
 over sentences (seeds held fixed).
 
-Usage: python experiments/sst2-seeds/seeds.py OUT [--plot PNG] (run.sh's OUT). Writes OUT/seeds.json
-and prints a Markdown table; exits with a message naming a missing run.
+Usage: python experiments/sst2-seeds/seeds.py OUT [--plot PNG] (run.sh's OUT, or the committed
+experiments/sst2-seeds). Writes OUT/seeds.json and prints a Markdown table; exits with a message
+naming a missing run.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -44,10 +46,16 @@ ROWS = [
 
 
 def correct(path: Path) -> np.ndarray:
-    """Per-sentence correctness (bool, one per test sentence) of one fine-tuning's selected model."""
-    if not path.is_file():
+    """Per-sentence correctness (bool, one per test sentence) of one fine-tuning's selected model,
+    from its ``sst-2.json`` or, as committed, ``sst-2.json.gz``."""
+    packed = path.with_name(path.name + ".gz")
+    if path.is_file():
+        text = path.read_text()
+    elif packed.is_file():
+        text = gzip.decompress(packed.read_bytes()).decode()
+    else:
         sys.exit(f"error: {path} is missing: rerun experiments/sst2-seeds/run.sh (it skips finished runs)")
-    test = json.loads(path.read_text())["test"]
+    test = json.loads(text)["test"]
     labels, predictions = test["labels"], test["predictions"]
     if len(labels) != len(predictions):
         sys.exit(f"error: {path}: {len(predictions)} predictions for {len(labels)} labels")
