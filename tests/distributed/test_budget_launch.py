@@ -67,10 +67,12 @@ def test_each_self_timed_run_fixes_the_length_its_own_timing_affords(budget_runs
     """Each run times its steps 6..25, fixes the largest length whose forecast fits the budget
     (steps_for_budget on the inputs it logged), and both forecasts fill the budget to one step.
 
-    What the runs then spend is the machine's, not the code's, so it is measured in a benchmark
-    (bench/budget_fairness.py, BENCHMARKS.md), not asserted here: on the 2-core CI machine a
-    20-step window left these two runs −9 % and +24 % off the budget (CI, 2026-12-03: 0.0128 and
-    0.0173 device-hours of 0.014), which failed the ±15 % this test once asserted. Checked of the
+    What the runs then spend is the machine's, not the code's, so it is not asserted here (the
+    spends of compare's calibrated runs are measured by bench/budget_fairness.py, BENCHMARKS.md;
+    the forecast beside the spend in every summary.json shows a self-timed run's): on the 2-core
+    CI machine a 20-step window left these two runs −9 % and +24 % off the budget (CI,
+    2026-12-03: 0.0128 and 0.0173 device-hours of 0.014), which failed the ±15 % this test once
+    asserted. Checked of the
     spend: it is counted once per device over the loop's wall-clock (no more than the launch's
     wall-clock allows).
     """
