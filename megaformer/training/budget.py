@@ -171,8 +171,14 @@ class BudgetKeeper:
     def forecast_device_hours(self, world_size: int) -> float:
         """What the decision forecast the run to spend in all (device-hours): the time spent when it
         was made plus :func:`run_seconds` of the decided steps, times ``world_size``. Beside the
-        summary's measured ``device_hours``, their gap is the machine's drift since the decision."""
-        assert self.decided is not None and self.decided_at is not None, "before the decision"
+        summary's measured ``device_hours``, their gap is the machine's drift since the decision.
+
+        Raises:
+            RuntimeError: before the length is decided (a caller's order is wrong; ``summary``
+                asks only once :attr:`decided` is set).
+        """
+        if self.decided is None or self.decided_at is None:
+            raise RuntimeError("BudgetKeeper.forecast_device_hours: called before the run length was decided")
         ahead = run_seconds(
             self.decided_at, self.decided, self.step_seconds, self.eval_seconds, self.cfg.train.eval_interval
         )

@@ -68,6 +68,9 @@ def test_a_calibrated_budget_fixes_the_length_before_the_first_step_and_keeps_it
     schedule = Schedule(cfg.train)
     length = RunLength(cfg, LAYOUT, schedule, 0, {})
     assert length.total == 1000 and length.state_dict() == {}  # not decided yet
+    assert "budget_forecast_device_hours" not in length.summary()  # no forecast before a decision
+    with pytest.raises(RuntimeError, match="before the run length was decided"):
+        length.budget.forecast_device_hours(2)
     length.begin(0, lambda: 0.0, lambda: 0.0)
     expect = steps_for_budget(
         seconds_left=0.1 * 3600 / 2 - 10,
