@@ -34,6 +34,7 @@ limit is scaled by it, so the budget stays in the calibration machine's device-h
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -122,7 +123,11 @@ class BudgetKeeper:
         self.spent_at_decision = 0.0  # job wall-clock (s) spent then, slowest rank's
         self._t0 = 0.0
         self._paused0 = 0.0
-        if self.calibrated:  # measured outside the run (see the module docstring)
+        # Wall-clock (s) of one step and one evaluation: measured outside the run (see the module
+        # docstring), or NaN until this run has timed them (a run stopped before its decision
+        # reports them as null in summary.json).
+        self.step_seconds, self.eval_seconds = math.nan, math.nan
+        if self.calibrated:
             self.step_seconds, self.eval_seconds = b.step_seconds, b.eval_seconds
 
     def after_step(self, done: int, sync: Callable[[], Any], paused_seconds: float) -> bool:
@@ -169,9 +174,13 @@ class BudgetKeeper:
         return self.decided
 
     def forecast_device_hours(self, world_size: int) -> float:
-        """What the decision forecast the run to spend in all (device-hours): the time spent when it
-        was made plus :func:`run_seconds` of the decided steps, times ``world_size``. Beside the
-        summary's measured ``device_hours``, their gap is the machine's drift since the decision.
+        """What the decision forecast the run to spend in all, in device-hours of the machine whose
+        times it used (a calibrated run's: the calibration machine's, ``machine_factor`` not
+        applied): the job wall-clock spent when it was made (s) plus :func:`run_seconds` of the
+        decided steps, times ``world_size`` (devices in the job). Beside the summary's measured
+        ``device_hours``, their gap is the machine's drift since the decision plus what it does not
+        count (checkpoint writes; the regular evaluation of the decision's step when it falls on
+        ``train.eval_interval``).
 
         Raises:
             RuntimeError: before the length is decided (a caller's order is wrong; ``summary``

@@ -154,6 +154,12 @@ class RunLength:
             return {"budget_steps": self.total}
         return {}
 
+    def missing_reasons(self) -> dict[str, str]:
+        """Why a figure of :meth:`summary` may be NaN (made null in ``summary.json``, named under
+        ``missing``): a self-timed budget stopped before it timed its steps."""
+        why = "the run stopped before its budget timed its steps (budget.measure_steps)"
+        return {"budget_step_seconds": why}
+
     def summary(self) -> dict[str, Any]:
         """The ``budget_*`` fields of ``summary.json`` ({} without a budget)."""
         b = self.cfg.budget

@@ -626,6 +626,7 @@ def _missing_reasons(loop: TrainLoop, summary: dict[str, Any]) -> dict[str, str]
     if not math.isfinite(loss):
         reasons["final_valid_loss"] = why
     reasons["final_test_ppl"] = "exp(final_test_loss) overflows a float"
+    reasons |= loop.length.missing_reasons()
     return {k: v for k, v in reasons.items() if k in summary}
 
 

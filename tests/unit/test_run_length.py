@@ -5,6 +5,7 @@ name, and a run's own records written with them still load and resume."""
 from __future__ import annotations
 
 import json
+import math
 import signal
 from types import SimpleNamespace
 
@@ -16,6 +17,7 @@ from megaformer.training.budget import evaluations_between, steps_for_budget
 from megaformer.training.run_length import GO_ON, RunLength
 from megaformer.training.schedule import Schedule
 from megaformer.training.stopping import BUDGET_SPENT, StopCheck
+from megaformer.training.summary_file import null_non_finite
 
 CONFIG = "configs/normformer-quickstart.yaml"
 LAYOUT = SimpleNamespace(world_size=2, is_main=False)
@@ -91,7 +93,25 @@ def test_a_calibrated_budget_fixes_the_length_before_the_first_step_and_keeps_it
     assert summary["budget_decided_at"] == 0 and summary["budget_spent_at_decision_seconds"] == 10
     forecast = (10 + expect * 0.5 + evaluations_between(0, expect, 100) * 4) * 2 / 3600
     assert summary["budget_forecast_device_hours"] == pytest.approx(forecast, rel=1e-12)
-    assert forecast <= 0.1 < forecast + 2 * (0.5 + 4) / 3600
+    recorded = summary["budget_forecast_device_hours"]
+    assert recorded <= 0.1 < recorded + 2 * (0.5 + 4) / 3600
+
+
+def test_a_self_timed_budget_stopped_before_its_decision_summarises_without_its_timings():
+    # a preempted run (SIGTERM, train.exit_duration_mins) can end before step 5 + measure_steps:
+    # its summary.json says the step time was not measured instead of failing to be written
+    cfg = load_config(CONFIG, ["train.steps=1000", "budget.device_hours=0.1"])
+    length = RunLength(cfg, LAYOUT, Schedule(cfg.train), 0, {})
+    assert not length.calibrated
+    summary = length.summary()
+    assert math.isnan(summary["budget_step_seconds"]) and summary["budget_calibrated"] is False
+    assert "budget_decided_at" not in summary and "budget_forecast_device_hours" not in summary
+    written = null_non_finite(summary, length.missing_reasons())  # as the trainer writes it
+    assert written["budget_step_seconds"] is None
+    assert written["missing"] == {
+        "budget_step_seconds": "the run stopped before its budget timed its steps (budget.measure_steps)"
+    }
+    json.dumps(written, allow_nan=False)  # strict JSON, as the trainer writes it
 
 
 def test_the_policy_answers_after_each_step_with_the_reason():
