@@ -1,5 +1,6 @@
-"""Compute-matched multi-process runs: equal device-hours, different step counts, and a
-budget decision that survives a kill and resume."""
+"""Budget runs on 2 processes: each self-timed run fixes the length its own timing affords, the
+learning rate decays to it, the decision survives a kill and resume, and a run slower than its
+calibration is ended at the budget."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from megaformer.training.budget import steps_for_budget
 from tests.distributed.conftest import read_scalars, run_ranks
 from tests.distributed.test_train_launch import CONFIG, TINY, _check
 
-# multi-process training runs (run_ranks): outside `scripts/check.sh --fast`; they compare
-# device-hours spent with the budget, so they run alone (a second test beside them is load)
+# multi-process training runs (run_ranks): outside `scripts/check.sh --fast`; they time the
+# machine (the self-timed decisions, the calibrated run's spend guard), so they run alone
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 BUDGET = 0.014  # device-hours: 25.2 s of wall-clock on 2 processes
@@ -72,9 +73,8 @@ def test_each_self_timed_run_fixes_the_length_its_own_timing_affords(budget_runs
     the forecast beside the spend in every summary.json shows a self-timed run's): on the 2-core
     CI machine a 20-step window left these two runs −9 % and +24 % off the budget (CI,
     2026-12-03: 0.0128 and 0.0173 device-hours of 0.014), which failed the ±15 % this test once
-    asserted. Checked of the
-    spend: it is counted once per device over the loop's wall-clock (no more than the launch's
-    wall-clock allows).
+    asserted. What is checked of the spend: it is counted once per device over the loop's
+    wall-clock (no more than the launch's wall-clock allows).
     """
     for name, (_, proc, summary) in budget_runs.items():
         assert "run length fixed at" in proc.stdout, name
