@@ -4,8 +4,9 @@
 
 1. **Collect**: every run in ``--runs-dir`` with a ``summary.json`` whose run was not ended early
    (``budget_stopped_at``: by the plan's rules it is trained again) is copied compactly into
-   ``finished/<run>/``: ``summary.json``, ``request.json``, ``config.json``, ``train.log`` and its
-   scalars as ``scalars.json.gz`` (:mod:`megaformer.experiments.scalars`; no event files in git).
+   ``finished/<run>/``: ``summary.json``, ``request.json``, ``config.json``, ``train.log`` (gzipped,
+   ``train.log.gz``) and its scalars as ``scalars.json.gz`` (:mod:`megaformer.experiments.scalars`;
+   no event files in git).
    A run already there is left as it is.
 2. **Report** (``report.md`` / ``report.json``): the primary endpoint of the plan (EXPERIMENTS.md,
    "Pre-registered"): per seed, the final validation loss on the fixed 32,768-token sample
@@ -22,6 +23,7 @@
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import shutil
 import sys
@@ -38,7 +40,7 @@ OLD = ROOT / "experiments" / "cpu-final" / "finished"
 OLD_SEEDS = (1234, 5678, 4321)
 NEW_SEEDS = (1001, 1002, 1003, 1004, 1005, 1006, 1007, 1008, 1009)
 SCHEMES = ("pre_ln", "normformer_resscale", "normformer")
-KEEP = ("summary.json", "request.json", "config.json", "train.log")
+KEEP = ("summary.json", "request.json", "config.json")
 RESSCALE_EFFECT = 0.048  # nats: Shleifer et al. 2021, Table 2, ln(21.09 / 20.11) (seeds.PAPER_EFFECT's note)
 EQUAL_STEP = 1000  # the plan's secondary endpoint (3): every run of both schemes validates there
 
@@ -68,6 +70,8 @@ def collect(runs: Path, finished: Path) -> list[str]:
         for name in KEEP:
             if (run / name).is_file():
                 shutil.copy2(run / name, out / name)
+        if (run / "train.log").is_file():  # gzipped: the tracked tree is carried to GPU calls
+            (out / "train.log.gz").write_bytes(gzip.compress((run / "train.log").read_bytes(), mtime=0))
         write_compact(run)  # checks its read-back against the events
         shutil.copy2(run / "scalars.json.gz", out / "scalars.json.gz")
         done.append(run.name)
