@@ -58,12 +58,7 @@ def unbiased(x: np.ndarray) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     root = Path(args[0]) if args else HERE
-    right = {
-        arm: np.stack(
-            [seeds.correct(root / arm[0] / f"ft-{arm[1]}-s{s}" / "sst-2.json") for s in seeds.SEEDS]
-        )
-        for arm in seeds.ARMS
-    }
+    right = seeds.load(root)
     print(
         "| A − B | interaction's share of SE² | pre-registered SE / unbiased SE "
         "| unbiased: df, p, 95 % CI (points) |"

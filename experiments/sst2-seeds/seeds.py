@@ -102,6 +102,14 @@ def compare(a: np.ndarray, b: np.ndarray) -> dict:
     }
 
 
+def load(root: Path) -> dict[tuple[str, str], np.ndarray]:
+    """Every arm's (seeds, sentences) bool correctness from run.sh's OUT (or the committed record)."""
+    return {
+        arm: np.stack([correct(root / arm[0] / f"ft-{arm[1]}-s{s}" / "sst-2.json") for s in SEEDS])
+        for arm in ARMS
+    }
+
+
 def holm(p: dict[str, float]) -> dict[str, float]:
     """Holm's step-down adjusted p-values (Holm 1979) of ``{name: p}``: in ascending order the
     i-th (from 0) is ``min(1, (m − i) · p)``, and at least the one before it."""
@@ -118,10 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", default=None, help="also write the per-seed test accuracies as this PNG")
     args = p.parse_args(argv)
     root = Path(args.out)
-    right = {
-        arm: np.stack([correct(root / arm[0] / f"ft-{arm[1]}-s{s}" / "sst-2.json") for s in SEEDS])
-        for arm in ARMS
-    }
+    right = load(root)
     results = {name: compare(right[a], right[b]) for name, a, b in ROWS}
     names = [name for name, _, _ in ROWS]
     for name, adjusted in holm({n: results[n]["p"] for n in names[:2]}).items():
