@@ -59,8 +59,12 @@ def correct(path: Path) -> np.ndarray:
         text = gzip.decompress(packed.read_bytes()).decode()
     else:
         sys.exit(f"error: {path} is missing: rerun experiments/sst2-seeds/run.sh (it skips finished runs)")
-    test = json.loads(text)["test"]
-    labels, predictions = test["labels"], test["predictions"]
+    try:
+        test = json.loads(text)["test"]
+        labels, predictions = test["labels"], test["predictions"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:  # truncated, or not finetune's output
+        why = f"not a finished fine-tuning's sst-2.json ({err!r}); delete it and rerun run.sh"
+        sys.exit(f"error: {path}: {why}")
     if len(labels) != len(predictions):
         sys.exit(f"error: {path}: {len(predictions)} predictions for {len(labels)} labels")
     return np.frombuffer(predictions.encode(), np.uint8) == np.frombuffer(labels.encode(), np.uint8)

@@ -102,3 +102,10 @@ def test_the_committed_interaction_table_is_what_the_committed_predictions_give(
     x = np.add.outer([0.1, 0.3, 0.2], [0.0, 1.0, -1.0, 0.5])  # seeds × sentences, additive
     r = module.unbiased(x)
     assert r["interaction_share"] == pytest.approx(0.0, abs=1e-12) and r["se_ratio"] == pytest.approx(1.0)
+
+
+def test_a_truncated_prediction_file_is_named_with_the_fix(tmp_path):
+    path = tmp_path / "sst-2.json"
+    path.write_text('{"test": {"lab')
+    with pytest.raises(SystemExit, match=r"sst-2\.json: not a finished fine-tuning's .*delete it"):
+        _seeds_module().correct(path)
