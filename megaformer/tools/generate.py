@@ -166,12 +166,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tokenizer-type",
         default="GPT2BPETokenizer",
-        choices=["GPT2BPETokenizer", "SentencePieceTokenizer"],
-        help="the tokenizer the run's data was preprocessed with",
+        choices=["GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"],
+        help="the tokenizer the run's data was preprocessed with (data_tools.preprocess's --tokenizer-type)",
     )
     p.add_argument("--vocab-file", default=str(REPO / "data" / "gpt2-bpe" / "encoder.json"), help="GPT-2 BPE")
     p.add_argument("--merge-file", default=str(REPO / "data" / "gpt2-bpe" / "vocab.bpe"), help="GPT-2 BPE")
-    p.add_argument("--tokenizer-model", default=None, help="SentencePiece .model, for SentencePieceTokenizer")
+    p.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="SentencePiece .model (SentencePieceTokenizer), or a local tokenizer.json or saved tokenizer "
+        "directory (HuggingFaceTokenizer)",
+    )
     p.add_argument(
         TRUST_FLAG,
         action="store_true",

@@ -37,6 +37,32 @@ def gutenberg_prefix(tmp_path_factory) -> str:
     return f"{out}_text_document"
 
 
+SMALL_BPE = REPO / "tests" / "fixtures" / "novels-bpe500"
+SMALL_VOCAB = ["model.vocab_size=500", "data.eod_token=0"]
+"""The overrides that go with :func:`small_vocab_prefix`'s data: 500 entries (512 embedding rows at
+TP 1, 2 and 4, so 12 padded), ``<|endoftext|>`` as id 0."""
+
+
+@pytest.fixture(scope="session")
+def small_vocab_prefix(tmp_path_factory) -> str:
+    """The same three novels as :func:`gutenberg_prefix`, tokenized with the test tier's 500-entry
+    byte-level BPE (:mod:`tests.support.small_bpe`; 326,560 tokens with EOD, 2,366 documents). For
+    the runs whose subject is not the GPT-2 vocabulary (layouts, resume, signals, checkpoints):
+    with :data:`SMALL_VOCAB` their tiny model's step is 11x shorter than at GPT-2's 50,304 output
+    rows. Pass both: ``[*SMALL_VOCAB, f"data.prefix={small_vocab_prefix}"]``."""
+    out = tmp_path_factory.mktemp("data_small_vocab") / "novels"
+    books = [DATA / "gutenberg-novels" / name for name in ("pg42.txt.xz", "244-0.txt.xz", "pg2097.txt.xz")]
+    cmd = [
+        sys.executable, "-m", "data_tools.preprocess",
+        "--input", *map(str, books),
+        "--output-prefix", str(out),
+        "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(SMALL_BPE),
+        "--append-eod", "--text-split-blank-lines", "--skip-bad-records", "--workers", "2",
+    ]  # fmt: skip
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True)
+    return f"{out}_text_document"
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free now (for MASTER_PORT of spawned process groups)."""
     with socket.socket() as s:

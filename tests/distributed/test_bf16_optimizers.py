@@ -22,12 +22,13 @@ import json
 
 import pytest
 
-from tests.distributed.conftest import read_scalars, run_ranks
+from tests.distributed.conftest import SMALL_VOCAB, read_scalars, run_ranks
 
 pytestmark = pytest.mark.slow  # multi-process training runs (run_ranks): outside `scripts/check.sh --fast`
 
 CONFIG = "configs/normformer-quickstart.yaml"
 TINY = [
+    *SMALL_VOCAB,  # the test tier's 500-entry BPE of the novels (conftest's small_vocab_prefix)
     "model.hidden_size=64",
     "model.num_layers=2",
     "model.num_attention_heads=4",
@@ -62,7 +63,7 @@ def _engine_json(tmp_path, immediate: bool) -> str:
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_immediate_grad_update_gives_the_same_run(layout, gutenberg_prefix, tmp_path):
+def test_immediate_grad_update_gives_the_same_run(layout, small_vocab_prefix, tmp_path):
     nproc, extra = LAYOUTS[layout]
     scalars = {}
     for immediate in (False, True):
@@ -73,7 +74,7 @@ def test_immediate_grad_update_gives_the_same_run(layout, gutenberg_prefix, tmp_
                 *TINY,
                 *extra,
                 f"train.deepspeed_config={_engine_json(tmp_path, immediate)}",
-                f"data.prefix={gutenberg_prefix}",
+                f"data.prefix={small_vocab_prefix}",
                 f"output.dir={run_dir}",
             ],
             nproc=nproc,
@@ -92,7 +93,7 @@ def test_immediate_grad_update_gives_the_same_run(layout, gutenberg_prefix, tmp_
     assert off["train/loss"][8] < off["train/loss"][1] - 0.5  # it trains
 
 
-def test_bf16_zero2_with_fp32_accumulation_follows_the_bf16_optimizer(gutenberg_prefix, tmp_path):
+def test_bf16_zero2_with_fp32_accumulation_follows_the_bf16_optimizer(small_vocab_prefix, tmp_path):
     """The multi-node bf16 recipes' ZeRO-2 (DeepSpeed's ZeRO optimizer with the same JSON: each
     micro-batch's gradients reduced during backward and added into an fp32 partition) against ZeRO-1 (the BF16
     optimizer: one reduction after the last backward), dp 2 with 2 micro-batches per step: the same
@@ -108,7 +109,7 @@ def test_bf16_zero2_with_fp32_accumulation_follows_the_bf16_optimizer(gutenberg_
                 "train.global_batch_size=8",
                 f"train.zero_stage={zero}",
                 "train.deepspeed_config=configs/deepspeed/paper-bf16-a100.json",
-                f"data.prefix={gutenberg_prefix}",
+                f"data.prefix={small_vocab_prefix}",
                 f"output.dir={run_dir}",
             ],
             nproc=2,

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.conftest import read_scalars, run_ranks
+from tests.distributed.conftest import SMALL_VOCAB, read_scalars, run_ranks
 
 pytestmark = pytest.mark.slow  # multi-process training runs (run_ranks); each rank compiles the block
 
 CONFIG = "configs/normformer-quickstart.yaml"
 TINY = [
+    *SMALL_VOCAB,  # the test tier's 500-entry BPE of the novels (conftest's small_vocab_prefix)
     "model.hidden_size=64",
     "model.num_layers=2",
     "model.num_attention_heads=4",
@@ -38,18 +39,18 @@ TINY = [
 ]
 
 
-def _run(tmp_path, gutenberg_prefix, name: str, extra: list[str]):
+def _run(tmp_path, small_vocab_prefix, name: str, extra: list[str]):
     out = tmp_path / name
-    proc = run_ranks(CONFIG, [*TINY, *extra, f"data.prefix={gutenberg_prefix}", f"output.dir={out}"])
+    proc = run_ranks(CONFIG, [*TINY, *extra, f"data.prefix={small_vocab_prefix}", f"output.dir={out}"])
     assert proc.returncode == 0, (
         f"{name}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     )
     return read_scalars(str(out / "tensorboard")), proc.stdout
 
 
-def test_compiled_run_repeats_the_eager_run(tmp_path, gutenberg_prefix):
-    eager, _ = _run(tmp_path, gutenberg_prefix, "eager", ["train.compile=false"])
-    compiled, log = _run(tmp_path, gutenberg_prefix, "compiled", ["train.compile=true"])
+def test_compiled_run_repeats_the_eager_run(tmp_path, small_vocab_prefix):
+    eager, _ = _run(tmp_path, small_vocab_prefix, "eager", ["train.compile=false"])
+    compiled, log = _run(tmp_path, small_vocab_prefix, "compiled", ["train.compile=true"])
     assert "train.compile=True: 2 blocks compiled with inductor" in log and "run eager" not in log, log[
         -3000:
     ]
@@ -61,13 +62,13 @@ def test_compiled_run_repeats_the_eager_run(tmp_path, gutenberg_prefix):
             assert abs(compiled[tag][step] - want) <= 1e-5 * abs(want), (tag, step, compiled[tag][step], want)
 
 
-def test_zero3_runs_eager_and_says_why(tmp_path, gutenberg_prefix):
+def test_zero3_runs_eager_and_says_why(tmp_path, small_vocab_prefix):
     extra = [
         "train.compile=true",
         "parallel.tp_size=1",
         "parallel.sequence_parallel=false",
         "train.zero_stage=3",
     ]
-    _, log = _run(tmp_path, gutenberg_prefix, "zero3", [*extra, "train.recompute=none", "train.steps=2"])
+    _, log = _run(tmp_path, small_vocab_prefix, "zero3", [*extra, "train.recompute=none", "train.steps=2"])
     assert "train.compile=True: the blocks run eager: ZeRO-3 gathers each parameter" in log, log[-3000:]
     assert "the cross-entropy runs as two fused kernels" in log  # no ZeRO-3 hooks inside the loss

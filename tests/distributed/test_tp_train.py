@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from megaformer.checkpoint.reshard import load_module, reshard
 from megaformer.config.schema import ModelConfig
 from megaformer.model import NormFormerLM
-from tests.distributed.conftest import REPO, free_port, read_scalars, run_ranks
+from tests.distributed.conftest import REPO, SMALL_BPE, SMALL_VOCAB, free_port, read_scalars, run_ranks
 
 pytestmark = pytest.mark.slow  # multi-process training runs (run_ranks): outside `scripts/check.sh --fast`
 
@@ -57,12 +57,14 @@ RUNS = {  # name: (processes, overrides)
 
 
 @pytest.fixture(scope="module")
-def runs(gutenberg_prefix, tmp_path_factory):
+def runs(small_vocab_prefix, tmp_path_factory):
     out = {}
     for name, (nproc, extra) in RUNS.items():
         run_dir = tmp_path_factory.mktemp(name)
         proc = run_ranks(
-            CONFIG, [*TINY, *extra, f"data.prefix={gutenberg_prefix}", f"output.dir={run_dir}"], nproc=nproc
+            CONFIG,
+            [*TINY, *SMALL_VOCAB, *extra, f"data.prefix={small_vocab_prefix}", f"output.dir={run_dir}"],
+            nproc=nproc,
         )
         assert proc.returncode == 0, (
             f"{name}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
@@ -149,7 +151,7 @@ def test_reshard_tp2_to_tp1_to_tp4_gives_the_same_logits(runs, tmp_path):
     out = str(tmp_path / "logits.pt")
     mp.spawn(_logits_worker, args=(4, free_port(), dirs, out), nprocs=4, join=True)
     logits = torch.load(out)
-    assert logits[1].shape == (2, 64, 50257)
+    assert logits[1].shape == (2, 64, 500)
     for tp in (2, 4):
         assert float((logits[tp] - logits[1]).abs().max()) <= 1e-5, tp
     assert float(logits[1].std()) > 0.1  # trained weights, not an empty model
@@ -177,7 +179,8 @@ def test_generate_samples_text_from_a_tp2_checkpoint(runs, tmp_path, capsys):
     another process prints the same samples; a bad directory is exit 2. The first call is the
     command itself (a subprocess); the others call its ``main`` here (the start-up is not theirs)."""
     run_dir, _ = runs["tp2"]
-    args = ["--checkpoint", str(run_dir / "checkpoints")]
+    args = ["--checkpoint", str(run_dir / "checkpoints"), "--tokenizer-type", "HuggingFaceTokenizer"]
+    args += ["--tokenizer-model", str(SMALL_BPE)]  # the run's data: the test tier's 500-entry BPE
     args += ["--prompt", "It was the best of times,", "--max-new-tokens", "16", "--num-samples", "2"]
     cmd = [sys.executable, "-m", "megaformer.tools.generate", *args]
     first = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -211,13 +214,14 @@ SHORT = ["train.steps=10", "train.warmup_steps=3", "train.log_interval=10", "tra
 
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
-def test_every_norm_scheme_trains_the_same_at_tp2_as_at_tp1(scheme, gutenberg_prefix, tmp_path):
+def test_every_norm_scheme_trains_the_same_at_tp2_as_at_tp1(scheme, small_vocab_prefix, tmp_path):
     """10 steps of the tiny model per run; train/loss and train/grad_norm within 1e-4 relative."""
     scalars = {}
     for tp in (1, 2):
         run_dir = tmp_path / f"tp{tp}"
         overrides = [*TINY, *SCHEMES[scheme], *SHORT, f"parallel.tp_size={tp}", "train.zero_stage=0"]
-        proc = run_ranks(CONFIG, [*overrides, f"data.prefix={gutenberg_prefix}", f"output.dir={run_dir}"])
+        data = [*SMALL_VOCAB, f"data.prefix={small_vocab_prefix}"]
+        proc = run_ranks(CONFIG, [*overrides, *data, f"output.dir={run_dir}"])
         assert proc.returncode == 0, (
             f"tp{tp}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
         )

@@ -1,6 +1,7 @@
 """End to end through launch/pretrain.sh: 2 DeepSpeed processes on gloo, real text, TensorBoard,
 resume, and the launcher's refusals; the precision and ZeRO paths on ranks started by the tests
-(``run_ranks``: their subject is the engine, not the launcher)."""
+(``run_ranks``: their subject is the engine, not the launcher), on the test tier's 500-entry BPE of
+the same novels (conftest's ``small_vocab_prefix``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import shutil
 
 import pytest
 
-from tests.distributed.conftest import CPU_FP16_PATH, read_scalars, run_pretrain, run_ranks
+from tests.distributed.conftest import CPU_FP16_PATH, SMALL_VOCAB, read_scalars, run_pretrain, run_ranks
 
 pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
 
@@ -130,11 +131,12 @@ def test_resume_auto_continues_exactly(run30, gutenberg_prefix, tmp_path):
 
 
 @pytest.mark.parametrize(("precision", "zero"), [("bf16", 3), ("fp32", 0), ("fp32", 2)])
-def test_precision_and_zero_stage_run(gutenberg_prefix, tmp_path, precision, zero):
+def test_precision_and_zero_stage_run(small_vocab_prefix, tmp_path, precision, zero):
     proc = run_ranks(
         CONFIG,
-        [*TINY, f"data.prefix={gutenberg_prefix}", "train.steps=6", f"train.precision={precision}",
-         f"train.zero_stage={zero}", "train.eval_interval=6", f"output.dir={tmp_path}"],
+        [*TINY, *SMALL_VOCAB, f"data.prefix={small_vocab_prefix}", "train.steps=6",
+         f"train.precision={precision}", f"train.zero_stage={zero}", "train.eval_interval=6",
+         f"output.dir={tmp_path}"],
     )  # fmt: skip
     _check(proc)
     scalars = read_scalars(str(tmp_path / "tensorboard"))
@@ -165,12 +167,12 @@ def test_missing_dataset_is_a_clear_error(tmp_path):
     assert "none_text_document.bin" in proc.stderr and "data_tools.preprocess" in proc.stderr
 
 
-def test_fp16_dynamic_loss_scale_is_logged(gutenberg_prefix, tmp_path, monkeypatch):
+def test_fp16_dynamic_loss_scale_is_logged(small_vocab_prefix, tmp_path, monkeypatch):
     """The fp16 path (DeepSpeed's dynamic loss scaler) on CPU, which DeepSpeed refuses unless told."""
     monkeypatch.setenv("PYTHONPATH", CPU_FP16_PATH)
     proc = run_ranks(
         CONFIG,
-        [*TINY, f"data.prefix={gutenberg_prefix}", "train.steps=6", "train.precision=fp16",
+        [*TINY, *SMALL_VOCAB, f"data.prefix={small_vocab_prefix}", "train.steps=6", "train.precision=fp16",
          "train.zero_stage=1", "train.eval_interval=6", f"output.dir={tmp_path}"],
     )  # fmt: skip
     _check(proc)
