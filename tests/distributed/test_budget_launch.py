@@ -12,17 +12,21 @@ import time
 import pytest
 
 from megaformer.training.budget import steps_for_budget
-from tests.distributed.conftest import read_scalars, run_ranks
-from tests.distributed.test_train_launch import CONFIG, TINY, _check
+from tests.distributed.conftest import SMALL_VOCAB, read_scalars, run_ranks
+from tests.distributed.test_train_launch import CONFIG, _check
+from tests.distributed.test_train_launch import TINY as TINY_MODEL
+
+TINY = [*SMALL_VOCAB, *TINY_MODEL]  # on the test tier's 500-entry BPE (conftest's small_vocab_prefix)
 
 # multi-process training runs (run_ranks): outside `scripts/check.sh --fast`; they time the
 # machine (the self-timed decisions, the calibrated run's spend guard), so they run alone
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
-BUDGET = 0.014  # device-hours: 25.2 s of wall-clock on 2 processes
+BUDGET = 0.007  # device-hours: 12.6 s of wall-clock on 2 processes
 # The decision comes after step DECIDED_AT (5 skipped + budget.measure_steps 20; the learning rate's
-# warm-up ends there too). On the 2-core CI machines a TINY step takes 0.2-0.5 s, so the decision
-# spends 5-15 s and a machine twice as slow as the slowest seen still has steps left to decide on.
+# warm-up ends there too). On the 500-entry BPE a TINY step takes 0.017 s on 2 ranks here (2026-12-07;
+# 0.19 s at GPT-2's 50,304 rows, which took 0.2-0.5 s on the 2-core CI machines), so the decision
+# comes within a few seconds of the start and a machine 10x slower still has steps left to decide on.
 # (The bodies are TINY's: an 8-layer body once made NormFormer's extra LayerNorms cost +7 %, but
 # NormFormer's fewer steps are for a quiet machine and are not asserted here, and it made a step
 # 0.5 s: on a slow CI machine the decision came only once the budget was spent.)
@@ -56,10 +60,10 @@ def _budget_run(prefix: str, out, scheme: list[str]):
 
 
 @pytest.fixture(scope="module")
-def budget_runs(gutenberg_prefix, tmp_path_factory):
+def budget_runs(small_vocab_prefix, tmp_path_factory):
     root = tmp_path_factory.mktemp("budget")
     return {
-        name: (root / name, *_budget_run(gutenberg_prefix, root / name, scheme))
+        name: (root / name, *_budget_run(small_vocab_prefix, root / name, scheme))
         for name, scheme in (("pre_ln", PRE_LN), ("normformer", NORMFORMER))
     }
 
@@ -112,7 +116,7 @@ def test_the_learning_rate_decays_to_the_chosen_step(budget_runs):
     assert lr[last] == pytest.approx(3e-4, rel=1e-4)  # min_lr of the quickstart config, at the end
 
 
-def test_a_killed_budget_run_resumes_to_the_same_step(budget_runs, gutenberg_prefix, tmp_path):
+def test_a_killed_budget_run_resumes_to_the_same_step(budget_runs, small_vocab_prefix, tmp_path):
     out, _, summary = budget_runs["pre_ln"]
     resumed = tmp_path / "resumed"
     shutil.copytree(out / "checkpoints", resumed / "checkpoints")
@@ -126,12 +130,12 @@ def test_a_killed_budget_run_resumes_to_the_same_step(budget_runs, gutenberg_pre
         if step != killed_at:
             shutil.rmtree(resumed / "checkpoints" / f"global_step{step}")
     (resumed / "checkpoints" / "latest").write_text(f"global_step{killed_at}")
-    proc, again = _budget_run(gutenberg_prefix, resumed, [*PRE_LN, "train.resume=auto"])
+    proc, again = _budget_run(small_vocab_prefix, resumed, [*PRE_LN, "train.resume=auto"])
     assert "as decided before the resume" in proc.stdout
     assert again["steps"] == summary["steps"] and again["resumed_from_step"] == killed_at
 
 
-def test_a_run_slower_than_its_calibration_ends_at_the_budget(gutenberg_prefix, tmp_path):
+def test_a_run_slower_than_its_calibration_ends_at_the_budget(small_vocab_prefix, tmp_path):
     """Calibrated times far below the real ones (0.01 s a step): the run fixes a length it cannot
     afford, then ends once one more step and the final evaluation would pass the budget by more
     than budget.overrun (default +10 %: a guard against a wrong calibration); evaluated and
@@ -139,7 +143,7 @@ def test_a_run_slower_than_its_calibration_ends_at_the_budget(gutenberg_prefix, 
     out = tmp_path / "slow"
     proc = run_ranks(
         CONFIG,
-        [*TINY, f"data.prefix={gutenberg_prefix}", "train.steps=5000", "train.eval_interval=1000",
+        [*TINY, f"data.prefix={small_vocab_prefix}", "train.steps=5000", "train.eval_interval=1000",
          "train.save_interval=0", "train.log_interval=50", "budget.device_hours=0.004",
          "budget.step_seconds=0.01", "budget.eval_seconds=0.01", f"output.dir={out}"],
     )  # fmt: skip

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from megaformer.training.budget import steps_for_budget
-from tests.distributed.conftest import REPO
+from tests.distributed.conftest import REPO, SMALL_VOCAB
 
 # runs through the launcher: outside `scripts/check.sh --fast`. Serial: the step counts come from a
 # calibration of this machine, and beside another test's load it decided 20 steps where alone ~60
@@ -17,22 +17,23 @@ from tests.distributed.conftest import REPO
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 TINY = [
+    *SMALL_VOCAB,  # the test tier's 500-entry BPE of the novels (conftest's small_vocab_prefix)
     "model.hidden_size=64", "model.num_layers=2", "model.num_attention_heads=2", "model.seq_len=64",
     "train.micro_batch_size=4", "train.global_batch_size=8", "train.eval_interval=10",
     "train.eval_batches=2", "data.valid_fraction=0.02", "train.save_interval=0",
 ]  # fmt: skip
 
 
-def test_compare_writes_its_table_and_plot(gutenberg_prefix, tmp_path, warm_experiment_launches, capsys):
+def test_compare_writes_its_table_and_plot(small_vocab_prefix, tmp_path, warm_experiment_launches, capsys):
     """In this process, its runs on warm-forked ranks (the subject is the comparison; a run through
     ``launch/pretrain.sh`` is test_launcher_runs.py's, the calibration's job through it below)."""
     from megaformer.experiments import compare
 
     out = tmp_path / "cmp"
-    sets = [arg for item in [*TINY, f"data.prefix={gutenberg_prefix}"] for arg in ("--set", item)]
+    sets = [arg for item in [*TINY, f"data.prefix={small_vocab_prefix}"] for arg in ("--set", item)]
     cmd = [
         "configs/cpu-compare/pre_ln.yaml", "configs/cpu-compare/normformer.yaml",
-        "--budget-device-hours", "0.01", "--output-dir", str(out), *sets,
+        "--budget-device-hours", "0.004", "--output-dir", str(out), *sets,
         "--calibration-rounds", "2", "--calibration-warmup", "3", "--calibration-steps", "6",
     ]  # fmt: skip
     code = compare.main(cmd)
@@ -42,13 +43,14 @@ def test_compare_writes_its_table_and_plot(gutenberg_prefix, tmp_path, warm_expe
     assert [r["run"] for r in data["rows"]] == ["pre_ln", "normformer"]
     for row in data["rows"]:
         # each run's length is the calibration's decision: the most steps whose calibrated cost (one-time
-        # cost, steps, evaluations) fits the budget's 18 s of wall-clock on 2 ranks, whatever this
-        # machine's speed (a slow CI machine decided 24 steps at the old 0.006 device-hours)
+        # cost, steps, evaluations) fits the budget's 7.2 s of wall-clock on 2 ranks, whatever this
+        # machine's speed (at GPT-2's vocabulary, 11x the step, a slow CI machine decided 24 steps at
+        # 0.006 device-hours)
         run_config = json.loads((out / row["run"] / "config.json").read_text())
         b = run_config["budget"]
         assert b["step_seconds"] == pytest.approx(row["calibrated_step_seconds"], rel=1e-5)
         decided = steps_for_budget(
-            seconds_left=0.01 * 3600 / 2 - b["fixed_seconds"], done=0, step_seconds=b["step_seconds"],
+            seconds_left=0.004 * 3600 / 2 - b["fixed_seconds"], done=0, step_seconds=b["step_seconds"],
             eval_seconds=b["eval_seconds"], eval_interval=10, max_steps=run_config["train"]["steps"],
         )  # fmt: skip
         assert row["budget_steps"] == decided and row["budget_steps"] >= row["steps"]
@@ -82,7 +84,7 @@ def test_compare_writes_its_table_and_plot(gutenberg_prefix, tmp_path, warm_expe
     assert recheck["factor"] >= 1.0  # the re-check only ever loosens the spend limit
 
 
-def test_the_step_interleaved_job_times_every_config_in_one_launch(gutenberg_prefix, tmp_path):
+def test_the_step_interleaved_job_times_every_config_in_one_launch(small_vocab_prefix, tmp_path):
     """The calibration's step-interleaved job through launch/pretrain.sh (MEGAFORMER_MODULE): both
     configs built side by side in the same two processes, stepped turn by turn in alternating
     order; every turn timed; the step times and the paired ratio's error come back. Configs with
@@ -90,7 +92,7 @@ def test_the_step_interleaved_job_times_every_config_in_one_launch(gutenberg_pre
     from megaformer.experiments.calibrate import interleaved_step_times
 
     runs = {"pre_ln": "configs/cpu-compare/pre_ln.yaml", "nf": "configs/cpu-compare/normformer.yaml"}
-    sets = [*TINY, f"data.prefix={gutenberg_prefix}"]
+    sets = [*TINY, f"data.prefix={small_vocab_prefix}"]
     out = interleaved_step_times(runs, sets, tmp_path / "job", 2, warmup=2, rounds=4, steps_per_turn=2)
     turns = json.loads((tmp_path / "job" / "turns.json").read_text())["turns"]
     assert [(t["round"], t["name"]) for t in turns[:4]] == [
