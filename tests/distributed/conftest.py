@@ -234,3 +234,16 @@ def lifecycle_reference(gutenberg_prefix, tmp_path_factory) -> Path:
     proc = run_ranks("configs/normformer-quickstart.yaml", [*overrides, f"output.dir={out}"])
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
+
+
+@pytest.fixture(scope="session")
+def lifecycle_reference_small_vocab(small_vocab_prefix, tmp_path_factory) -> Path:
+    """:func:`lifecycle_reference` on :func:`small_vocab_prefix`'s data (with :data:`SMALL_VOCAB`):
+    the reference of the lifecycle tests whose subject is not the GPT-2 vocabulary (resume, saves,
+    damaged checkpoints), whose own runs train on the same data."""
+    out = tmp_path_factory.mktemp("lifecycle_reference_small_vocab")
+    data = [*SMALL_VOCAB, f"data.prefix={small_vocab_prefix}"]
+    overrides = [*LIFECYCLE_TINY, *data, "train.keep_last_checkpoints=2"]
+    proc = run_ranks("configs/normformer-quickstart.yaml", [*overrides, f"output.dir={out}"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out

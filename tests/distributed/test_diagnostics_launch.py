@@ -1,6 +1,11 @@
 """Training dynamics in multi-process runs (2 processes, gloo): runs that survive divergence,
 the learning rate the optimizer really used under fp16 overflows, per-layer gradient norms equal at
-every layout, the learning-rate stability test's stop."""
+every layout, the learning-rate stability test's stop.
+
+The runs read the small-vocabulary novels (``small_vocab_prefix`` with ``SMALL_VOCAB``: their subject
+is the training's diagnostics, not the GPT-2 vocabulary), all but the stability test's: its "it
+learned first" (a loss more than 1 nat below the first step's) and the learning rate at which it
+diverges are the GPT-2 vocabulary's, so it keeps that data."""
 
 from __future__ import annotations
 
@@ -11,18 +16,18 @@ import pytest
 
 from megaformer.config.schema import TrainConfig
 from megaformer.training.schedule import lr_at
-from tests.distributed.conftest import CPU_FP16_PATH, read_scalars, run_ranks
+from tests.distributed.conftest import CPU_FP16_PATH, SMALL_VOCAB, read_scalars, run_ranks
 from tests.distributed.test_train_launch import CONFIG, TINY, _check
 
 pytestmark = pytest.mark.slow  # multi-process training runs (run_ranks): outside `scripts/check.sh --fast`
 
 
-def test_lr_1000_without_clipping_ends_cleanly_and_counts_nonfinite_steps(gutenberg_prefix, tmp_path):
+def test_lr_1000_without_clipping_ends_cleanly_and_counts_nonfinite_steps(small_vocab_prefix, tmp_path):
     # ZeRO 0, fp32: nothing skips the non-finite updates, so the weights themselves become inf/NaN.
     proc = run_ranks(
         CONFIG,
-        [*TINY, f"data.prefix={gutenberg_prefix}", "train.steps=6", "train.lr=1000", "train.grad_clip=0",
-         "train.zero_stage=0", "train.eval_interval=3", f"output.dir={tmp_path}"],
+        [*TINY, *SMALL_VOCAB, f"data.prefix={small_vocab_prefix}", "train.steps=6", "train.lr=1000",
+         "train.grad_clip=0", "train.zero_stage=0", "train.eval_interval=3", f"output.dir={tmp_path}"],
     )  # fmt: skip
     _check(proc)
     assert "Traceback" not in proc.stderr and "OverflowError" not in proc.stderr
@@ -38,7 +43,7 @@ def test_lr_1000_without_clipping_ends_cleanly_and_counts_nonfinite_steps(gutenb
     assert summary["nonfinite_steps"] == count[6]
 
 
-def test_fp16_skipped_steps_counted_and_lr_is_the_optimizers(gutenberg_prefix, tmp_path, monkeypatch):
+def test_fp16_skipped_steps_counted_and_lr_is_the_optimizers(small_vocab_prefix, tmp_path, monkeypatch):
     """A huge initial loss scale forces overflows: DeepSpeed skips those updates and does not step
     the scheduler, so the lr of step s is the schedule's at the number of updates applied before."""
     monkeypatch.setenv("PYTHONPATH", CPU_FP16_PATH)
@@ -47,7 +52,7 @@ def test_fp16_skipped_steps_counted_and_lr_is_the_optimizers(gutenberg_prefix, t
     overrides = ["train.steps=8", "train.warmup_steps=4", "train.lr=3e-3", "train.min_lr=3e-4"]
     proc = run_ranks(
         CONFIG,
-        [*TINY, f"data.prefix={gutenberg_prefix}", *overrides, "train.precision=fp16",
+        [*TINY, *SMALL_VOCAB, f"data.prefix={small_vocab_prefix}", *overrides, "train.precision=fp16",
          "train.zero_stage=1", f"train.deepspeed_config={engine_json}", "train.eval_interval=8",
          f"output.dir={tmp_path}/run"],
     )  # fmt: skip
@@ -65,12 +70,12 @@ def test_fp16_skipped_steps_counted_and_lr_is_the_optimizers(gutenberg_prefix, t
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["skipped_steps"] == skipped[8]
 
 
-def test_per_layer_grad_norms_equal_at_tp2_and_pp2(gutenberg_prefix, tmp_path):
+def test_per_layer_grad_norms_equal_at_tp2_and_pp2(small_vocab_prefix, tmp_path):
     """grads/* and scales/* at TP = 2 and at pp = 2 equal TP = 1 (there dp = 2 under ZeRO-1, so the
     reference's gradients are assembled by safe_get_full_grad) at the same steps."""
-    common = [*TINY, f"data.prefix={gutenberg_prefix}", "model.resid_scale=true", "train.steps=2",
-              "train.warmup_steps=2", "train.diagnostics_interval=1", "train.eval_interval=2",
-              "train.zero_stage=1"]  # fmt: skip
+    common = [*TINY, *SMALL_VOCAB, f"data.prefix={small_vocab_prefix}", "model.resid_scale=true",
+              "train.steps=2", "train.warmup_steps=2", "train.diagnostics_interval=1",
+              "train.eval_interval=2", "train.zero_stage=1"]  # fmt: skip
     runs = {}
     for name, layout in (("tp1", []), ("tp2", ["parallel.tp_size=2"]), ("pp2", ["parallel.pp_size=2"])):
         proc = run_ranks(CONFIG, [*common, *layout, f"output.dir={tmp_path}/{name}"])
@@ -103,7 +108,8 @@ def test_per_layer_grad_norms_equal_at_tp2_and_pp2(gutenberg_prefix, tmp_path):
 
 def test_lr_stability_test_stops_at_a_finite_divergence_lr(gutenberg_prefix, tmp_path):
     """Pre-LN, lr rising by a fixed amount per step from 0, no clipping: the run stops at the first
-    step whose loss exceeds 1.5 × its running minimum (or is not finite), saves and records it."""
+    step whose loss exceeds 1.5 × its running minimum (or is not finite), saves and records it. On
+    the GPT-2 data: the 1-nat fall below and the divergence point are that vocabulary's."""
     proc = run_ranks(
         CONFIG,
         [*TINY, f"data.prefix={gutenberg_prefix}", "model.post_attn_ln=false", "model.head_scale=false",

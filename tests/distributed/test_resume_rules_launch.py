@@ -1,6 +1,8 @@
 """Resume through the launcher: a changed config is listed and refused before the model is built;
 an explicit extension continues with the stated learning-rate rule (at every new step, as the
-uninterrupted run) and new samples; a finished run relaunched is left as it is."""
+uninterrupted run) and new samples; a finished run relaunched is left as it is. On the
+small-vocabulary novels (``small_vocab_prefix`` with ``SMALL_VOCAB``): the subject is the resume,
+not the GPT-2 vocabulary."""
 
 from __future__ import annotations
 
@@ -11,17 +13,20 @@ import pytest
 
 from megaformer.config import load_config
 from megaformer.training.schedule import lr_at
-from tests.distributed.conftest import LIFECYCLE_TINY, read_scalars, run_pretrain, run_ranks
+from tests.distributed.conftest import LIFECYCLE_TINY, SMALL_VOCAB, read_scalars, run_pretrain, run_ranks
 
 pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
 
 CONFIG = "configs/normformer-quickstart.yaml"
 
 
-def test_changed_config_refused_and_extension_continues(lifecycle_reference, gutenberg_prefix, tmp_path):
+def test_changed_config_refused_and_extension_continues(
+    lifecycle_reference_small_vocab, small_vocab_prefix, tmp_path
+):
     out = tmp_path / "run"
-    shutil.copytree(lifecycle_reference, out)
-    common = [*LIFECYCLE_TINY, f"data.prefix={gutenberg_prefix}", "train.resume=auto", f"output.dir={out}"]
+    shutil.copytree(lifecycle_reference_small_vocab, out)
+    data = [*SMALL_VOCAB, f"data.prefix={small_vocab_prefix}"]
+    common = [*LIFECYCLE_TINY, *data, "train.resume=auto", f"output.dir={out}"]
     refused = run_pretrain(CONFIG, [*common, "model.hidden_size=128", "train.steps=16"])
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "model.hidden_size: saved 64, now 128" in refused.stderr
@@ -47,8 +52,7 @@ def test_changed_config_refused_and_extension_continues(lifecycle_reference, gut
     straight = tmp_path / "straight"
     proc = run_ranks(
         CONFIG,
-        [*LIFECYCLE_TINY, f"data.prefix={gutenberg_prefix}", "train.steps=16", "train.save_interval=0"]
-        + [f"output.dir={straight}"],
+        [*LIFECYCLE_TINY, *data, "train.steps=16", "train.save_interval=0", f"output.dir={straight}"],
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     want = read_scalars(str(straight / "tensorboard"))["train/lr"]
@@ -63,14 +67,17 @@ def test_changed_config_refused_and_extension_continues(lifecycle_reference, gut
     assert len(step13) == 1 and f"| lr {lr_at(12, t16):.3e} |" in step13[0], step13
 
 
-def test_relaunching_a_finished_run_changes_nothing(lifecycle_reference, gutenberg_prefix, tmp_path):
+def test_relaunching_a_finished_run_changes_nothing(
+    lifecycle_reference_small_vocab, small_vocab_prefix, tmp_path
+):
     """The same command again (or a Slurm requeue) after the run completed: exit 0, a message naming
     its summary, and its summary, checkpoints and TensorBoard events byte-identical (issue 23: it
     ran zero steps and rewrote summary.json with NaN)."""
     out = tmp_path / "run"
-    shutil.copytree(lifecycle_reference, out)
+    shutil.copytree(lifecycle_reference_small_vocab, out)
     before = {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
-    again = [*LIFECYCLE_TINY, f"data.prefix={gutenberg_prefix}", "train.resume=auto", f"output.dir={out}"]
+    data = [*SMALL_VOCAB, f"data.prefix={small_vocab_prefix}"]
+    again = [*LIFECYCLE_TINY, *data, "train.resume=auto", f"output.dir={out}"]
     proc = run_pretrain(CONFIG, again)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "run already complete" in proc.stdout and f"its summary: {out / 'summary.json'}" in proc.stdout

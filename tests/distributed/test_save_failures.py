@@ -8,6 +8,10 @@ each must end by itself. The real full disk and read-only file system go through
 ``launch/pretrain.sh`` (the read-only one is its preflight's refusal). A real full
 disk and a real read-only file system are small tmpfs mounts, where this machine allows mounting
 (root); elsewhere those two tests are skipped.
+
+The runs train on the small-vocabulary novels (``small_vocab_prefix`` with ``SMALL_VOCAB``: the
+subject is the save, not the GPT-2 vocabulary), all but the real full disk's: its 16 MiB file system
+is sized against the GPT-2 run's checkpoint, which does not fit in it (the small vocabulary's would).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from megaformer.checkpoint import integrity
-from tests.distributed.conftest import LIFECYCLE_TINY, REPO, run_ranks
+from tests.distributed.conftest import LIFECYCLE_TINY, REPO, SMALL_VOCAB, run_ranks
 
 pytestmark = pytest.mark.slow  # multi-process runs: outside `scripts/check.sh --fast`
 
@@ -33,6 +37,11 @@ HUNG_AFTER_S = 120  # the issue's bound is a minute; the run itself takes ~15 s 
 
 def _overrides(prefix: str, out: Path, *extra: str) -> list[str]:
     return [*LIFECYCLE_TINY, f"data.prefix={prefix}", "train.resume=auto", *extra, f"output.dir={out}"]
+
+
+def _small(prefix: str, out: Path) -> list[str]:
+    """:func:`_overrides` for ``small_vocab_prefix``'s data (its vocabulary's overrides with it)."""
+    return _overrides(prefix, out, *SMALL_VOCAB)
 
 
 def _run_with_fault(overrides: list[str], fault: str | None) -> tuple[int, str]:
@@ -87,11 +96,11 @@ def _ranks_with_fault(overrides: list[str], fault: str) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("case", sorted(FAULTS))
-def test_a_save_failing_on_one_rank_ends_every_rank(gutenberg_prefix, tmp_path, case):
+def test_a_save_failing_on_one_rank_ends_every_rank(small_vocab_prefix, tmp_path, case):
     fault, cause = FAULTS[case]
     rank = fault.split(":")[0]
     out = tmp_path / "run"
-    code, text = _ranks_with_fault(_overrides(gutenberg_prefix, out), fault)
+    code, text = _ranks_with_fault(_small(small_vocab_prefix, out), fault)
     assert code != 0 and f"[save-fault] rank {rank}" in text, text[-3000:]
     ckpt = out / "checkpoints"
     failed = f"error: rank {rank}: saving {ckpt / 'global_step8'} failed: {cause}"
@@ -105,19 +114,21 @@ def test_a_save_failing_on_one_rank_ends_every_rank(gutenberg_prefix, tmp_path, 
     assert "step 9/12" not in text and "Traceback" not in text, text[-3000:]
 
 
-def test_the_resume_after_a_failed_save_repeats_the_run(lifecycle_reference, gutenberg_prefix, tmp_path):
+def test_the_resume_after_a_failed_save_repeats_the_run(
+    lifecycle_reference_small_vocab, small_vocab_prefix, tmp_path
+):
     """The partial global_step8 (rank 0's module file cut short) is replaced by the resumed run."""
     from tests.distributed.test_preemption import _assert_same_as_reference
 
     out = tmp_path / "run"
     code, text = _ranks_with_fault(
-        _overrides(gutenberg_prefix, out), "0:8:mp_rank_00_model_states.pt:torch-full"
+        _small(small_vocab_prefix, out), "0:8:mp_rank_00_model_states.pt:torch-full"
     )
     assert code != 0 and (out / "checkpoints" / "latest").read_text() == "global_step4", text[-3000:]
-    proc = run_ranks(CONFIG, _overrides(gutenberg_prefix, out))
+    proc = run_ranks(CONFIG, _small(small_vocab_prefix, out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "at step 4" in proc.stdout
-    _assert_same_as_reference(out, lifecycle_reference)
+    _assert_same_as_reference(out, lifecycle_reference_small_vocab)
 
 
 @contextlib.contextmanager
@@ -137,7 +148,8 @@ def _tmpfs(path: Path, options: str) -> Iterator[Path]:
 
 def test_a_full_disk_is_named_with_the_path_and_the_free_space(gutenberg_prefix, tmp_path):
     """A real 16 MiB file system: the first checkpoint does not fit. Without the probe this was
-    torch's 'unexpected pos 4096 vs 3988'."""
+    torch's 'unexpected pos 4096 vs 3988'. On the GPT-2 data: the 16 MiB are sized against that
+    run's checkpoint (its 50,304-row embedding); the small vocabulary's would fit."""
     with _tmpfs(tmp_path / "small", "size=16m") as disk:
         out = disk / "run"
         code, text = _run_with_fault(_overrides(gutenberg_prefix, out), None)
@@ -148,9 +160,9 @@ def test_a_full_disk_is_named_with_the_path_and_the_free_space(gutenberg_prefix,
         assert "Traceback" not in text, text[-3000:]
 
 
-def test_a_read_only_output_dir_is_refused_in_the_preflight(gutenberg_prefix, tmp_path):
+def test_a_read_only_output_dir_is_refused_in_the_preflight(small_vocab_prefix, tmp_path):
     with _tmpfs(tmp_path / "ro", "size=1m,ro") as disk:
-        code, text = _run_with_fault(_overrides(gutenberg_prefix, disk / "run"), None)
+        code, text = _run_with_fault(_small(small_vocab_prefix, disk / "run"), None)
     assert code == 2, text[-3000:]
     assert f"output.dir='{disk / 'run'}'" in text and f"{disk} is on a read-only file system" in text
     assert "step 1/" not in text and "Connection closed" not in text and "Traceback" not in text, text

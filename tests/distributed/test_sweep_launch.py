@@ -2,7 +2,8 @@
 calibrated together; the table, the plot and a best config per scheme; a second call reuses the
 calibration and every cell. In this process, its runs on warm-forked ranks (the subject is the
 sweep; its launches through ``launch/pretrain.sh`` are test_launcher_runs.py's and
-test_compare_launch.py's)."""
+test_compare_launch.py's), on the small-vocabulary novels (``small_vocab_prefix``; compare's
+``TINY`` carries ``SMALL_VOCAB``): the subject is the sweep, not the GPT-2 vocabulary."""
 
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ pytestmark = pytest.mark.slow  # 8 multi-process launches: outside `scripts/chec
 
 
 def test_sweep_picks_a_rate_per_scheme_and_resumes(
-    gutenberg_prefix, tmp_path, warm_experiment_launches, capsys
+    small_vocab_prefix, tmp_path, warm_experiment_launches, capsys
 ):
     out = tmp_path / "sweep"
-    sets = [arg for item in [*TINY, f"data.prefix={gutenberg_prefix}"] for arg in ("--set", item)]
+    sets = [arg for item in [*TINY, f"data.prefix={small_vocab_prefix}"] for arg in ("--set", item)]
     cmd = [
         "configs/cpu-compare/pre_ln.yaml", "configs/cpu-compare/normformer.yaml",
         "--lr", "3e-4", "--lr", "3e-3", "--budget-device-hours", "0.004", "--output-dir", str(out), *sets,
@@ -37,7 +38,7 @@ def test_sweep_picks_a_rate_per_scheme_and_resumes(
         mine = [r for r in record["rows"] if r["scheme"] == name]
         assert best["mean"] == min(r["mean"] for r in mine)
         cfg = load_config(str(out / "best" / f"{name}.yaml"))
-        assert cfg.train.lr == best["lr"] and cfg.data.prefix == gutenberg_prefix
+        assert cfg.train.lr == best["lr"] and cfg.data.prefix == small_vocab_prefix
         decided = {s for r in mine for s in r["budget_steps"]}
         assert len(decided) == 1  # the learning rate does not change a scheme's step count
     png = (out / "final_loss_vs_lr.png").read_bytes()
