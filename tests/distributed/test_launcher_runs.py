@@ -7,16 +7,16 @@ from __future__ import annotations
 import pytest
 
 from megaformer.experiments.launcher import launch_run
-from tests.distributed.test_compare_launch import TINY
+from tests.distributed.test_compare_launch import TINY  # with SMALL_VOCAB: small_vocab_prefix's data
 
 pytestmark = pytest.mark.slow  # runs through the launcher: outside `scripts/check.sh --fast`
 
 
-def test_launch_run_trains_through_pretrain_sh_and_names_a_failure(gutenberg_prefix, tmp_path):
+def test_launch_run_trains_through_pretrain_sh_and_names_a_failure(small_vocab_prefix, tmp_path):
     out = tmp_path / "run"
     args = [
         *TINY,
-        f"data.prefix={gutenberg_prefix}",
+        f"data.prefix={small_vocab_prefix}",
         "train.steps=4",
         "train.warmup_steps=2",
         f"output.dir={out}",
