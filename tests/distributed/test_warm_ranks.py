@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from tests.distributed.conftest import LIFECYCLE_TINY, REPO, run_ranks
+from tests.distributed.conftest import LIFECYCLE_TINY, REPO, SMALL_VOCAB, run_ranks
 from tests.support import warm_ranks
 
 pytestmark = pytest.mark.slow  # two multi-process training runs: outside `scripts/check.sh --fast`
@@ -22,8 +22,9 @@ fingerprint_runs = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fingerprint_runs)
 
 
-def test_forked_ranks_train_bitwise_as_new_interpreters(gutenberg_prefix, tmp_path, monkeypatch):
-    overrides = [*LIFECYCLE_TINY, f"data.prefix={gutenberg_prefix}", "train.steps=8", "train.eval_interval=4"]
+def test_forked_ranks_train_bitwise_as_new_interpreters(small_vocab_prefix, tmp_path, monkeypatch):
+    data = [*SMALL_VOCAB, f"data.prefix={small_vocab_prefix}"]  # the subject is the fork, not GPT-2's tokens
+    overrides = [*LIFECYCLE_TINY, *data, "train.steps=8", "train.eval_interval=4"]
     warm = run_ranks(CONFIG, [*overrides, f"output.dir={tmp_path / 'warm'}"])
     monkeypatch.setenv("MEGAFORMER_TEST_FRESH_RANKS", "1")
     assert not warm_ranks.can_fork(dict(os.environ))
