@@ -2,6 +2,7 @@
 
     MEGAFORMER_TEST_TIMELINE=/tmp/timeline PYTEST_ADDOPTS="-p tests.support.timeline" bash scripts/check.sh
     .venv/bin/python -m tests.support.timeline /tmp/timeline      # per worker: busy, idle, the slowest files
+    .venv/bin/python -m tests.support.timeline /tmp/timeline --json suite.json   # and per file, to commit
 
 Each process (an xdist worker, or pytest itself without workers) appends one JSON line per test phase
 (setup, call, teardown) to ``$MEGAFORMER_TEST_TIMELINE/<worker>.jsonl``: ``nodeid``, ``when``,
@@ -51,5 +52,28 @@ def summarize(folder: str | os.PathLike) -> str:
     return "\n".join(lines)
 
 
+def per_file(folder: str | os.PathLike) -> dict:
+    """The record to commit beside a timing (a few KB, where the ``.jsonl`` files are hundreds):
+    per worker its span and seconds in tests, and per test file its seconds in test phases summed
+    over the workers (setup, call and teardown; a file's session fixtures count where they ran)."""
+    workers, files = {}, defaultdict(float)
+    for path in sorted(Path(folder).glob("*.jsonl")):
+        rows = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+        begin, end = min(r["start"] for r in rows), max(r["stop"] for r in rows)
+        busy = sum(r["stop"] - r["start"] for r in rows)
+        failed = sorted({r["nodeid"] for r in rows if r["outcome"] == "failed"})
+        workers[path.stem] = {"span_s": round(end - begin, 1), "in_tests_s": round(busy, 1)}
+        workers[path.stem] |= {"phases": len(rows), "failed": failed}
+        for r in rows:
+            files[r["nodeid"].split("::")[0]] += r["stop"] - r["start"]
+    ordered = {name: round(secs, 1) for name, secs in sorted(files.items(), key=lambda kv: -kv[1])}
+    return {"workers": workers, "files_s": ordered, "total_in_tests_s": round(sum(files.values()), 1)}
+
+
 if __name__ == "__main__":
+    # python -m tests.support.timeline DIR [--json OUT.json]
     print(summarize(sys.argv[1]))
+    if "--json" in sys.argv:
+        out = Path(sys.argv[sys.argv.index("--json") + 1])
+        out.write_text(json.dumps(per_file(sys.argv[1]), indent=1) + "\n", encoding="utf-8")
+        print(f"wrote {out}")
