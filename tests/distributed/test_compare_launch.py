@@ -16,12 +16,12 @@ from tests.distributed.conftest import REPO, SMALL_VOCAB
 # (a clean-clone CI with compare in the parallel pass failed its `steps > 25`).
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
-TINY = [
-    *SMALL_VOCAB,  # the test tier's 500-entry BPE of the novels (conftest's small_vocab_prefix)
+TINY_MODEL = [
     "model.hidden_size=64", "model.num_layers=2", "model.num_attention_heads=2", "model.seq_len=64",
     "train.micro_batch_size=4", "train.global_batch_size=8", "train.eval_interval=10",
     "train.eval_batches=2", "data.valid_fraction=0.02", "train.save_interval=0",
 ]  # fmt: skip
+TINY = [*SMALL_VOCAB, *TINY_MODEL]  # the test tier's 500-entry BPE (conftest's small_vocab_prefix)
 
 
 def test_compare_writes_its_table_and_plot(small_vocab_prefix, tmp_path, warm_experiment_launches, capsys):
@@ -84,15 +84,19 @@ def test_compare_writes_its_table_and_plot(small_vocab_prefix, tmp_path, warm_ex
     assert recheck["factor"] >= 1.0  # the re-check only ever loosens the spend limit
 
 
-def test_the_step_interleaved_job_times_every_config_in_one_launch(small_vocab_prefix, tmp_path):
+def test_the_step_interleaved_job_times_every_config_in_one_launch(gutenberg_prefix, tmp_path):
     """The calibration's step-interleaved job through launch/pretrain.sh (MEGAFORMER_MODULE): both
     configs built side by side in the same two processes, stepped turn by turn in alternating
     order; every turn timed; the step times and the paired ratio's error come back. Configs with
-    different parallel layouts are refused before any process group starts, naming both files."""
+    different parallel layouts are refused before any process group starts, naming both files.
+
+    On GPT-2's vocabulary: every round must be kept, and at the 500-entry BPE's 0.016 s step one
+    turn of a bench run on 2026-12-07 took 0.027 s (a scheduler's hiccup, 1.75x the median), which
+    the job rightly left out; at GPT-2's 0.19 s the same hiccup is within the tolerance."""
     from megaformer.experiments.calibrate import interleaved_step_times
 
     runs = {"pre_ln": "configs/cpu-compare/pre_ln.yaml", "nf": "configs/cpu-compare/normformer.yaml"}
-    sets = [*TINY, f"data.prefix={small_vocab_prefix}"]
+    sets = [*TINY_MODEL, f"data.prefix={gutenberg_prefix}"]
     out = interleaved_step_times(runs, sets, tmp_path / "job", 2, warmup=2, rounds=4, steps_per_turn=2)
     turns = json.loads((tmp_path / "job" / "turns.json").read_text())["turns"]
     assert [(t["round"], t["name"]) for t in turns[:4]] == [
