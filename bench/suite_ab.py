@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--a", required=True, type=Path, help="the checkout before the change")
     p.add_argument("--b", required=True, type=Path, help="the checkout after the change")
     p.add_argument("--pairs", type=int, default=2, help="rounds of A and B (alternating which goes first)")
+    p.add_argument(
+        "--start-with", choices=["a", "b"], default="a", help="which checkout the first round runs first"
+    )
     p.add_argument("--workers", type=int, default=os.cpu_count() or 2, help="pytest-xdist workers")
     p.add_argument("--json", type=Path, default=None, help="write the runs and ratios here")
     p.add_argument("files", nargs="+", help="test files, relative to each checkout")
@@ -103,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     rows = []
     for i in range(args.pairs):
-        order = ("a", "b") if i % 2 == 0 else ("b", "a")
+        first = args.start_with if i % 2 == 0 else {"a": "b", "b": "a"}[args.start_with]
+        order = (first, "b" if first == "a" else "a")
         pair = {"round": i, "order": "".join(order)}
         for key in order:
             pair[key] = run_once(args.a if key == "a" else args.b, args.files, args.workers)
