@@ -19,28 +19,36 @@ CPU_FP16_PATH = str(REPO / "tests" / "support" / "cpu_fp16")
 """Put on PYTHONPATH to run DeepSpeed's fp16 path on CPU (its sitecustomize; test-only)."""
 
 
-@pytest.fixture(scope="session")
-def gutenberg_prefix(tmp_path_factory) -> str:
-    """Three real novels, one document per paragraph block, GPT-2 BPE + EOD, as .bin/.idx."""
-    out = tmp_path_factory.mktemp("data") / "novels"
-    books = [DATA / "gutenberg-novels" / name for name in ("pg42.txt.xz", "244-0.txt.xz", "pg2097.txt.xz")]
+NOVELS = ("pg42.txt.xz", "244-0.txt.xz", "pg2097.txt.xz")
+"""The three bundled Gutenberg novels the multi-process tests train on (data/gutenberg-novels)."""
+GPT2_TOKENIZER = [
+    "--tokenizer-type", "GPT2BPETokenizer",
+    "--vocab-file", str(DATA / "gpt2-bpe" / "encoder.json"),
+    "--merge-file", str(DATA / "gpt2-bpe" / "vocab.bpe"),
+]  # fmt: skip
+SMALL_BPE = REPO / "tests" / "fixtures" / "novels-bpe500"
+SMALL_VOCAB = ["model.vocab_size=500", "data.eod_token=0"]
+"""The overrides that go with :func:`small_vocab_prefix`'s data: 500 entries (512 embedding rows at
+TP 1, 2 and 4, so 12 padded), ``<|endoftext|>`` as id 0."""
+
+
+def preprocess_novels(out: Path, tokenizer: list[str]) -> str:
+    """:data:`NOVELS`, one document per paragraph block, tokenized with ``tokenizer`` (the
+    preprocess flags) + EOD, as .bin/.idx at ``out``; returns the dataset prefix."""
+    books = [DATA / "gutenberg-novels" / name for name in NOVELS]
     cmd = [
         sys.executable, "-m", "data_tools.preprocess",
-        "--input", *map(str, books),
-        "--output-prefix", str(out),
-        "--tokenizer-type", "GPT2BPETokenizer",
-        "--vocab-file", str(DATA / "gpt2-bpe" / "encoder.json"),
-        "--merge-file", str(DATA / "gpt2-bpe" / "vocab.bpe"),
+        "--input", *map(str, books), "--output-prefix", str(out), *tokenizer,
         "--append-eod", "--text-split-blank-lines", "--skip-bad-records", "--workers", "2",
     ]  # fmt: skip
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True)
     return f"{out}_text_document"
 
 
-SMALL_BPE = REPO / "tests" / "fixtures" / "novels-bpe500"
-SMALL_VOCAB = ["model.vocab_size=500", "data.eod_token=0"]
-"""The overrides that go with :func:`small_vocab_prefix`'s data: 500 entries (512 embedding rows at
-TP 1, 2 and 4, so 12 padded), ``<|endoftext|>`` as id 0."""
+@pytest.fixture(scope="session")
+def gutenberg_prefix(tmp_path_factory) -> str:
+    """Three real novels, one document per paragraph block, GPT-2 BPE + EOD, as .bin/.idx."""
+    return preprocess_novels(tmp_path_factory.mktemp("data") / "novels", GPT2_TOKENIZER)
 
 
 @pytest.fixture(scope="session")
@@ -50,17 +58,8 @@ def small_vocab_prefix(tmp_path_factory) -> str:
     the runs whose subject is not the GPT-2 vocabulary (layouts, resume, signals, checkpoints):
     with :data:`SMALL_VOCAB` their tiny model's step is 11x shorter than at GPT-2's 50,304 output
     rows. Pass both: ``[*SMALL_VOCAB, f"data.prefix={small_vocab_prefix}"]``."""
-    out = tmp_path_factory.mktemp("data_small_vocab") / "novels"
-    books = [DATA / "gutenberg-novels" / name for name in ("pg42.txt.xz", "244-0.txt.xz", "pg2097.txt.xz")]
-    cmd = [
-        sys.executable, "-m", "data_tools.preprocess",
-        "--input", *map(str, books),
-        "--output-prefix", str(out),
-        "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(SMALL_BPE),
-        "--append-eod", "--text-split-blank-lines", "--skip-bad-records", "--workers", "2",
-    ]  # fmt: skip
-    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True)
-    return f"{out}_text_document"
+    tokenizer = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(SMALL_BPE)]
+    return preprocess_novels(tmp_path_factory.mktemp("data_small_vocab") / "novels", tokenizer)
 
 
 def free_port() -> int:
