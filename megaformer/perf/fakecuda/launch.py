@@ -219,13 +219,27 @@ def run_session(
 
 
 def run_rank_of_job(
-    config: str, overrides: list[str], *, world_size: int, rank: int, gpu: str, **kwargs: Any
+    config: str,
+    overrides: list[str],
+    *,
+    world_size: int,
+    rank: int,
+    gpu: str,
+    first_stage: dict[str, Any] | None = None,
+    **kwargs: Any,
 ) -> dict[str, Any]:
     """:func:`run_session` for any rank of a job. A rank on a later pipeline stage first needs what
     the first stage sends it (tensor shapes, partition tables: small integer tensors a fake run
     cannot know otherwise), so the first-stage rank with the same data- and tensor-parallel
     coordinates runs first and its recorded sends are handed on (``peer_sends``); its report is kept
     under ``first_stage_report``.
+
+    Args:
+        first_stage: the report of a first-stage rank of the same job and request, to take the
+            sends from instead of running one: the pipeline engine's sends are the activations'
+            shapes, the same at every data- and tensor-parallel coordinate (checked 2026-12-07 on
+            ``configs/normformer-1.3b-3d-v100.yaml`` at world 256, tp 2 × dp 64 × pp 2: rank 0's
+            sends equal rank 127's, the first-stage rank its last rank would otherwise run).
 
     Raises:
         ShimUnavailableError: as :func:`run_session`.
@@ -242,9 +256,12 @@ def run_rank_of_job(
     pp_rank, dp_rank, tp_rank = coords_of(rank, tp=tp, dp=dp)
     if pp_rank == 0:
         return run_session(config, overrides, world_size=world_size, rank=rank, gpu=gpu, **kwargs)
-    first = rank_of(0, dp_rank, tp_rank, tp=tp, dp=dp)
-    quiet = {k: v for k, v in kwargs.items() if k != "stream"}
-    head = run_session(config, overrides, world_size=world_size, rank=first, gpu=gpu, **quiet)
+    if first_stage is not None:
+        head = first_stage
+    else:
+        first = rank_of(0, dp_rank, tp_rank, tp=tp, dp=dp)
+        quiet = {k: v for k, v in kwargs.items() if k != "stream"}
+        head = run_session(config, overrides, world_size=world_size, rank=first, gpu=gpu, **quiet)
     if "error" in head:
         return head
     report = run_session(
