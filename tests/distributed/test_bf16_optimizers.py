@@ -97,16 +97,21 @@ def test_bf16_zero2_with_fp32_accumulation_follows_the_bf16_optimizer(small_voca
     """The multi-node bf16 recipes' ZeRO-2 (DeepSpeed's ZeRO optimizer with the same JSON: each
     micro-batch's gradients reduced during backward and added into an fp32 partition) against ZeRO-1 (the BF16
     optimizer: one reduction after the last backward), dp 2 with 2 micro-batches per step: the same
-    run up to where the bf16 communication rounds (each micro-batch's reduction against the step's;
-    seen: losses within 2e-5, gradient norms within 4e-4, relative)."""
+    run up to where the bf16 communication rounds (each micro-batch's reduction against the step's).
+    Seen, relative: losses within 2e-5 and gradient norms within 4e-4 on an Intel Xeon VM; losses
+    within 1.1e-4 (step 4) and gradient norms within 6.7e-4 on an AMD EPYC VM with AVX-512 BF16
+    (2026-12-07), whose bf16 arithmetic rounds differently: the loss bound is 3e-4, under a tenth of
+    bf16's 2^-8 spacing. The bound still tells a wrong run: the same ZeRO-2 run with one
+    micro-batch per step (half the step's samples, as a dropped micro-batch would give) lies
+    2e-3 to 3e-2 away at every step there, and must fall outside it at every step here."""
     scalars = {}
-    for zero in (1, 2):
-        run_dir = tmp_path / f"zero{zero}"
+    for zero, batch in ((1, 8), (2, 8), (2, 4)):
+        run_dir = tmp_path / f"zero{zero}-batch{batch}"
         proc = run_ranks(
             CONFIG,
             [
                 *TINY,
-                "train.global_batch_size=8",
+                f"train.global_batch_size={batch}",
                 f"train.zero_stage={zero}",
                 "train.deepspeed_config=configs/deepspeed/paper-bf16-a100.json",
                 f"data.prefix={small_vocab_prefix}",
@@ -117,10 +122,11 @@ def test_bf16_zero2_with_fp32_accumulation_follows_the_bf16_optimizer(small_voca
         assert proc.returncode == 0, f"zero {zero}: {proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
         want = "BF16_Optimizer (immediate_grad_update)" if zero == 1 else "DeepSpeedZeroOptimizer"
         assert "| dp 2 |" in proc.stdout and f"ZeRO {zero} | DeepSpeed optimizer {want}" in proc.stdout
-        scalars[zero] = read_scalars(str(run_dir / "tensorboard"))
-    one, two = scalars[1], scalars[2]
+        scalars[zero, batch] = read_scalars(str(run_dir / "tensorboard"))
+    one, two, half = scalars[1, 8], scalars[2, 8], scalars[2, 4]
     for step in range(1, 9):
-        assert two["train/loss"][step] == pytest.approx(one["train/loss"][step], rel=1e-4), step
+        assert two["train/loss"][step] == pytest.approx(one["train/loss"][step], rel=3e-4), step
+        assert half["train/loss"][step] != pytest.approx(one["train/loss"][step], rel=3e-4), step
         assert two["train/grad_norm"][step] == pytest.approx(one["train/grad_norm"][step], rel=3e-3), step
     assert two["valid/loss"][8] == pytest.approx(one["valid/loss"][8], rel=1e-4)
     assert one["train/loss"][8] < one["train/loss"][1] - 0.5  # it trains
