@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import lzma
 import sys
 from pathlib import Path
 
@@ -53,11 +54,12 @@ def read_tsv(path: Path) -> list[str]:
 
 
 def write_jsonl(out: Path, texts: list[str]) -> None:
-    """One ``{"text": ...}`` per line, written to a temporary name and renamed."""
+    """One ``{"text": ...}`` per line, written to a temporary name and renamed; xz-compressed where
+    ``out`` ends in ``.xz`` (data_tools.preprocess reads it as it is)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
-    lines = (json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts)
-    tmp.write_text("".join(lines), encoding="utf-8")
+    data = "".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts).encode("utf-8")
+    tmp.write_bytes(lzma.compress(data, preset=9) if out.suffix == ".xz" else data)
     tmp.replace(out)
 
 
@@ -92,7 +94,7 @@ def main(argv: list[str]) -> int:
         print(f"error: {len(leaked)} corpus sentences are dev sentences, e.g. {leaked[0]!r}", file=sys.stderr)
         return 2
     test_sentences = read_tsv(test)  # every input read before anything is written
-    out = out_dir / "sst2_train_sentences.jsonl"
+    out = out_dir / "sst2_train_sentences.jsonl.xz"  # xz: the repository's largest text, 805 KB raw
     write_jsonl(out, sentences)
     write_jsonl(out_dir / "sst2_test_sentences.jsonl", test_sentences)
     digest = hashlib.sha256(train.read_bytes()).hexdigest()

@@ -6,9 +6,10 @@
 set -euo pipefail
 PY="${PY:-${VENV:-.venv}/bin/python}"
 T=(--tokenizer-type GPT2BPETokenizer --vocab-file data/gpt2-bpe/encoder.json --merge-file data/gpt2-bpe/vocab.bpe)
-for name in sst2_train sst2_test; do
+for input in sst2_train_sentences.jsonl.xz sst2_test_sentences.jsonl; do
+  name=${input%_sentences.jsonl*}
   [[ -f data/processed/${name}_text_document.idx ]] ||
-    "$PY" -m data_tools.preprocess --input data/sst2-text/${name}_sentences.jsonl \
+    "$PY" -m data_tools.preprocess --input data/sst2-text/$input \
       --output-prefix data/processed/$name "${T[@]}" --append-eod --workers 1
 done
 [[ -f data/processed/gutenberg_text_document.idx ]] ||

@@ -16,7 +16,7 @@ BUDGET="${BUDGET:-0.5}"
 SETS=(--set budget.overrun=1000)
 for kv in ${PRETRAIN_SET:-}; do SETS+=(--set "$kv"); done
 LRS=(1e-4 3e-4 1e-3)
-if [[ ! -f data/sst2-text/sst2_train_sentences.jsonl ]]; then
+if [[ ! -f data/sst2-text/sst2_train_sentences.jsonl.xz ]]; then
   "$PY" experiments/sst2-tapt/make_corpus.py "${1:?GLUE SST-2 train.tsv}" data/glue/SST-2/dev.tsv "${2:?test.tsv}" data/sst2-text
 fi
 PY="$PY" bash experiments/sst2-tapt/preprocess.sh
