@@ -107,6 +107,11 @@ def sigterm_as_interrupt() -> None:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
         signal.signal(signal.SIGINT, _raise_interrupt)
+    # A parent that started this process inside a block of its own (a Python program's
+    # ``pthread_sigmask``, as multiprocessing's resource tracker does around its spawn) leaves the
+    # stop signals blocked: they would wait, pending, for the run to end. One already pending is
+    # raised here, as ``KeyboardInterrupt``: callers call this inside their ``try``.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
@@ -125,8 +130,13 @@ def stop_signals_blocked() -> Iterator[None]:
     at-fork hook, where the exception is printed and dropped. And a few steps must not be cut in
     two: putting an output's files in place (``.bin``, sidecar, ``.idx``), removing temporaries.
     """
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    # The mask to restore is read before blocking, and the block is inside the ``try``: a handler
+    # for a signal that came just before the block runs as the blocking call returns, and its
+    # ``KeyboardInterrupt`` must not skip the restore (the thread, and every process it starts
+    # later, would keep the stop signals blocked for good).
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, ())
     try:
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -207,8 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sidecars name)",
     )
     args = p.parse_args(argv)
-    sigterm_as_interrupt()  # a scheduler's kill removes the .tmp files like Ctrl-C does
     try:
+        sigterm_as_interrupt()  # a scheduler's kill removes the .tmp files like Ctrl-C does
         prefixes = expand_prefixes(args.input)
         docs, tokens = merge(prefixes, args.output_prefix, args.eod_token)
     except (DataToolsError, FileNotFoundError) as e:

@@ -111,8 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; 0 ok, 2 bad input or an unfinished shard, 130 interrupted."""
     own, rest = build_merge_parser().parse_known_args(argv)
     args = build_parser().parse_args(rest)
-    sigterm_as_interrupt()  # a scheduler's kill removes the merge's .tmp files like Ctrl-C does
     try:
+        sigterm_as_interrupt()  # a scheduler's kill removes the merge's .tmp files like Ctrl-C does
         if own.check:
             whole, shards = shard_plans(args, own.num_shards)
             files = sum(len(plan.paths) for plan in shards) or len(whole.paths)

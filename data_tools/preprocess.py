@@ -1361,9 +1361,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit status (0 ok, 2 bad input, 130 interrupted)."""
     args = build_parser().parse_args(argv)
-    # SIGTERM (a scheduler's kill) unwinds like Ctrl-C, so the temporaries are removed.
-    sigterm_as_interrupt()
     try:
+        # SIGTERM (a scheduler's kill) unwinds like Ctrl-C, so the temporaries are removed.
+        sigterm_as_interrupt()
         summary = preprocess(args)
     except DataToolsError as e:
         print(f"error: {e}", file=sys.stderr)

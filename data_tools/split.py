@@ -158,8 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--holdout-prefix", required=True, help="writes the held-out documents here")
     p.add_argument("--train-prefix", required=True, help="writes the other documents here")
     args = p.parse_args(argv)
-    sigterm_as_interrupt()  # a scheduler's kill removes the .tmp files like Ctrl-C does
     try:
+        sigterm_as_interrupt()  # a scheduler's kill removes the .tmp files like Ctrl-C does
         counts = split_dataset(
             args.data_prefix, args.holdout_tokens, args.seed, args.holdout_prefix, args.train_prefix
         )

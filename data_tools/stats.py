@@ -728,9 +728,9 @@ def tokenizer_entry(
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; 0 ok, 2 bad input, 130 interrupted."""
     args = build_parser().parse_args(argv)
-    sigterm_as_interrupt()
     start = time.perf_counter()
     try:
+        sigterm_as_interrupt()
         files = (args.vocab_file, args.merge_file, args.tokenizer_model)
         if args.tokenizer_type is None and any(files):
             raise DataFormatError(

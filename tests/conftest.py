@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
+
+import pytest
+
+from tests.support.signal_state import STOP_SIGNALS
 
 # Inductor compiles its C++ kernels in a pool of worker processes by default (one per core), each
 # of which imports torch first. On the 2-core CI machine the suite already runs two pytest workers,
@@ -11,3 +16,26 @@ import os
 # 2026-12-07's VM. Set in the environment so the launched ranks inherit it; a value the caller
 # exported wins.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+
+@pytest.fixture(autouse=True)
+def _no_stop_signal_left_blocked():
+    """Fails the test that leaves this process's main thread with a signal blocked that was not
+    before it: every process a later test of this worker starts would inherit the block, and a
+    stop test there would wait on a signal that never comes (how two SIGINT tests once hung in CI,
+    in another file than the cause). The mask is put back for the tests that follow."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+    yield
+    after = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+    if after != before:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        left = sorted(s.name for s in after - before)
+        pytest.fail(f"the test left signal(s) {left} blocked in the test process (put back)", pytrace=False)
+
+
+def pytest_report_header(config) -> str:
+    """The stop signals' state this run started with: a parent that blocks or ignores them changes
+    what every signal test sees (the ones that care set their children's state themselves)."""
+    blocked = sorted(s.name for s in signal.pthread_sigmask(signal.SIG_BLOCK, ()) if s in STOP_SIGNALS)
+    ignored = sorted(s.name for s in STOP_SIGNALS if signal.getsignal(s) is signal.SIG_IGN)
+    return f"stop signals at start: blocked {blocked or 'none'}, ignored {ignored or 'none'}"

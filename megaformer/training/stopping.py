@@ -45,6 +45,9 @@ class StopCheck:
         self.names = [n.strip() for n in signals.split(",") if n.strip()]
         for name in self.names:
             signal.signal(getattr(signal, name), self._on_signal)
+        # A rank started with them blocked (a launcher's parent inside a ``pthread_sigmask`` block)
+        # would never see its stop signal; one already pending sets the flag here.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [getattr(signal, name) for name in self.names])
 
     @property
     def enabled(self) -> bool:

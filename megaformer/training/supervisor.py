@@ -211,8 +211,12 @@ class Supervisor:
             f"(PIDs {', '.join(str(p.pid) for p in ranks)}); they save a checkpoint and exit 75"
         )
         for proc in ranks:
-            with contextlib.suppress(Exception):  # a rank that has just exited
+            try:
                 proc.send_signal(sent)
+            except psutil.NoSuchProcess:
+                pass  # a rank that has just exited
+            except Exception as e:  # said, not hidden: a rank that does not get the stop trains on
+                _log(f"could not send {sent.name} to rank PID {proc.pid}: {e!r}")
         self.stop_sent = self.stop_sent or sent != signal.SIGUSR1
 
     def _settle_unseen(self) -> None:
@@ -244,8 +248,14 @@ class Supervisor:
 
     def run(self) -> int:
         """Start the command, wait for it (forwarding signals); returns the exit status."""
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        forwarded = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+        for signum in forwarded:
             signal.signal(signum, self._forward)
+        # Started with them blocked (a Python parent inside a ``pthread_sigmask`` block), this
+        # process would never see a stop, and the launcher and the ranks would inherit the block: a
+        # forwarded SIGTERM would wait, pending, for the run to end. One already pending is
+        # handled here (no launcher yet: it is ended as soon as it starts, below).
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, forwarded)
         become_subreaper()
         env = {**os.environ, PGID_ENV: str(os.getpgrp())}
         self.child = subprocess.Popen(self.command, env=env, preexec_fn=os.setpgrp)

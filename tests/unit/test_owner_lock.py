@@ -4,6 +4,7 @@ the launcher's supervisor refusing a held run directory before it starts anythin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,9 +15,11 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from data_tools.owner_lock import FORMAT, LockFileError, LockHeldError, OwnerLock, check_free
+from tests.support.signal_state import STOP_SIGNALS, describe
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "configs" / "normformer-quickstart.yaml")
@@ -214,10 +217,20 @@ FAKE_LAUNCH = textwrap.dedent(
 )
 
 
-def _supervised_fake_launch(tmp_path: Path, save_seconds: float = 0.0) -> tuple[subprocess.Popen, Path]:
+def _block_stop_signals() -> None:
+    """In the child, before exec: SIGINT, SIGTERM and SIGUSR1 blocked, as a Python parent inside
+    a ``pthread_sigmask`` block leaves them (multiprocessing's resource tracker blocks SIGINT and
+    SIGTERM around its spawn)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+
+def _supervised_fake_launch(
+    tmp_path: Path, save_seconds: float = 0.0, *, blocked: bool = False
+) -> tuple[subprocess.Popen, Path]:
     """The supervisor over the stand-in launcher (its own session), once both ranks are ready;
     returns it and the prefix the ranks write the signal they got to. The ranks take
-    ``save_seconds`` to "save" before they exit 75."""
+    ``save_seconds`` to "save" before they exit 75; ``blocked``: the supervisor starts with the
+    stop signals blocked."""
     saved = tmp_path / "saved"
     command = [sys.executable, "-c", FAKE_LAUNCH, str(saved), "deepspeed.launcher.launch"]
     args = [sys.executable, "-m", "megaformer.training.supervisor", CONFIG, f"output.dir={tmp_path / 'run'}"]
@@ -229,16 +242,55 @@ def _supervised_fake_launch(tmp_path: Path, save_seconds: float = 0.0) -> tuple[
         text=True,
         start_new_session=True,
         env={**os.environ, "FAKE_SAVE_SECONDS": str(save_seconds)},
+        preexec_fn=_block_stop_signals if blocked else None,
     )
     assert proc.stdout.readline().strip() == "ranks ready"
     return proc, saved
+
+
+def _communicate(proc: subprocess.Popen, timeout_s: float = 30) -> str:
+    """The supervisor's stderr once it has ended; on a timeout, fails naming what each process of
+    its session does with the stop signals (blocked, ignored, caught, pending), then kills them."""
+    try:
+        return proc.communicate(timeout=timeout_s)[1]
+    except subprocess.TimeoutExpired as e:
+        states = [describe(pid) for pid in [proc.pid, *_session_pids(proc.pid)]]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        err = proc.communicate()[1]
+        raise AssertionError(
+            f"the supervisor still ran {timeout_s:g} s after the signal; this test process: "
+            f"{describe(os.getpid())}; its session: {states}; stderr: {err or e.stderr!r}"
+        ) from None
+
+
+def _session_pids(sid: int) -> list[int]:
+    """The live processes of session ``sid`` but its leader."""
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.pid != sid and os.getsid(proc.pid) == sid and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc.pid)
+    return found
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_supervisor_forwards_a_stop_signal_to_every_rank(tmp_path, signum):
     proc, saved = _supervised_fake_launch(tmp_path)
     proc.send_signal(signum)
-    _, err = proc.communicate(timeout=30)
+    err = _communicate(proc)
+    assert proc.returncode == 75, err
+    assert f"{signum.name} received: sending SIGTERM to 2 rank(s)" in err
+    assert [Path(f"{saved}.{i}").read_text() for i in range(2)] == ["SIGTERM", "SIGTERM"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_supervisor_started_with_the_stop_signals_blocked_still_forwards_them(tmp_path, signum):
+    """Started by a parent that blocks SIGINT and SIGTERM, the supervisor unblocks them, and so
+    does every process it starts: before, the signal stayed pending and the run trained on."""
+    proc, saved = _supervised_fake_launch(tmp_path, blocked=True)
+    proc.send_signal(signum)
+    err = _communicate(proc)
     assert proc.returncode == 75, err
     assert f"{signum.name} received: sending SIGTERM to 2 rank(s)" in err
     assert [Path(f"{saved}.{i}").read_text() for i in range(2)] == ["SIGTERM", "SIGTERM"]
@@ -252,7 +304,7 @@ def test_timeouts_double_sigterm_is_forwarded_once_without_a_traceback(tmp_path)
     proc, saved = _supervised_fake_launch(tmp_path, save_seconds=2.0)
     os.kill(proc.pid, signal.SIGTERM)
     os.killpg(proc.pid, signal.SIGTERM)  # what timeout does next: the whole group, ranks included
-    _, err = proc.communicate(timeout=30)
+    err = _communicate(proc)
     assert proc.returncode == 75, err
     assert "Traceback" not in err and err.count("SIGTERM received") == 1, err
     assert [Path(f"{saved}.{i}").read_text() for i in range(2)] == ["SIGTERM", "SIGTERM"]
@@ -265,7 +317,7 @@ def test_a_second_stop_signal_after_the_first_was_forwarded_is_not_sent_again(tm
     os.kill(proc.pid, signal.SIGTERM)
     time.sleep(0.5)
     os.kill(proc.pid, signal.SIGTERM)
-    _, err = proc.communicate(timeout=30)
+    err = _communicate(proc)
     assert proc.returncode == 75, err
     assert err.count("SIGTERM received") == 1 and "SIGTERM again: the ranks already have the stop" in err, err
     assert [Path(f"{saved}.{i}").read_text() for i in range(2)] == ["SIGTERM", "SIGTERM"]
@@ -278,7 +330,7 @@ def test_a_group_sigterm_the_ranks_take_first_ends_with_their_code(tmp_path):
     the ranks' 75 on."""
     proc, saved = _supervised_fake_launch(tmp_path, save_seconds=0.0)
     os.killpg(proc.pid, signal.SIGTERM)
-    _, err = proc.communicate(timeout=30)
+    err = _communicate(proc)
     assert proc.returncode == 75, err
     assert "ending the launcher" not in err and "Traceback" not in err, err
     assert [Path(f"{saved}.{i}").read_text() for i in range(2)] == ["SIGTERM", "SIGTERM"]

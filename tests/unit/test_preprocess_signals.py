@@ -14,11 +14,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from tests.support.signal_state import describe
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXIT_TIMEOUT_S = 15  # generous: the main process normally ends in well under a second
@@ -59,7 +62,17 @@ def _default_stop_signals() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def _start(inputs: Path, out_dir: Path, gpt2_flags: list[str]) -> subprocess.Popen:
+def _blocked_stop_signals() -> None:
+    """:func:`_default_stop_signals`, then SIGINT and SIGTERM blocked: how a Python parent inside a
+    ``pthread_sigmask`` block starts a command (multiprocessing's resource tracker blocks them
+    around its spawn)."""
+    _default_stop_signals()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
+def _start(
+    inputs: Path, out_dir: Path, gpt2_flags: list[str], preexec_fn: Callable[[], None] = _default_stop_signals
+) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "data_tools.preprocess", "--input", str(inputs)]
         + ["--output-prefix", str(out_dir / "gut"), *gpt2_flags, "--append-eod", "--workers", "2"]
@@ -69,7 +82,7 @@ def _start(inputs: Path, out_dir: Path, gpt2_flags: list[str]) -> subprocess.Pop
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own session and process group, as under a scheduler
-        preexec_fn=_default_stop_signals,
+        preexec_fn=preexec_fn,
     )
 
 
@@ -95,10 +108,14 @@ def _stop_and_check(proc: subprocess.Popen, out_dir: Path, signum: int, *, group
         _, stderr = proc.communicate(timeout=EXIT_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         left = _session_processes(proc.pid)
+        states = [describe(pid) for pid in left]  # blocked, ignored, caught or pending where it went
         for pid in left:
             os.kill(pid, signal.SIGKILL)
-        proc.communicate()
-        raise AssertionError(f"the main process still ran {EXIT_TIMEOUT_S} s after the signal") from None
+        _, stderr = proc.communicate()
+        raise AssertionError(
+            f"the main process still ran {EXIT_TIMEOUT_S} s after the signal; this test process: "
+            f"{describe(os.getpid())}; the run's processes: {states}; stderr: {stderr[-2000:]!r}"
+        ) from None
     assert proc.returncode in (130, -signum), (proc.returncode, stderr)
     # Workers see their parent go within a moment; a poll, not a fixed sleep.
     left_over = _wait_for(lambda: not _session_processes(proc.pid), EXIT_TIMEOUT_S)
@@ -126,6 +143,21 @@ def test_stop_signal_to_the_process_group_at_any_moment(tmp_path, novels_corpus,
         stderr = _stop_and_check(proc, out_dir, signum, group=True)
         if proc.returncode == 130:
             assert "interrupted" in stderr, stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_run_started_with_the_stop_signals_blocked_still_stops(tmp_path, novels_corpus, gpt2_flags, signum):
+    """Started with SIGINT and SIGTERM blocked, ``preprocess`` unblocks them as its ``main``
+    begins: a signal that came while it imported is raised there, one that comes later as usual.
+    Before, the signal stayed pending and the run went on to its end (a CI failure: 15 s)."""
+    inputs = novels_corpus(tmp_path / "inputs", 10)
+    for moment in ["0.2s", "workers starting"]:
+        out_dir = tmp_path / f"out-{moment.replace(' ', '-')}"
+        out_dir.mkdir()
+        proc = _start(inputs, out_dir, gpt2_flags, _blocked_stop_signals)
+        _reach(moment, proc, out_dir)
+        stderr = _stop_and_check(proc, out_dir, signum, group=True)
+        assert proc.returncode == 130 and "interrupted" in stderr, (proc.returncode, stderr)
 
 
 @pytest.mark.parametrize("moment", ["workers starting", "mid-run"])
@@ -198,3 +230,48 @@ def test_a_command_started_with_ctrl_c_ignored_keeps_it_ignored(inherited):
     finally:
         signal.signal(signal.SIGTERM, previous[0])
         signal.signal(signal.SIGINT, previous[1])
+
+
+def test_an_interrupt_as_the_block_begins_leaves_the_mask_as_it_was(monkeypatch):
+    """A stop signal that came just before :func:`stop_signals_blocked` has its handler run as the
+    blocking call returns; the ``KeyboardInterrupt`` it raises must not leave the stop signals
+    blocked in this thread (and in every process it starts later). Simulated: the blocking call
+    raises once it has blocked."""
+    from data_tools import atomic
+
+    real = signal.pthread_sigmask
+
+    def handler_runs_on_return(how, mask):
+        previous = real(how, mask)
+        if how == signal.SIG_BLOCK and signal.SIGTERM in set(mask):
+            raise KeyboardInterrupt  # what the Python handler does at the next bytecode
+        return previous
+
+    before = real(signal.SIG_BLOCK, ())
+    monkeypatch.setattr(signal, "pthread_sigmask", handler_runs_on_return)
+    with pytest.raises(KeyboardInterrupt), atomic.stop_signals_blocked():
+        raise AssertionError("the block's body must not run")
+    assert real(signal.SIG_BLOCK, ()) == before
+
+
+def test_sigterm_as_interrupt_unblocks_the_stop_signals_and_raises_one_pending():
+    """A command started with the stop signals blocked unblocks them in ``sigterm_as_interrupt``;
+    one that came meanwhile is raised there, inside the caller's ``try``."""
+    from data_tools import atomic
+
+    previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        # to this thread: a process-directed signal could go to another thread that does not block it
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)  # pending: blocked
+        assert signal.SIGTERM in signal.sigpending()
+        with pytest.raises(KeyboardInterrupt):
+            atomic.sigterm_as_interrupt()
+        assert not {signal.SIGINT, signal.SIGTERM} & signal.pthread_sigmask(signal.SIG_BLOCK, ())
+        with pytest.raises(KeyboardInterrupt):
+            atomic.raise_if_stopped()  # recorded too
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])
+        atomic._stop_signal = None

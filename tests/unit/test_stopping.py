@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -25,6 +26,20 @@ def test_a_configured_signal_stops_at_the_next_check(restore_handlers):
     os.kill(os.getpid(), signal.SIGUSR1)  # without the handler this would end the test process
     assert stop() == "signal SIGUSR1"
     assert EXIT_CODE_STOPPED == 75
+
+
+def test_a_rank_started_with_its_stop_signal_blocked_unblocks_it(restore_handlers):
+    """A rank whose parent started it with the stop signals blocked would never see them; StopCheck
+    unblocks its signals, and one that came while they were blocked says stop."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    try:
+        # to this thread: a process-directed signal could go to another thread that does not block it
+        signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)  # pending while blocked
+        stop = StopCheck("SIGTERM,SIGUSR1", 0.0)
+        assert signal.SIGUSR1 not in signal.pthread_sigmask(signal.SIG_BLOCK, ())
+        assert stop() == "signal SIGUSR1"
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def test_the_time_limit_stops_and_nothing_configured_never_does(restore_handlers):
