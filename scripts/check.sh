@@ -49,6 +49,8 @@ for dir in "$TMP" "$ROOT"; do
     exit 2
   fi
 done
+# A parent that blocks or ignores the stop signals changes what every signal test sees: say so.
+echo "[check] stop signals here: $("$PY" -c 'import os; from tests.support.signal_state import describe; print(describe(os.getpid()))')" >&2
 echo "[check] ruff check" >&2
 "$PY" -m ruff check .
 echo "[check] ruff format --check" >&2
