@@ -1,9 +1,10 @@
-"""What a process does with its stop signals, read from ``/proc/PID/status`` (Linux): for the
-failure messages of the tests that stop processes, so that a hang says whether the signal was
-blocked, ignored or caught where it went."""
+"""Helpers of the tests that stop processes: what a process does with its stop signals, read from
+``/proc/PID/status`` (Linux), so that a hang says whether the signal was blocked, ignored or
+caught where it went; and which processes a session holds."""
 
 from __future__ import annotations
 
+import os
 import signal
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
@@ -28,3 +29,20 @@ def describe(pid: int) -> str:
         f"{_names(fields['SigBlk'])}, ignored {_names(fields['SigIgn'])}, caught "
         f"{_names(fields['SigCgt'])}, pending {_names(fields['ShdPnd'])}/{_names(fields['SigPnd'])}"
     )
+
+
+def session_processes(sid: int) -> list[int]:
+    """The live (not zombie) processes of session ``sid``, its leader included, from ``/proc``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        state, session = fields[0], int(fields[3])
+        if session == sid and state != "Z":
+            found.append(int(entry))
+    return found

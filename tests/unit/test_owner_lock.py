@@ -15,11 +15,10 @@ import textwrap
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from data_tools.owner_lock import FORMAT, LockFileError, LockHeldError, OwnerLock, check_free
-from tests.support.signal_state import STOP_SIGNALS, describe
+from tests.support.signal_state import STOP_SIGNALS, describe, session_processes
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "configs" / "normformer-quickstart.yaml")
@@ -254,7 +253,7 @@ def _communicate(proc: subprocess.Popen, timeout_s: float = 30) -> str:
     try:
         return proc.communicate(timeout=timeout_s)[1]
     except subprocess.TimeoutExpired as e:
-        states = [describe(pid) for pid in [proc.pid, *_session_pids(proc.pid)]]
+        states = [describe(pid) for pid in session_processes(proc.pid)]
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         err = proc.communicate()[1]
@@ -262,16 +261,6 @@ def _communicate(proc: subprocess.Popen, timeout_s: float = 30) -> str:
             f"the supervisor still ran {timeout_s:g} s after the signal; this test process: "
             f"{describe(os.getpid())}; its session: {states}; stderr: {err or e.stderr!r}"
         ) from None
-
-
-def _session_pids(sid: int) -> list[int]:
-    """The live processes of session ``sid`` but its leader."""
-    found = []
-    for proc in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
-            if proc.pid != sid and os.getsid(proc.pid) == sid and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc.pid)
-    return found
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])

@@ -21,27 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.signal_state import describe
+from tests.support.signal_state import describe, session_processes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXIT_TIMEOUT_S = 15  # generous: the main process normally ends in well under a second
-
-
-def _session_processes(sid: int) -> list[int]:
-    """Live (not zombie) processes of session ``sid``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        state, session = fields[0], int(fields[3])
-        if session == sid and state != "Z":
-            found.append(int(entry))
-    return found
 
 
 def _wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:
@@ -91,7 +74,7 @@ def _reach(moment: str, proc: subprocess.Popen, out_dir: Path) -> None:
     if moment.endswith("s"):
         time.sleep(float(moment[:-1]))
     elif moment == "workers starting":  # the main process and at least one worker
-        assert _wait_for(lambda: len(_session_processes(proc.pid)) >= 2, 60), "no worker started"
+        assert _wait_for(lambda: len(session_processes(proc.pid)) >= 2, 60), "no worker started"
     elif moment == "mid-run":  # a few MB of tokens written
         tmp_bin = out_dir / "gut_text_document.bin.tmp"
         assert _wait_for(lambda: tmp_bin.exists() and tmp_bin.stat().st_size > 4 << 20, 60), "no progress"
@@ -107,7 +90,7 @@ def _stop_and_check(proc: subprocess.Popen, out_dir: Path, signum: int, *, group
     try:
         _, stderr = proc.communicate(timeout=EXIT_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        left = _session_processes(proc.pid)
+        left = session_processes(proc.pid)
         states = [describe(pid) for pid in left]  # blocked, ignored, caught or pending where it went
         for pid in left:
             os.kill(pid, signal.SIGKILL)
@@ -118,8 +101,8 @@ def _stop_and_check(proc: subprocess.Popen, out_dir: Path, signum: int, *, group
         ) from None
     assert proc.returncode in (130, -signum), (proc.returncode, stderr)
     # Workers see their parent go within a moment; a poll, not a fixed sleep.
-    left_over = _wait_for(lambda: not _session_processes(proc.pid), EXIT_TIMEOUT_S)
-    left = _session_processes(proc.pid)
+    left_over = _wait_for(lambda: not session_processes(proc.pid), EXIT_TIMEOUT_S)
+    left = session_processes(proc.pid)
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert left_over and not left, f"processes outlived the main process: {left}"
@@ -181,8 +164,8 @@ def test_workers_do_not_outlive_a_killed_main_process(tmp_path, novels_corpus, g
     _reach("mid-run", proc, out_dir)
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=EXIT_TIMEOUT_S)
-    gone = _wait_for(lambda: not _session_processes(proc.pid), EXIT_TIMEOUT_S)
-    left = _session_processes(proc.pid)
+    gone = _wait_for(lambda: not session_processes(proc.pid), EXIT_TIMEOUT_S)
+    left = session_processes(proc.pid)
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert gone and not left, f"workers outlived the killed main process: {left}"
@@ -198,18 +181,18 @@ def test_a_worker_killed_alone_ends_the_run_with_an_error(tmp_path, novels_corpu
     out_dir.mkdir()
     proc = _start(inputs, out_dir, gpt2_flags)
     _reach("mid-run", proc, out_dir)
-    worker = next(pid for pid in _session_processes(proc.pid) if pid != proc.pid)
+    worker = next(pid for pid in session_processes(proc.pid) if pid != proc.pid)
     os.kill(worker, signal.SIGKILL)
     try:
         _, stderr = proc.communicate(timeout=EXIT_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        for pid in _session_processes(proc.pid):
+        for pid in session_processes(proc.pid):
             os.kill(pid, signal.SIGKILL)
         proc.communicate()
         raise AssertionError(f"the main process still ran {EXIT_TIMEOUT_S} s after a worker died") from None
     assert proc.returncode == 2, stderr
     assert f"error: worker process {worker} was killed by SIGKILL" in stderr and "Traceback" not in stderr
-    assert _wait_for(lambda: not _session_processes(proc.pid), EXIT_TIMEOUT_S)
+    assert _wait_for(lambda: not session_processes(proc.pid), EXIT_TIMEOUT_S)
     assert sorted(p.name for p in out_dir.iterdir()) == []
 
 
