@@ -27,7 +27,10 @@ execs this supervisor, which keeps the PID and:
    and the runner installs no handler on one node), DeepSpeed's ``launch.py`` and the ranks are
    re-parented to the supervisor, not to init: it gives the ranks the stop signal if they do not
    have it yet and waits for them to save and exit (within the stop timeout) before it exits,
-   because a batch script that ends takes the job's remaining processes with it.
+   because a batch script that ends takes the job's remaining processes with it;
+6. **unblocks the stop signals** it forwards before it starts the launcher: a parent that started
+   it inside a ``pthread_sigmask`` block would otherwise hide every stop from it, and from the
+   launcher and ranks that inherit its mask.
 
 Exit status: the launcher command's (0 complete, 75 stopped early with its checkpoint saved, 2 a
 configuration, data or checkpoint error, other values a failure); 2 when the run directory is held
