@@ -23,7 +23,8 @@ SHARED_DATA = REPO_ROOT / "data"
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """``data/`` of the project: GPT-2 BPE files, Gutenberg novels, C4 / Dolma samples, Tiny Shakespeare."""
-    for name in ("gpt2-bpe/encoder.json", "gutenberg-novels", "c4-sample-jsonl", "tinyshakespeare/input.txt"):
+    names = ("gpt2-bpe/encoder.json", "gutenberg-novels", "c4-sample-jsonl", "tinyshakespeare/input.txt.xz")
+    for name in names:
         if not (SHARED_DATA / name).exists():
             raise FileNotFoundError(f"{SHARED_DATA / name} is missing: restore it with git checkout data/")
     return SHARED_DATA

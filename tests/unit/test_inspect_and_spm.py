@@ -3,6 +3,8 @@ then uses)."""
 
 from __future__ import annotations
 
+import lzma
+
 import numpy as np
 import pytest
 
@@ -50,7 +52,7 @@ def spm_model(tmp_path_factory, shared_data, run_cli):
     result = run_cli(
         "data_tools.train_tokenizer",
         "--input",
-        shared_data / "tinyshakespeare" / "input.txt",
+        shared_data / "tinyshakespeare" / "input.txt.xz",
         "--model-prefix",
         prefix,
         "--vocab-size",
@@ -74,7 +76,7 @@ def test_trained_model(spm_model):
 
 
 def test_preprocess_with_trained_model(tmp_path, shared_data, spm_model, run_cli):
-    source = shared_data / "tinyshakespeare" / "input.txt"
+    source = shared_data / "tinyshakespeare" / "input.txt.xz"
     result = run_cli(
         "data_tools.preprocess",
         "--input",
@@ -94,7 +96,8 @@ def test_preprocess_with_trained_model(tmp_path, shared_data, spm_model, run_cli
     ds = IndexedDataset(tmp_path / "shk_text_document")
     tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=spm_model)
     assert ds.dtype == np.uint16 and ds.num_documents > 7000
-    first_block = source.read_text(encoding="utf-8").split("\n\n")[0]
+    with lzma.open(source, "rt", encoding="utf-8") as f:
+        first_block = f.read().split("\n\n")[0]
     doc0 = ds.get(0)
     assert doc0[-1] == tok.eod
     assert tok.decode(doc0[:-1].tolist()) == first_block
